@@ -1,0 +1,222 @@
+#!/usr/bin/env python3
+"""flash3 vs cuDNN (SDPA) vs FlashAttention-2 (SDPA) forward, bf16, on the paper's sweep, in one process.
+
+Every point uses the same random-normal inputs for all three; flash3's output is checked against
+cuDNN's before timing. Timing: CUDA events around one call, after the GPU has been given a short
+spin kernel so host launch overhead is hidden (all backends alike); 3 warm-ups, median of --reps.
+FLOPs = 4 * batch * nheads * seqlen_q * seqlen_k * hdim, halved for causal (the paper's §4.1).
+The implied flash3/FA3 = (flash3/cuDNN, this run) / (FA3/cuDNN, shared/fa3_vs_cudnn_h200.json).
+
+    python3 bench/bench_torch.py [--quick] [--hdims 64,128,256] [--seqlens 512,...] [--causal both]
+                                 [--reps 10] [--json out.json]
+"""
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "python"))
+
+TOKENS, HIDDEN = 16384, 2048
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def ints(s):
+    return [int(x) for x in s.split(",") if x]
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--hdims", type=ints, default=[64, 128, 256])
+    p.add_argument("--seqlens", type=ints, default=[512, 1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--causal", choices=["0", "1", "both"], default="both")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--quick", action="store_true", help="hdims 64,128,256 x seqlens 1k,4k only")
+    a = p.parse_args()
+    if a.quick:
+        a.seqlens = [1024, 4096]
+    return a
+
+
+def load_anchors():
+    cands = [os.environ.get("FLASH3_ANCHORS", "")]
+    cands += [os.path.join(ROOT, "..", "shared"), os.path.join(ROOT, "shared"),
+              os.path.join(ROOT, "bench", "anchors")]
+    for c in cands:
+        path = os.path.join(c, "fa3_vs_cudnn_h200.json") if c and os.path.isdir(c) else c
+        if path and os.path.isfile(path):
+            with open(path) as f:
+                d = json.load(f)
+            table = {(r["hd"], bool(r["causal"]), r["seqlen"]): r.get("fa3_over_cudnn_fwd") for r in d["rows"]}
+            return os.path.abspath(path), table
+    return None, {}
+
+
+def main():
+    a = parse_args()
+    try:
+        import torch
+    except ImportError:
+        log("bench_torch: torch is not installed")
+        return 2
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        cap = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+        log(f"bench_torch: no Hopper GPU (cuda available: {torch.cuda.is_available()}, capability: {cap})")
+        return 2
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    try:
+        import flash3
+        ok, why = flash3.hopper_available()
+        f3_version = flash3.version() if ok else None
+    except Exception as e:  # noqa: BLE001 - a missing library still lets the baselines run
+        ok, why, f3_version = False, f"{type(e).__name__}: {e}", None
+    if not ok:
+        log(f"bench_torch: flash3 unavailable, its columns will be empty: {why}")
+    anchors_path, anchors = load_anchors()
+    dev = torch.device("cuda")
+    spin = getattr(torch.cuda, "_sleep", None)  # spin kernel: 200k cycles, about 0.1 ms at 1.98 GHz
+
+    def time_ms(fn):
+        for _ in range(a.warmup):
+            fn()
+        times = []
+        for _ in range(a.reps):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if spin is not None:
+                spin(200_000)  # the GPU is busy while the host launches: time only the kernel(s)
+            s.record()
+            fn()
+            e.record()
+            e.synchronize()
+            times.append(s.elapsed_time(e))
+        return statistics.median(times)
+
+    # ---- the ceiling: bf16 GEMM 8192^3 ------------------------------------------------------
+    n = 8192
+    x = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    y = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    gemm = 2 * n ** 3 / (time_ms(lambda: torch.matmul(x, y)) * 1e-3) / 1e12
+    del x, y
+    log(f"device: {torch.cuda.get_device_name(dev)}; torch {torch.__version__}, cuDNN "
+        f"{torch.backends.cudnn.version()}, CUDA {torch.version.cuda}; flash3 {f3_version}")
+    log(f"bf16 GEMM 8192^3: {gemm:.1f} TFLOP/s")
+    log(f"anchors: {anchors_path or 'not found (FA3 columns empty)'}")
+
+    def sdpa(backend):
+        def run(q, k, v, causal):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                      is_causal=causal).transpose(1, 2)
+        return run
+
+    impls = {"cudnn": sdpa(SDPBackend.CUDNN_ATTENTION), "fa2": sdpa(SDPBackend.FLASH_ATTENTION)}
+    if ok:
+        impls = {"flash3": lambda q, k, v, causal: flash3.flash_attn_func(q, k, v, causal=causal), **impls}
+    causals = {"0": [False], "1": [True], "both": [False, True]}[a.causal]
+
+    def fmt(x, spec):
+        return "-" if x is None else format(x, spec)
+
+    hdr = (f"{'hdim':>4} {'causal':>6} {'seqlen':>6} | {'flash3':>7} {'cudnn':>7} {'fa2':>7} | "
+           f"{'f3/cudnn':>8} {'f3/fa2':>7} {'fa3/cudnn':>9} {'f3/fa3':>7} | {'maxdiff':>8} {'relerr':>8}")
+    log(hdr)
+    log("-" * len(hdr))
+    rows = []
+    torch.manual_seed(0)
+    for d in a.hdims:
+        for causal in causals:
+            for s in a.seqlens:
+                b, h = max(1, TOKENS // s), max(1, HIDDEN // d)
+                flops = 4 * b * h * s * s * d / (2 if causal else 1)
+                row = {"hdim": d, "causal": causal, "seqlen": s, "batch": b, "nheads": h, "flops": flops}
+                errors = {}
+                try:
+                    q, k, v = (torch.randn(b, s, h, d, device=dev, dtype=torch.bfloat16) for _ in range(3))
+                except torch.cuda.OutOfMemoryError as e:
+                    log(f"{d:>4} {causal!s:>6} {s:>6} | out of memory: {e}")
+                    continue
+                outs = {}
+                for name, fn in impls.items():  # correctness, once, before timing
+                    try:
+                        outs[name] = fn(q, k, v, causal).float()
+                    except Exception as e:  # noqa: BLE001 - a failed backend is recorded, not fatal
+                        errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                ref_name = "cudnn" if "cudnn" in outs else ("fa2" if "fa2" in outs else None)
+                if "flash3" in outs and ref_name:
+                    o, r = outs["flash3"], outs[ref_name]
+                    row["check_against"] = ref_name
+                    row["max_abs_diff"] = (o - r).abs().max().item()
+                    row["rel_err"] = ((o - r).norm() / r.norm()).item()
+                    row["flash3_nan"] = bool(torch.isnan(o).any().item())
+                if "fa2" in outs and "cudnn" in outs:
+                    row["fa2_vs_cudnn_rel_err"] = ((outs["fa2"] - outs["cudnn"]).norm() / outs["cudnn"].norm()).item()
+                del outs
+                tf = {}
+                for name, fn in impls.items():
+                    if name in errors:
+                        tf[name] = None
+                        continue
+                    try:
+                        ms = time_ms(lambda: fn(q, k, v, causal))
+                        tf[name] = flops / (ms * 1e-3) / 1e12
+                        row[f"{name}_ms"] = ms
+                    except Exception as e:  # noqa: BLE001
+                        errors[name], tf[name] = f"{type(e).__name__}: {e}", None
+                for name in ("flash3", "cudnn", "fa2"):
+                    row[f"{name}_tflops"] = tf.get(name)
+
+                def ratio(x, y):
+                    return x / y if x is not None and y else None
+                row["flash3_over_cudnn"] = ratio(tf.get("flash3"), tf.get("cudnn"))
+                row["flash3_over_fa2"] = ratio(tf.get("flash3"), tf.get("fa2"))
+                row["fa3_over_cudnn"] = anchors.get((d, causal, s))
+                row["flash3_over_fa3_implied"] = ratio(row["flash3_over_cudnn"], row["fa3_over_cudnn"])
+                if errors:
+                    row["errors"] = errors
+                rows.append(row)
+                del q, k, v
+                log(f"{d:>4} {causal!s:>6} {s:>6} | {fmt(tf.get('flash3'), '7.1f')} {fmt(tf.get('cudnn'), '7.1f')} "
+                    f"{fmt(tf.get('fa2'), '7.1f')} | {fmt(row['flash3_over_cudnn'], '8.3f')} "
+                    f"{fmt(row['flash3_over_fa2'], '7.3f')} {fmt(row['fa3_over_cudnn'], '9.3f')} "
+                    f"{fmt(row['flash3_over_fa3_implied'], '7.3f')} | {fmt(row.get('max_abs_diff'), '8.2e')} "
+                    f"{fmt(row.get('rel_err'), '8.2e')}" + ("  MISMATCH" if (row.get("rel_err") or 0) > 1e-2
+                                                            or row.get("flash3_nan") else ""))
+                for name, msg in errors.items():
+                    log(f"      {name} failed: {msg[:200]}")
+
+    def geomean(key):
+        xs = [r[key] for r in rows if r.get(key)]
+        return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
+    summary = {k: geomean(k) for k in ("flash3_over_cudnn", "flash3_over_fa2", "flash3_over_fa3_implied")}
+    log("geomean: " + ", ".join(f"{k} {fmt(v, '.3f')}" for k, v in summary.items()))
+    if a.json:
+        result = {
+            "what": "flash3 vs cuDNN vs FA2 (torch SDPA) forward, bf16, TFLOP/s by the paper's formula",
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "device": torch.cuda.get_device_name(dev), "capability": list(torch.cuda.get_device_capability(dev)),
+            "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(), "cuda": torch.version.cuda,
+            "flash3_version": f3_version, "flash3_unavailable": None if ok else why,
+            "gemm_bf16_tflops": gemm, "anchors": anchors_path,
+            "timing": {"warmup": a.warmup, "reps": a.reps, "stat": "median", "spin_before_each": spin is not None},
+            "geomean": summary, "rows": rows,
+        }
+        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=1)
+        log(f"wrote {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+// flash3: FlashAttention-3 for NVIDIA Hopper (sm_90a).
+//
+// Public C++ API. Tensors are described by pointer, dtype, shape and strides (in elements),
+// in the layout users of FlashAttention-3 know:
+//   q   (batch, seqlen_q, nheads,    head_dim)
+//   k,v (batch, seqlen_k, nheads_kv, head_dim)
+//   out (batch, seqlen_q, nheads,    head_dim)           same dtype as q
+//   lse (batch, nheads, seqlen_q)  float32, optional     log-sum-exp of the scaled scores (natural log)
+// Only the last dimension must be contiguous (stride 1). Every error is thrown as flash3::Error
+// before anything is launched; its message names the argument, the value it got and what is
+// allowed.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <initializer_list>
+#include <stdexcept>
+#include <string>
+
+namespace flash3 {
+
+enum class DType : int {
+  kFloat16 = 0,
+  kBFloat16 = 1,
+  kFloat32 = 2,
+  kFloat8E4M3 = 3,
+  kFloat8E5M2 = 4,
+  kInt32 = 5,
+};
+
+const char* dtype_name(DType dtype);
+int dtype_size(DType dtype);
+
+// A strided view of device memory. Rank up to 4; shape and stride are in elements.
+struct TensorRef {
+  void* data = nullptr;
+  DType dtype = DType::kBFloat16;
+  int rank = 0;
+  int64_t shape[4] = {0, 0, 0, 0};
+  int64_t stride[4] = {0, 0, 0, 0};
+
+  // A contiguous (row-major) view of `shape`.
+  static TensorRef contiguous(void* data, DType dtype, std::initializer_list<int64_t> shape);
+};
+
+class Error : public std::invalid_argument {
+ public:
+  explicit Error(const std::string& what) : std::invalid_argument(what) {}
+};
+
+// A CUDA runtime failure inside fwd() (the message has the CUDA error string). A subclass of
+// Error so that `catch (const flash3::Error&)` still sees it; the C API maps it to
+// FLASH3_CUDA_ERROR and every other Error to FLASH3_INVALID_ARGUMENT.
+class CudaError : public Error {
+ public:
+  explicit CudaError(const std::string& what) : Error(what) {}
+};
+
+struct FwdArgs {
+  TensorRef q, k, v;
+  TensorRef out;
+  TensorRef lse;               // optional: lse.data == nullptr means "do not write it"
+  float softmax_scale = 0.0f;  // <= 0 (or NaN) means the default 1/sqrt(head_dim)
+  // Causal mask aligned bottom-right (as FlashAttention-2/3): query i may attend key j iff
+  // j <= i + seqlen_k - seqlen_q. Query rows that can see no key get out = 0 and lse = +inf.
+  bool causal = false;
+  cudaStream_t stream = nullptr;
+};
+
+// Forward attention: out = softmax(scale * q k^T [masked]) v, and the log-sum-exp.
+// Throws flash3::Error on invalid arguments, and flash3::Error on CUDA failures
+// (with the CUDA error string). seqlen_q == 0 or batch == 0 returns without a launch.
+void fwd(const FwdArgs& args);
+
+// ---------------------------------------------------------------------------------------------
+// Host-side problem description after validation (exposed for tests and the benchmark).
+struct FwdProblem {
+  DType dtype = DType::kBFloat16;
+  int batch = 0, seqlen_q = 0, seqlen_k = 0, nheads = 0, nheads_kv = 0, head_dim = 0;
+  float softmax_scale = 0.0f;
+  bool causal = false;
+  bool write_lse = false;
+};
+
+// How validation learns where a pointer lives. The default asks the CUDA runtime; tests
+// inject their own so that every rule can be checked on a machine without a GPU.
+enum class PointerKind { kDevice, kHost, kUnknown };
+using PointerInspector = PointerKind (*)(const void* ptr);
+PointerKind cuda_pointer_kind(const void* ptr);
+
+// Checks every precondition of fwd() and returns the normalized problem. Throws flash3::Error.
+FwdProblem validate_fwd(const FwdArgs& args, PointerInspector inspect = &cuda_pointer_kind);
+
+// The head dims and dtypes the forward kernels are built for.
+bool is_supported_head_dim(int head_dim);
+
+// True when a Hopper (sm_90) GPU is present and usable by this process.
+bool hopper_available(std::string* why_not = nullptr);
+
+}  // namespace flash3

@@ -1,0 +1,151 @@
+"""flash3: FlashAttention-3 forward for Hopper, called from PyTorch through ctypes (no extension).
+
+    from flash3 import flash_attn_func
+    out = flash_attn_func(q, k, v, causal=True)          # q: (batch, seqlen_q, nheads, headdim)
+    out, lse = flash_attn_func(q, k, v, return_attn_probs=True)
+
+Names and argument order follow FlashAttention-3's `flash_attn_interface.flash_attn_func`.
+The library is found via $FLASH3_LIB, else ../../build/libflash3.so beside this package, else
+the system's library path.
+"""
+import contextlib
+import math
+
+import torch
+
+from . import _lib
+
+__all__ = ["flash_attn_func", "forward_into", "hopper_available", "version"]
+
+_DTYPES = {torch.float16: _lib.FLOAT16, torch.bfloat16: _lib.BFLOAT16, torch.float32: _lib.FLOAT32,
+           torch.int32: _lib.INT32}
+for _name, _code in (("float8_e4m3fn", _lib.FLOAT8_E4M3), ("float8_e5m2", _lib.FLOAT8_E5M2)):
+    if hasattr(torch, _name):
+        _DTYPES[getattr(torch, _name)] = _code
+
+# FlashAttention-3 keyword arguments flash3 cannot honour, with their defaults: a non-default
+# value raises NotImplementedError. Performance hints that cannot change the result are ignored.
+_UNSUPPORTED = {"qv": None, "q_descale": None, "k_descale": None, "v_descale": None,
+                "attention_chunk": 0, "softcap": 0.0}
+_IGNORED = ("num_splits", "pack_gqa", "sm_margin", "deterministic")  # forward is deterministic
+
+
+def hopper_available():
+    """(True, "") when the library loads and sees a usable Hopper GPU, else (False, reason)."""
+    try:
+        lib = _lib.lib()
+    except RuntimeError as e:
+        return False, str(e)
+    buf = _lib.err_buffer()
+    ok = bool(lib.flash3_hopper_available(buf, len(buf)))
+    return ok, "" if ok else (buf.value.decode(errors="replace") or "no usable Hopper GPU")
+
+
+def version():
+    return _lib.lib().flash3_version().decode()
+
+
+def _ref(t, name):
+    """flash3_tensor for a torch tensor (None -> data NULL: 'not given')."""
+    r = _lib.Tensor()
+    if t is None:
+        return r
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    code = _DTYPES.get(t.dtype)
+    if code is None:
+        raise ValueError(f"{name}: dtype {t.dtype} is not supported (use torch.bfloat16 or torch.float16)")
+    if t.dim() > 4:
+        raise ValueError(f"{name}: rank {t.dim()} is not supported (at most 4), shape {tuple(t.shape)}")
+    r.data, r.dtype, r.rank = t.data_ptr(), code, t.dim()
+    for i, (n, s) in enumerate(zip(t.shape, t.stride())):
+        r.shape[i], r.stride[i] = n, s
+    return r
+
+
+def forward_into(q, k, v, out, lse=None, softmax_scale=None, causal=False):
+    """Runs the forward pass into caller-given buffers: out like q, lse float32 (b, h, sq) or None.
+    Raises ValueError with the library's message on invalid arguments, RuntimeError otherwise."""
+    if softmax_scale is None:
+        scale = 0.0  # library default: 1/sqrt(head_dim)
+    else:
+        scale = float(softmax_scale)
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"softmax_scale: must be positive and finite, got {softmax_scale}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)):
+        if t is None and name != "lse":
+            raise ValueError(f"{name}: must be a tensor, got None")
+        if t is not None and isinstance(t, torch.Tensor) and not t.is_cuda:
+            raise ValueError(f"{name}: must be a CUDA tensor, got device {t.device}")
+    refs = [_ref(t, n) for t, n in ((q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse"))]
+    lib, buf, dev = _lib.lib(), _lib.err_buffer(), q.device
+    # the library launches on the current device: make it q's, on torch's current stream there
+    same = dev.index is None or dev.index == torch.cuda.current_device()
+    with contextlib.nullcontext() if same else torch.cuda.device(dev):
+        rc = lib.flash3_fwd(*refs, scale, int(bool(causal)), torch.cuda.current_stream(dev).cuda_stream,
+                            buf, len(buf))
+    if rc != _lib.OK:
+        msg = buf.value.decode(errors="replace") or f"flash3_fwd failed with code {rc}"
+        raise (ValueError if rc == _lib.INVALID_ARGUMENT else RuntimeError)(msg)
+    return out, lse
+
+
+def _forward(q, k, v, softmax_scale, causal, want_lse):
+    if not isinstance(q, torch.Tensor) or not q.is_cuda:
+        raise ValueError(f"q: must be a CUDA tensor, got {getattr(q, 'device', type(q).__name__)}")
+    out = torch.empty_like(q)
+    lse = None
+    if want_lse and q.dim() == 4:
+        b, sq, h, _ = q.shape
+        lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+    return forward_into(q, k, v, out, lse, softmax_scale, causal)
+
+
+class _FlashAttnFunc(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, softmax_scale, causal):
+        out, lse = _forward(q, k, v, softmax_scale, causal, True)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        raise NotImplementedError("flash3 backward is not implemented yet")
+
+
+def _window_is_causal(window_size, causal):
+    """Maps FlashAttention's window_size onto flash3's masks; raises for real sliding windows."""
+    left, right = (-1 if w is None or w < 0 else int(w) for w in window_size)
+    if right < 0 and left < 0:
+        return causal
+    if left < 0 and right == 0:  # FlashAttention's spelling of (bottom-right) causal
+        return True
+    raise NotImplementedError(f"window_size={tuple(window_size)}: sliding-window attention is not "
+                              "supported by flash3")
+
+
+def flash_attn_func(q, k, v, softmax_scale=None, causal=False, *, window_size=(-1, -1),
+                    return_attn_probs=False, **unsupported):
+    """softmax(softmax_scale * q k^T [causal mask]) v.
+
+    q (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k, nheads_kv, headdim), bf16 or fp16,
+    headdim 64/128/256, nheads a multiple of nheads_kv (GQA/MQA). causal is aligned bottom-right:
+    query i sees key j iff j <= i + seqlen_k - seqlen_q. Returns out, or (out, softmax_lse) with
+    softmax_lse float32 (batch, nheads, seqlen_q) when return_attn_probs.
+    """
+    for name, value in unsupported.items():
+        if name in _IGNORED:
+            continue
+        if name not in _UNSUPPORTED:
+            raise TypeError(f"flash_attn_func() got an unexpected keyword argument '{name}'")
+        default = _UNSUPPORTED[name]
+        if value is not None and (default is None or value != default):
+            raise NotImplementedError(f"{name}={value!r} is not supported by flash3")
+    causal = _window_is_causal(window_size, bool(causal))
+    needs_grad = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
+    if needs_grad:
+        out, lse = _FlashAttnFunc.apply(q, k, v, softmax_scale, causal)
+    else:
+        out, lse = _forward(q, k, v, softmax_scale, causal, return_attn_probs)
+    return (out, lse) if return_attn_probs else out

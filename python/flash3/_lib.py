@@ -1,0 +1,70 @@
+"""ctypes view of libflash3.so (include/flash3/flash3_c.h). Needs no torch."""
+import ctypes
+import ctypes.util
+import os
+
+# dtype codes and return codes, as in flash3_c.h
+FLOAT16, BFLOAT16, FLOAT32, FLOAT8_E4M3, FLOAT8_E5M2, INT32 = range(6)
+OK, INVALID_ARGUMENT, CUDA_ERROR, INTERNAL_ERROR = range(4)
+ERR_LEN = 1024
+
+
+class Tensor(ctypes.Structure):
+    """flash3_tensor: void* data; int32 dtype, rank; int64 shape[4], stride[4] (in elements)."""
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("dtype", ctypes.c_int32),
+        ("rank", ctypes.c_int32),
+        ("shape", ctypes.c_int64 * 4),
+        ("stride", ctypes.c_int64 * 4),
+    ]
+
+
+assert ctypes.sizeof(Tensor) == 80, "flash3_tensor layout changed"
+
+_lib = None
+_load_error = None
+
+
+def _candidates():
+    env = os.environ.get("FLASH3_LIB")
+    if env:
+        return [env]  # an explicit choice: do not silently fall back to another build
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = [os.path.normpath(os.path.join(here, "..", "..", "build", "libflash3.so"))]
+    found = ctypes.util.find_library("flash3")
+    if found:
+        out.append(found)
+    return out
+
+
+def lib():
+    """The loaded library; raises RuntimeError (once, with every path tried) if none loads."""
+    global _lib, _load_error
+    if _lib is not None:
+        return _lib
+    if _load_error is None:
+        errors = []
+        for path in _candidates():
+            try:
+                handle = ctypes.CDLL(path)
+            except OSError as e:
+                errors.append(f"{path}: {e}")
+                continue
+            ptr = ctypes.POINTER(Tensor)
+            handle.flash3_fwd.argtypes = [ptr, ptr, ptr, ptr, ptr, ctypes.c_float, ctypes.c_int,
+                                          ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
+            handle.flash3_fwd.restype = ctypes.c_int
+            handle.flash3_hopper_available.argtypes = [ctypes.c_char_p, ctypes.c_int]
+            handle.flash3_hopper_available.restype = ctypes.c_int
+            handle.flash3_version.argtypes = []
+            handle.flash3_version.restype = ctypes.c_char_p
+            _lib = handle
+            return _lib
+        _load_error = ("libflash3.so not found (set FLASH3_LIB or build it with CMake into build/); "
+                       "tried " + "; ".join(errors or ["nothing"]))
+    raise RuntimeError(_load_error)
+
+
+def err_buffer():
+    return ctypes.create_string_buffer(ERR_LEN)

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# flash3: everything the GPU machine does in one call: build with all cores, check the SASS and
+# the register report, run the GPU tests (gtest + pytest), compute-sanitizer on a small subset,
+# and the benchmarks. Logs and JSON go to $OUT (default ./out). The CUTLASS headers and the
+# GoogleTest sources must already be in third_party/ (run scripts/setup.sh here, then carry
+# third_party: the GPU machine has no network).
+#   usage: bash scripts/device_run.sh [all|build|test|sanitize|bench|quick]...
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+OUT="${OUT:-$root/out}"; mkdir -p "$OUT"
+steps="${*:-all}"
+has() { [[ " $steps " == *" all "* || " $steps " == *" $1 "* ]]; }
+log() { echo "== $*" | tee -a "$OUT/summary.txt"; }
+jobs=$(nproc)
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee -a "$OUT/summary.txt"
+
+t0=$(date +%s)
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASH3_PTXAS_VERBOSE=ON > "$OUT/build.log" 2>&1
+cmake --build build -j"$jobs" >> "$OUT/build.log" 2>&1 || { log "BUILD FAILED"; tail -50 "$OUT/build.log"; exit 1; }
+log "build: $(( $(date +%s) - t0 )) s with $jobs jobs"
+# Register report: any spill, stack frame, ignored setmaxnreg (C7508) or serialized WGMMA (C7510-C7515)?
+grep -E "Used [0-9]+ registers|spill|stack frame" "$OUT/build.log" | sort | uniq -c | sort -rn | head -8 | tee -a "$OUT/summary.txt"
+grep -E "C75(08|1[0-9])" "$OUT/build.log" | sort | uniq -c | head -5 | tee -a "$OUT/summary.txt"
+cuobjdump --dump-sass build/libflash3.so > "$OUT/sass.txt" 2>/dev/null
+log "SASS: HGMMA $(grep -c HGMMA "$OUT/sass.txt"), local-memory LDL/STL $(grep -cE '\b(LDL|STL)\b' "$OUT/sass.txt")"
+gzip -f "$OUT/sass.txt"
+
+if has test || has quick; then
+  filter='*'; has quick && ! has test && filter='FwdGpuSmall.*:*bf16_d128*'
+  t0=$(date +%s)
+  ./build/flash3_tests --gtest_filter="$filter" --gtest_brief=1 --gtest_output=json:"$OUT/gtest.json" > "$OUT/gtest.log" 2>&1
+  log "gtest rc=$? in $(( $(date +%s) - t0 )) s: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$OUT/gtest.log" | tr '\n' ' ')"
+  grep -E "FAILED|Failure|error" "$OUT/gtest.log" | head -30
+  FLASH3_LIB="$root/build/libflash3.so" PYTHONPATH="$root/python" timeout 300 python3 -m pytest -q -x tests/test_torch.py > "$OUT/pytest.log" 2>&1
+  log "pytest rc=$?: $(tail -1 "$OUT/pytest.log")"
+fi
+if has sanitize; then
+  for tool in memcheck racecheck; do
+    compute-sanitizer --tool $tool --error-exitcode 9 ./build/flash3_tests --gtest_filter='FwdGpuSmall.*' --gtest_brief=1 > "$OUT/sanitize_$tool.log" 2>&1
+    log "compute-sanitizer $tool rc=$?: $(grep -E 'ERROR SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"
+  done
+fi
+if has bench; then
+  ./build/flash3_bench --json "$OUT/bench_cpp.json" 2>&1 | tee "$OUT/bench_cpp.log"
+  FLASH3_LIB="$root/build/libflash3.so" PYTHONPATH="$root/python" PYTHONUNBUFFERED=1 \
+    python3 bench/bench_torch.py --json "$OUT/bench_torch.json" 2>&1 | tee "$OUT/bench_torch.log"
+fi
+cat "$OUT/summary.txt"

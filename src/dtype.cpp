@@ -1,0 +1,100 @@
+// dtype names and sizes, TensorRef helpers, and the host-side CUDA queries used by validation.
+#include "flash3/flash3.h"
+
+#include <cuda_runtime_api.h>
+
+#include <string>
+
+namespace flash3 {
+
+const char* dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat16: return "float16";
+    case DType::kBFloat16: return "bfloat16";
+    case DType::kFloat32: return "float32";
+    case DType::kFloat8E4M3: return "float8_e4m3";
+    case DType::kFloat8E5M2: return "float8_e5m2";
+    case DType::kInt32: return "int32";
+  }
+  return "unknown";
+}
+
+int dtype_size(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat16:
+    case DType::kBFloat16: return 2;
+    case DType::kFloat32:
+    case DType::kInt32: return 4;
+    case DType::kFloat8E4M3:
+    case DType::kFloat8E5M2: return 1;
+  }
+  return 0;
+}
+
+TensorRef TensorRef::contiguous(void* data, DType dtype, std::initializer_list<int64_t> shape) {
+  if (shape.size() > 4) {
+    throw Error("flash3::TensorRef::contiguous: rank is " + std::to_string(shape.size()) +
+                "; at most 4 dims are supported");
+  }
+  TensorRef t;
+  t.data = data;
+  t.dtype = dtype;
+  t.rank = static_cast<int>(shape.size());
+  int d = 0;
+  for (int64_t s : shape) t.shape[d++] = s;
+  int64_t stride = 1;
+  for (d = t.rank - 1; d >= 0; --d) {
+    t.stride[d] = stride;
+    stride *= t.shape[d];
+  }
+  return t;
+}
+
+bool is_supported_head_dim(int head_dim) {
+  return head_dim == 64 || head_dim == 128 || head_dim == 256;
+}
+
+bool hopper_available(std::string* why_not) {
+  auto no = [&](const std::string& why) {
+    cudaGetLastError();  // do not leave a sticky error for the caller
+    if (why_not) *why_not = why;
+    return false;
+  };
+  int count = 0;
+  cudaError_t err = cudaGetDeviceCount(&count);
+  if (err == cudaErrorInsufficientDriver || err == cudaErrorNoDevice) {
+    return no(std::string("no usable CUDA GPU or driver: ") + cudaGetErrorString(err));
+  }
+  if (err != cudaSuccess) return no(std::string("cudaGetDeviceCount failed: ") + cudaGetErrorString(err));
+  if (count == 0) return no("no CUDA GPU found");
+  int device = 0;
+  cudaDeviceProp prop{};
+  if ((err = cudaGetDevice(&device)) != cudaSuccess ||
+      (err = cudaGetDeviceProperties(&prop, device)) != cudaSuccess) {
+    return no(std::string("cannot query the current CUDA device: ") + cudaGetErrorString(err));
+  }
+  if (prop.major != 9) {
+    return no("device " + std::to_string(device) + " (" + prop.name + ") has compute capability " +
+              std::to_string(prop.major) + "." + std::to_string(prop.minor) +
+              "; flash3 needs a Hopper GPU (compute capability 9.x)");
+  }
+  if (why_not) why_not->clear();
+  return true;
+}
+
+PointerKind cuda_pointer_kind(const void* ptr) {
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, ptr) != cudaSuccess) {
+    cudaGetLastError();
+    return PointerKind::kUnknown;
+  }
+  switch (attr.type) {
+    case cudaMemoryTypeDevice:
+    case cudaMemoryTypeManaged: return PointerKind::kDevice;
+    case cudaMemoryTypeHost:
+    case cudaMemoryTypeUnregistered: return PointerKind::kHost;
+  }
+  return PointerKind::kUnknown;
+}
+
+}  // namespace flash3

@@ -1,0 +1,38 @@
+// flash3: the forward result when there are no keys (seqlen_k == 0): out = 0, lse = +inf,
+// the same values the main kernel writes for query rows that can see no key.
+#include "fwd/fwd_dispatch.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+
+namespace flash3::detail {
+
+namespace {
+// One thread per (batch, row, head); 2-byte elements.
+__global__ void fill_no_keys_kernel(uint16_t* out, int64_t sb, int64_t ss, int64_t sh, float* lse,
+                                    int64_t lb, int64_t lh, int seqlen_q, int nheads,
+                                    int head_dim, int64_t total) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i >= total) return;
+  const int h = int(i % nheads), s = int((i / nheads) % seqlen_q), b = int(i / (int64_t(nheads) * seqlen_q));
+  uint16_t* row = out + b * sb + s * ss + h * sh;
+  for (int d = 0; d < head_dim; ++d) row[d] = 0;  // +0.0 in both fp16 and bf16
+  if (lse != nullptr) lse[b * lb + h * lh + s] = INFINITY;
+}
+}  // namespace
+
+void fill_no_keys(const FwdProblem& p, const FwdArgs& args) {
+  const int64_t total = int64_t(p.batch) * p.seqlen_q * p.nheads;
+  const int threads = 256;
+  const int64_t blocks = (total + threads - 1) / threads;
+  fill_no_keys_kernel<<<dim3(unsigned(blocks)), threads, 0, args.stream>>>(
+      static_cast<uint16_t*>(args.out.data), args.out.stride[0], args.out.stride[1],
+      args.out.stride[2], p.write_lse ? static_cast<float*>(args.lse.data) : nullptr,
+      p.write_lse ? args.lse.stride[0] : 0, p.write_lse ? args.lse.stride[1] : 0, p.seqlen_q,
+      p.nheads, p.head_dim, total);
+  check_cuda(cudaGetLastError(), "fill_no_keys launch");
+}
+
+}  // namespace flash3::detail

@@ -1,0 +1,197 @@
+// flash3: the warp-specialized forward kernel, Algorithm 1 of the FlashAttention-3 paper
+// (shared/paper, §3.1). One block computes one (kBlockM query rows, head, batch) tile of O.
+//   warpgroup 0      producer: TMA loads of Q_i once and of K_j, V_j into a kStages-deep ring
+//                    of shared-memory buffers, each stage guarded by a full/empty mbarrier pair.
+//   warpgroups 1..   consumers, 64 query rows each: S = Q K^T (WGMMA, both from shared memory),
+//                    online softmax in FP32, O += P V (WGMMA, P from registers), then O and LSE.
+#pragma once
+
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "fwd/kernel_traits.h"
+#include "fwd/mask.h"
+#include "fwd/softmax.h"
+#include "fwd/utils.h"
+
+namespace flash3::detail {
+
+// The key blocks [0, n_block_max) that query block m_block must visit. Causal: blocks entirely
+// in the future of the block's last query row are skipped, not computed.
+template <class Traits>
+__device__ __forceinline__ int num_key_blocks(int m_block, int seqlen_q, int seqlen_k) {
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
+  int n_max = (seqlen_k + kBlockN - 1) / kBlockN;
+  if constexpr (Traits::kCausal) {
+    const int last_row = min((m_block + 1) * kBlockM, seqlen_q) - 1;
+    const int last_col = last_row + seqlen_k - seqlen_q;  // may be negative: no visible key
+    n_max = min(n_max, last_col < 0 ? 0 : last_col / kBlockN + 1);
+  }
+  return n_max;
+}
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kNumThreads, 1)
+    fwd_kernel(const __grid_constant__ typename Traits::Params params) {
+  using Element = typename Traits::Element;
+  using Pipeline = typename Traits::Pipeline;
+  using PipelineState = typename Traits::PipelineState;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+
+  extern __shared__ __align__(1024) char smem_raw[];
+  auto& shared = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
+
+  const int warpgroup = cutlass::canonical_warp_group_idx();
+  const int thread_in_wg = threadIdx.x % 128;
+  // NOTES: heavy query blocks first: under a causal mask the last query blocks see the most
+  // keys, so launching them first shortens the tail of the grid.
+  const int m_block = Traits::kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int head = blockIdx.y, batch = blockIdx.z;
+  const int head_kv = head / params.nheads_per_kv;  // GQA/MQA by indexing, never by copying
+  const int n_block_max = num_key_blocks<Traits>(m_block, params.seqlen_q, params.seqlen_k);
+
+  // Line 1: the pipeline objects over the shared-memory ring.
+  const bool is_producer_thread = warpgroup == 0 && thread_in_wg == 0;
+  typename Pipeline::Params pipe_params;
+  pipe_params.transaction_bytes = Traits::kTmaBytesKV;
+  pipe_params.role = warpgroup == 0 ? Pipeline::ThreadCategory::Producer
+                                    : Pipeline::ThreadCategory::Consumer;
+  pipe_params.is_leader = is_producer_thread;
+  pipe_params.num_consumers = Traits::kNumConsumerThreads;
+  if (threadIdx.x == 0) {
+    shared.barrier_q.init(1);
+    cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
+  }
+  Pipeline pipeline_k(shared.pipeline_k, pipe_params, Shape<_1, _1, _1>{});
+  Pipeline pipeline_v(shared.pipeline_v, pipe_params, Shape<_1, _1, _1>{});
+  __syncthreads();
+
+  Tensor sQ = make_tensor(make_smem_ptr(shared.smem_q.data()), typename Traits::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(shared.smem_k.data()), typename Traits::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(shared.smem_v.data()), typename Traits::SmemLayoutV{});
+  Tensor sVt = make_tensor(make_smem_ptr(shared.smem_v.data()), typename Traits::SmemLayoutVt{});
+
+  if (warpgroup == 0) {
+    // ===================================== producer ======================================
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();  // line 3
+    if (is_producer_thread && n_block_max > 0) {
+      Tensor mQ = params.tma_q.get_tma_tensor(params.layout_q.shape());
+      Tensor mK = params.tma_k.get_tma_tensor(params.layout_k.shape());
+      Tensor mV = params.tma_v.get_tma_tensor(params.layout_k.shape());
+      Tensor gQ = local_tile(mQ(_, _, head, batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                             make_coord(m_block, _0{}));
+      Tensor gK = local_tile(mK(_, _, head_kv, batch), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                             make_coord(_, _0{}));  // (kBlockN, d, n_blocks)
+      Tensor gV = local_tile(mV(_, _, head_kv, batch), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                             make_coord(_, _0{}));
+      auto [tQgQ, tQsQ] = tma_partition(params.tma_q, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+      auto [tKgK, tKsK] = tma_partition(params.tma_k, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+      auto [tVgV, tVsV] = tma_partition(params.tma_v, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+
+      // Lines 4-5: Q_i once; the barrier completes when its bytes have landed.
+      shared.barrier_q.arrive_and_expect_tx(Traits::kTmaBytesQ);
+      copy(params.tma_q.with(reinterpret_cast<uint64_t&>(shared.barrier_q)), tQgQ, tQsQ);
+
+      // Lines 6-10: K_j, V_j into stage j % kStages once the consumers have released it.
+      PipelineState write = cutlass::make_producer_start_state<Pipeline>();
+      for (int n_block = n_block_max - 1; n_block >= 0; --n_block) {
+        pipeline_k.producer_acquire(write);
+        copy(params.tma_k.with(*pipeline_k.producer_get_barrier(write)), tKgK(_, n_block),
+             tKsK(_, write.index()));
+        pipeline_v.producer_acquire(write);
+        copy(params.tma_v.with(*pipeline_v.producer_get_barrier(write)), tVgV(_, n_block),
+             tVsV(_, write.index()));
+        ++write;
+      }
+    }
+    return;
+  }
+
+  // ====================================== consumers =======================================
+  cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();  // line 12
+  const int tidx = threadIdx.x - 128;
+  typename Traits::TiledMmaQK mma_qk;
+  typename Traits::TiledMmaPV mma_pv;
+  auto thr_qk = mma_qk.get_thread_slice(tidx);
+  auto thr_pv = mma_pv.get_thread_slice(tidx);
+
+  Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // descriptors into shared memory
+  Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stage)
+  Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stage)
+  Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+  Tensor tSrS_rc = make_tensor(tSrS.data(), acc_layout_rowcol(tSrS.layout()));
+  Tensor tOrO_rc = make_tensor(tOrO.data(), acc_layout_rowcol(tOrO.layout()));
+  // P in the input precision, laid out as the A operand of the PV WGMMA.
+  Tensor tOrP = make_tensor<Element>(acc_layout_as_a_operand(tSrS.layout()));
+  // (row, col) coordinates of this thread's scores inside the tile, for masking.
+  Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor tScS_rc = make_tensor(tScS.data(), acc_layout_rowcol(tScS.layout()));
+  constexpr int kRows = decltype(size<0>(tSrS_rc))::value;
+
+  OnlineSoftmax<kRows> softmax(params.scale_log2);  // line 13
+  clear(tOrO);
+  const int row0 = m_block * kBlockM;
+
+  if (n_block_max > 0) {
+    shared.barrier_q.wait(0);  // line 14
+    PipelineState read;
+    for (int n_block = n_block_max - 1; n_block >= 0; --n_block) {
+      // Lines 16-17: S = Q K_j^T.
+      pipeline_k.consumer_wait(read);
+      warpgroup_gemm</*zero_init=*/true, /*wait=*/0>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
+      pipeline_k.consumer_release(read);
+      // Masking where the block crosses the end of the keys or the causal diagonal.
+      const int col0 = n_block * kBlockN;
+      bool need_mask = col0 + kBlockN > params.seqlen_k;
+      if constexpr (Traits::kCausal) {
+        need_mask |= col0 + kBlockN - 1 > row0 + params.seqlen_k - params.seqlen_q;
+      }
+      if (need_mask) {
+        apply_mask<Traits::kCausal>(tSrS_rc, tScS_rc, row0, col0, params.seqlen_q, params.seqlen_k);
+      }
+      // Lines 18-19: running max, P = exp(S - m), running sum; rescale O.
+      float rescale[kRows];
+      softmax.step(tSrS_rc, rescale);
+      scale_rows(tOrO_rc, rescale);
+      convert_into<Element>(tSrS, tOrP);
+      // Lines 20-22: O += P V_j, then hand the stage back to the producer.
+      pipeline_v.consumer_wait(read);
+      warpgroup_gemm</*zero_init=*/false, /*wait=*/0>(mma_pv, tOrP, tOrV(_, _, _, read.index()), tOrO);
+      pipeline_v.consumer_release(read);
+      ++read;
+    }
+  }
+
+  // Line 24: O / rowsum, LSE = m + log(rowsum).
+  float inv_sum[kRows], lse[kRows];
+  softmax.finalize(params.softmax_scale, inv_sum, lse);
+  scale_rows(tOrO_rc, inv_sum);
+
+  // Line 25: write O (rows past seqlen_q are not written) and the log-sum-exp.
+  Tensor tOrOut = make_tensor<Element>(tOrO.layout());
+  convert_into<Element>(tOrO, tOrOut);
+  Tensor tOrOut_rc = make_tensor(tOrOut.data(), acc_layout_rowcol(tOrO.layout()));
+  Tensor tOcO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor tOcO_rc = make_tensor(tOcO.data(), acc_layout_rowcol(tOcO.layout()));
+  Element* out = params.out + batch * params.out_batch_stride + head * params.out_head_stride;
+  CUTLASS_PRAGMA_UNROLL
+  for (int m = 0; m < kRows; ++m) {
+    const int row = row0 + get<0>(tOcO_rc(m, 0));
+    if (row >= params.seqlen_q) continue;
+    Element* out_row = out + row * params.out_row_stride;
+    // NOTES: values (2i, 2i+1) of a row are adjacent columns: one 4-byte store per pair.
+    CUTLASS_PRAGMA_UNROLL
+    for (int n = 0; n < size<1>(tOrOut_rc); n += 2) {
+      const int col = get<1>(tOcO_rc(m, n));
+      *reinterpret_cast<uint32_t*>(out_row + col) =
+          *reinterpret_cast<const uint32_t*>(&tOrOut_rc(m, n));
+    }
+    if (params.lse != nullptr && thread_in_wg % 4 == 0) {
+      params.lse[batch * params.lse_batch_stride + head * params.lse_head_stride + row] = lse[m];
+    }
+  }
+}
+
+}  // namespace flash3::detail

@@ -1,0 +1,105 @@
+// flash3: compile-time description of one forward kernel: tile shapes, warpgroup roles,
+// shared-memory layouts, WGMMA tilings, TMA types, parameters and shared storage.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include "fwd/tile_config.h"
+
+namespace flash3::detail {
+
+using namespace cute;
+
+template <class Element_, int kHeadDim_, bool kCausal_>
+struct FwdTraits {
+  using Element = Element_;
+  using Config = FwdTileConfig<kHeadDim_>;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = Config::kBlockM;
+  static constexpr int kBlockN = Config::kBlockN;
+  static constexpr int kStages = Config::kStages;
+  static constexpr bool kCausal = kCausal_;
+
+  // Warpgroup 0 is the producer (TMA); warpgroups 1.. are consumers, 64 query rows each.
+  static constexpr int kNumConsumerWG = kBlockM / 64;
+  static constexpr int kNumConsumerThreads = 128 * kNumConsumerWG;
+  static constexpr int kNumThreads = 128 + kNumConsumerThreads;
+  // NOTES: setmaxnreg budget: 65536 registers per SM, one block per SM.
+  // 2 consumers: 24 x 128 + 240 x 256 = 64512.
+  static constexpr int kProducerRegs = kNumConsumerWG == 2 ? 24 : 32;
+  static constexpr int kConsumerRegs = kNumConsumerWG == 2 ? 240 : 160;
+  static_assert(kBlockM % 64 == 0 && kHeadDim % 64 == 0 && kBlockN % 16 == 0);
+
+  // ---- WGMMA tilings: warpgroups stacked along M ----------------------------------------
+  using AtomLayoutMNK = Layout<Shape<Int<kNumConsumerWG>, _1, _1>>;
+  using TiledMmaQK = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(),
+      AtomLayoutMNK{}));
+  // P comes from registers (RS), V^T from shared memory, MN-major (head dim contiguous).
+  using TiledMmaPV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockN>>,
+                           GMMA::Major::K, GMMA::Major::MN>(),
+      AtomLayoutMNK{}));
+
+  // ---- shared memory: K-major tiles with the 128-byte swizzle ------------------------------
+  // NOTES: head dims are multiples of 64 elements = 128 bytes, the SW128 atom's width, so every
+  // row of Q, K and V is whole swizzle atoms; TMA writes them swizzled and WGMMA reads them.
+  using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemLayoutK =
+      decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutV = SmemLayoutK;
+  // V viewed as (head dim, key, stage): the B operand of O += P V.
+  using SmemLayoutVt = decltype(composition(
+      SmemLayoutV{},
+      make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+
+  // ---- global tensors: (seqlen, head_dim, heads, batch), head dim contiguous ---------------
+  using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;
+  using StrideQKV = Stride<int64_t, _1, int64_t, int64_t>;
+  using LayoutQKV = Layout<ShapeQKV, StrideQKV>;
+
+  static auto make_tma_q(Element const* ptr, LayoutQKV layout) {
+    return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), layout), SmemLayoutQ{},
+                         Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{});
+  }
+  static auto make_tma_kv(Element const* ptr, LayoutQKV layout) {
+    return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), layout),
+                         take<0, 2>(SmemLayoutK{}), Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
+  }
+  using TmaQ = decltype(make_tma_q(nullptr, LayoutQKV{}));
+  using TmaKV = decltype(make_tma_kv(nullptr, LayoutQKV{}));
+
+  static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kTmaBytesKV = kBlockN * kHeadDim * sizeof(Element);
+
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  using PipelineState = typename cutlass::PipelineState<kStages>;
+
+  struct Params {
+    TmaQ tma_q;
+    TmaKV tma_k, tma_v;
+    LayoutQKV layout_q, layout_k;  // logical shapes (TMA bounds) and strides
+    Element* out;
+    int64_t out_row_stride, out_head_stride, out_batch_stride;
+    float* lse;  // may be null
+    int64_t lse_head_stride, lse_batch_stride;
+    int seqlen_q, seqlen_k, nheads, nheads_per_kv;
+    float softmax_scale, scale_log2;
+  };
+
+  struct SharedStorage {
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> smem_q;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> smem_k;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> smem_v;
+    cutlass::arch::ClusterTransactionBarrier barrier_q;
+    typename Pipeline::SharedStorage pipeline_k;
+    typename Pipeline::SharedStorage pipeline_v;
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= 227 * 1024, "tile config exceeds 227 KB of shared memory");
+};
+
+}  // namespace flash3::detail

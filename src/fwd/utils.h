@@ -1,0 +1,84 @@
+// flash3: small device helpers shared by the forward kernel: the WGMMA issue wrapper, register
+// layout conversions of the WGMMA accumulator, type conversion, quad reductions, exp2.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_conversion.h>
+#include <cutlass/numeric_types.h>
+
+namespace flash3::detail {
+
+using namespace cute;
+
+// Issues one tile GEMM C (+)= A * B as a batch of WGMMAs for the calling warpgroup.
+// kZeroInit: C = A*B instead of C += A*B. kWait: wgmma.wait_group<kWait> after the commit
+// (-1: do not wait; the caller waits later, so the GEMM overlaps what follows).
+template <bool kZeroInit, int kWait, class TiledMma, class TA, class TB, class TC>
+__device__ __forceinline__ void warpgroup_gemm(TiledMma& mma, TA const& tA, TB const& tB, TC& tC) {
+  constexpr bool kAFromRegisters =
+      !is_same_v<typename TA::engine_type::iterator, GMMA::DescriptorIterator>;
+  if constexpr (kAFromRegisters) warpgroup_fence_operand(const_cast<TA&>(tA));
+  warpgroup_fence_operand(tC);
+  warpgroup_arrive();
+  if constexpr (kZeroInit) mma.accumulate_ = GMMA::ScaleOut::Zero;
+  CUTLASS_PRAGMA_UNROLL
+  for (int k = 0; k < size<2>(tA); ++k) {
+    cute::gemm(mma, tA(_, _, k), tB(_, _, k), tC);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  if constexpr (kWait >= 0) warpgroup_wait<kWait>();
+  warpgroup_fence_operand(tC);
+  if constexpr (kAFromRegisters) warpgroup_fence_operand(const_cast<TA&>(tA));
+}
+
+// NOTES: an SM90 WGMMA accumulator fragment has layout ((2, 2, N/8), MMA_M, MMA_N): value mode
+// 0 is a pair of adjacent columns, mode 1 the row 8 below, mode 2 the next 8-column group. The
+// (row, col) view groups the row modes and the column modes so softmax can loop over rows.
+template <class Layout>
+__device__ __forceinline__ constexpr auto acc_layout_rowcol(Layout l) {
+  static_assert(decltype(rank(l))::value == 3 && decltype(rank(get<0>(l)))::value == 3);
+  auto v = get<0>(l);
+  return make_layout(make_layout(get<1>(v), get<1>(l)),
+                     make_layout(get<0>(v), get<2>(v), get<2>(l)));
+}
+
+// The S accumulator reinterpreted as the A operand (from registers) of the next WGMMA, whose
+// k-step is 16 columns: ((2, 2, N/8), M, N') -> ((2, 2, 2), M, (N/16, N')).
+template <class Layout>
+__device__ __forceinline__ constexpr auto acc_layout_as_a_operand(Layout l) {
+  auto v = get<0>(l);
+  auto col_groups = logical_divide(get<2>(v), Int<2>{});  // (2, N/16)
+  return make_layout(make_layout(get<0>(v), get<1>(v), get<0>(col_groups)), get<1>(l),
+                     make_layout(get<1>(col_groups), get<2>(l)));
+}
+
+// Element-wise conversion of a compact register tensor (e.g. float accumulators to bf16).
+template <class To, class Engine, class Layout, class OutTensor>
+__device__ __forceinline__ void convert_into(Tensor<Engine, Layout> const& in, OutTensor& out) {
+  using From = typename Engine::value_type;
+  constexpr int N = decltype(size(in.layout()))::value;
+  cutlass::NumericArrayConverter<To, From, N> convert;
+  *reinterpret_cast<cutlass::Array<To, N>*>(out.data()) =
+      convert(*reinterpret_cast<cutlass::Array<From, N> const*>(in.data()));
+}
+
+// The 4 threads of a quad hold the columns of the same accumulator rows.
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// NOTES: MUFU.EX2 directly; exp(x) is computed as exp2(x * log2(e)) with the softmax scale
+// folded into the same multiply-add.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+}  // namespace flash3::detail

@@ -1,0 +1,70 @@
+// flash3 tests: helpers for tests that run kernels on the GPU: device buffers, random inputs in
+// the input dtype, poisoning, and the skip-when-no-Hopper guard.
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "flash3/flash3.h"
+#include "reference.h"
+
+namespace flash3::testing {
+
+#define FLASH3_REQUIRE_HOPPER()                                       \
+  do {                                                                \
+    std::string why_not;                                              \
+    if (!flash3::hopper_available(&why_not)) GTEST_SKIP() << why_not; \
+  } while (0)
+
+#define FLASH3_CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr << ": " << cudaGetErrorString(expr)
+
+// A device allocation of 2-byte or 4-byte elements, freed on scope exit.
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  explicit DeviceBuffer(size_t n_bytes) : bytes(n_bytes) {
+    if (cudaMalloc(&ptr, bytes < 16 ? 16 : bytes) != cudaSuccess) ptr = nullptr;
+  }
+  ~DeviceBuffer() { if (ptr) cudaFree(ptr); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  template <class T> void upload(const std::vector<T>& h) {
+    cudaMemcpy(ptr, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice);
+  }
+  template <class T> std::vector<T> download(size_t n) const {
+    std::vector<T> h(n);
+    cudaMemcpy(h.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost);
+    return h;
+  }
+};
+
+inline uint16_t to_bits(DType dtype, double x) {
+  return dtype == DType::kBFloat16 ? ref::float_to_bf16_bits(float(x)) : ref::float_to_half_bits(float(x));
+}
+inline double from_bits(DType dtype, uint16_t b) {
+  return dtype == DType::kBFloat16 ? ref::bf16_bits_to_float(b) : ref::half_bits_to_float(b);
+}
+
+// n values ~ N(0, 1) rounded to the dtype: `bits` for the device, `values` (exact) for the
+// references.
+inline void random_tensor(DType dtype, size_t n, std::mt19937_64& rng, std::vector<uint16_t>& bits,
+                          std::vector<double>& values) {
+  std::normal_distribution<double> normal(0.0, 1.0);
+  bits.resize(n);
+  values.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    bits[i] = to_bits(dtype, normal(rng));
+    values[i] = from_bits(dtype, bits[i]);
+  }
+}
+
+// NaN in both fp16 (0x7E00 family) and bf16 (0x7FC0 family): 0x7FFF is NaN in both.
+constexpr uint16_t kPoison16 = 0x7FFF;
+
+}  // namespace flash3::testing

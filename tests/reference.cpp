@@ -1,0 +1,180 @@
+// CPU reference attention (see reference.h).
+#include "reference.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <stdexcept>
+#include <string>
+#include <thread>
+
+#include "flash3/flash3_c.h"  // dtype codes, without the CUDA headers flash3.h needs
+
+namespace flash3::ref {
+namespace {
+
+uint32_t bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+float from_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// x rounded to a binary format with `mbits` stored mantissa bits and normal exponents
+// [emin, emax] (subnormals below 2^emin, +-inf from 2^(emax+1) up), ties to even.
+double round_format(double x, int mbits, int emin, int emax) {
+  if (!std::isfinite(x) || x == 0.0) return x;
+  const double ulp = std::ldexp(1.0, std::max(std::ilogb(x), emin) - mbits);
+  const double r = std::nearbyint(x / ulp) * ulp;  // scaling by a power of two is exact
+  return std::fabs(r) >= std::ldexp(1.0, emax + 1) ? std::copysign(HUGE_VAL, x) : r;
+}
+
+float round_half(float x) { return half_bits_to_float(float_to_half_bits(x)); }
+float round_bf16(float x) { return bf16_bits_to_float(float_to_bf16_bits(x)); }
+
+// Query rows are processed in blocks of kRows (per batch and head): each K and V row is loaded
+// once per block, and the q.k dot products of a block vectorize across its rows while each one
+// is still summed in order over the head dim.
+constexpr int kRows = 16;
+
+// Attention in precision T, with rnd() applied where attention_fwd_lowp says.
+template <class T, class Rnd>
+void attention(const Problem& p, const double* q, const double* k, const double* v, double* out,
+               double* lse, const std::vector<int>* rows, Rnd rnd) {
+  std::vector<int> all_rows;
+  if (rows == nullptr) {
+    all_rows.resize(p.seqlen_q);
+    std::iota(all_rows.begin(), all_rows.end(), 0);
+    rows = &all_rows;
+  }
+  for (int i : *rows) {
+    if (i < 0 || i >= p.seqlen_q) {
+      throw std::out_of_range("flash3::ref: row " + std::to_string(i) + " is not in [0, seqlen_q)");
+    }
+  }
+  const int64_t d = p.head_dim, sq = p.seqlen_q, sk = p.seqlen_k, nrows = static_cast<int64_t>(rows->size());
+  const int64_t group = p.nheads / p.nheads_kv, nblocks = (nrows + kRows - 1) / kRows;
+  const int64_t ntasks = int64_t{p.batch} * p.nheads * nblocks;
+  const T scale = static_cast<T>(p.scale);
+  std::atomic<int64_t> next{0};
+
+  auto worker = [&] {
+    std::vector<T> qt(d * kRows), s(sk * kRows), o(d * kRows);  // qt is [d][kRows]; s, o by row
+    for (int64_t task; (task = next++) < ntasks;) {
+      const int64_t b = task / nblocks / p.nheads, h = task / nblocks % p.nheads;
+      const int64_t r0 = task % nblocks * kRows;
+      const int64_t nr = std::min<int64_t>(kRows, nrows - r0);
+      const double* kbase = k + (b * sk * p.nheads_kv + h / group) * d;
+      const double* vbase = v + (b * sk * p.nheads_kv + h / group) * d;
+      const int64_t kv_row = p.nheads_kv * d;
+      int64_t last[kRows];  // row r of the block sees keys [0, last[r]]
+      int64_t max_last = -1;
+      for (int r = 0; r < kRows; ++r) {
+        const int64_t i = r < nr ? (*rows)[r0 + r] : 0;
+        last[r] = r >= nr ? -1 : p.causal ? std::min(sk - 1, i + sk - sq) : sk - 1;
+        max_last = std::max(max_last, last[r]);
+        for (int64_t c = 0; c < d; ++c) {
+          const T qc = r < nr ? static_cast<T>(q[((b * sq + i) * p.nheads + h) * d + c]) : T(0);
+          qt[c * kRows + r] = rnd(qc * scale);
+        }
+      }
+      for (int64_t j = 0; j <= max_last; ++j) {
+        T acc[kRows] = {};
+        for (int64_t c = 0; c < d; ++c) {
+          const T kc = static_cast<T>(kbase[j * kv_row + c]);
+          for (int r = 0; r < kRows; ++r) acc[r] += qt[c * kRows + r] * kc;
+        }
+        for (int r = 0; r < kRows; ++r) s[r * sk + j] = rnd(acc[r]);
+      }
+      std::fill(o.begin(), o.end(), T(0));
+      T row_lse[kRows];
+      for (int r = 0; r < nr; ++r) {
+        T* sr = &s[r * sk];
+        T m = -std::numeric_limits<T>::infinity(), sum = 0;
+        for (int64_t j = 0; j <= last[r]; ++j) m = std::max(m, sr[j]);
+        for (int64_t j = 0; j <= last[r]; ++j) sum += (sr[j] = std::exp(sr[j] - m));
+        for (int64_t j = 0; j <= last[r]; ++j) sr[j] = rnd(sr[j] / sum);
+        row_lse[r] = last[r] < 0 ? std::numeric_limits<T>::infinity() : m + std::log(sum);
+      }
+      for (int64_t j = 0; j <= max_last; ++j) {
+        const double* vj = vbase + j * kv_row;
+        for (int r = 0; r < nr; ++r) {
+          if (j > last[r]) continue;
+          const T pj = s[r * sk + j];
+          T* orow = &o[r * d];
+          for (int64_t c = 0; c < d; ++c) orow[c] += pj * static_cast<T>(vj[c]);
+        }
+      }
+      for (int r = 0; r < nr; ++r) {
+        const int64_t i = (*rows)[r0 + r];
+        for (int64_t c = 0; c < d; ++c) out[((b * sq + i) * p.nheads + h) * d + c] = rnd(o[r * d + c]);
+        if (lse != nullptr) lse[(b * p.nheads + h) * sq + i] = row_lse[r];
+      }
+    }
+  };
+
+  const int64_t nthreads = std::min<int64_t>(std::max(1u, std::thread::hardware_concurrency()), ntasks);
+  std::vector<std::thread> threads;
+  for (int64_t t = 1; t < nthreads; ++t) threads.emplace_back(worker);
+  worker();
+  for (auto& t : threads) t.join();
+}
+
+}  // namespace
+
+void attention_fwd_fp64(const Problem& p, const double* q, const double* k, const double* v,
+                        double* out, double* lse, const std::vector<int>* rows) {
+  attention<double>(p, q, k, v, out, lse, rows, [](double x) { return x; });
+}
+
+void attention_fwd_lowp(const Problem& p, DType dtype, const double* q, const double* k,
+                        const double* v, double* out, double* lse, const std::vector<int>* rows) {
+  switch (static_cast<int>(dtype)) {
+    case FLASH3_FLOAT16: return attention<float>(p, q, k, v, out, lse, rows, round_half);
+    case FLASH3_BFLOAT16: return attention<float>(p, q, k, v, out, lse, rows, round_bf16);
+  }
+  throw std::invalid_argument("flash3::ref::attention_fwd_lowp: dtype must be float16 or bfloat16");
+}
+
+uint16_t float_to_half_bits(float f) {
+  const uint32_t x = bits(f), ax = x & 0x7fffffffu;
+  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
+  if (ax > 0x7f800000u) return sign | 0x7e00u | ((ax >> 13) & 0x3ffu);  // NaN: a quiet NaN
+  if (ax >= 0x38800000u) {  // >= 2^-14: a normal half, or +-inf (the rounding carries into it)
+    const uint32_t r = (ax + 0xfffu + ((ax >> 13) & 1u)) >> 13;  // drop 13 bits, ties to even
+    return sign | static_cast<uint16_t>(std::min(r - (112u << 10), 0x7c00u));
+  }
+  return sign | static_cast<uint16_t>(std::nearbyint(std::fabs(f) * 0x1p24f));  // subnormal: units of 2^-24
+}
+
+float half_bits_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t{h & 0x8000u} << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+  if (e == 0) return from_bits(sign | bits(std::ldexp(static_cast<float>(m), -24)));
+  return from_bits(sign | ((e == 31 ? 255 : e + 112) << 23) | (m << 13));
+}
+
+uint16_t float_to_bf16_bits(float f) {
+  const uint32_t x = bits(f);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);  // quiet NaN
+  return static_cast<uint16_t>((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
+float bf16_bits_to_float(uint16_t b) { return from_bits(uint32_t{b} << 16); }
+
+double round_to(DType dtype, double x) {
+  switch (static_cast<int>(dtype)) {
+    case FLASH3_FLOAT16: return round_format(x, 10, -14, 15);
+    case FLASH3_BFLOAT16: return round_format(x, 7, -126, 127);
+    case FLASH3_FLOAT32: return static_cast<float>(x);
+  }
+  throw std::invalid_argument("flash3::ref::round_to: dtype must be float16, bfloat16 or float32");
+}
+
+}  // namespace flash3::ref

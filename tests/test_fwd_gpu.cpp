@@ -1,0 +1,229 @@
+// flash3 GPU tests of the forward pass against the FP64 CPU reference. Skipped (reported as
+// such) on machines without a Hopper GPU.
+//
+// Rule (FlashAttention-3's): max |flash3 - fp64| <= 2 * max |plain same-precision - fp64| + atol,
+// where "plain same-precision" is attention computed the way a framework does it in the input
+// dtype (tests/reference.h). Inputs are fresh N(0,1) values, outputs are poisoned with NaN
+// before each run, and every output element is checked to have been written; padding between
+// rows of a strided output is checked to be untouched.
+#include <algorithm>
+#include <cmath>
+#include <tuple>
+
+#include "gpu_harness.h"
+
+namespace flash3::testing {
+namespace {
+
+struct Case {
+  DType dtype;
+  int head_dim;
+  bool causal;
+  int batch, seqlen_q, seqlen_k, nheads, nheads_kv;
+  int pad = 0;  // extra elements at the end of every (seqlen) row of q, k, v and out
+};
+
+std::string describe(const Case& c) {
+  return std::string(dtype_name(c.dtype)) + " d=" + std::to_string(c.head_dim) +
+         (c.causal ? " causal" : "") + " b=" + std::to_string(c.batch) +
+         " sq=" + std::to_string(c.seqlen_q) + " sk=" + std::to_string(c.seqlen_k) +
+         " h=" + std::to_string(c.nheads) + " hk=" + std::to_string(c.nheads_kv) +
+         " pad=" + std::to_string(c.pad);
+}
+
+// Query rows the reference computes: all of them for small problems, else a sample that
+// includes the first and last rows and the rows around tile boundaries.
+std::vector<int> reference_rows(int seqlen_q, std::mt19937_64& rng) {
+  std::vector<int> rows;
+  if (seqlen_q <= 1024) {
+    for (int i = 0; i < seqlen_q; ++i) rows.push_back(i);
+    return rows;
+  }
+  for (int i : {0, 1, 63, 64, 127, 128, 129, seqlen_q - 129, seqlen_q - 2, seqlen_q - 1}) rows.push_back(i);
+  std::uniform_int_distribution<int> pick(0, seqlen_q - 1);
+  for (int i = 0; i < 54; ++i) rows.push_back(pick(rng));
+  std::sort(rows.begin(), rows.end());
+  rows.erase(std::unique(rows.begin(), rows.end()), rows.end());
+  return rows;
+}
+
+void run_case(const Case& c, uint64_t seed) {
+  SCOPED_TRACE(describe(c));
+  std::mt19937_64 rng(seed);
+  const int b = c.batch, sq = c.seqlen_q, sk = c.seqlen_k, h = c.nheads, hk = c.nheads_kv, d = c.head_dim;
+  // Device layouts: (b, s, heads, d) with each (s) row padded by c.pad elements.
+  const int64_t q_row = int64_t(h) * d + c.pad, kv_row = int64_t(hk) * d + c.pad;
+  const size_t nq = size_t(b) * sq * q_row, nkv = size_t(b) * sk * kv_row;
+
+  std::vector<uint16_t> q_bits, k_bits, v_bits;
+  std::vector<double> q_dev_vals, k_dev_vals, v_dev_vals;
+  random_tensor(c.dtype, nq, rng, q_bits, q_dev_vals);
+  random_tensor(c.dtype, nkv, rng, k_bits, k_dev_vals);
+  random_tensor(c.dtype, nkv, rng, v_bits, v_dev_vals);
+  // Dense copies for the reference.
+  auto dense = [&](const std::vector<double>& src, int s, int heads, int64_t row) {
+    std::vector<double> out(size_t(b) * s * heads * d);
+    for (int bi = 0; bi < b; ++bi)
+      for (int si = 0; si < s; ++si)
+        std::copy_n(&src[(size_t(bi) * s + si) * row], size_t(heads) * d,
+                    &out[(size_t(bi) * s + si) * heads * d]);
+    return out;
+  };
+  const auto q = dense(q_dev_vals, sq, h, q_row), k = dense(k_dev_vals, sk, hk, kv_row),
+             v = dense(v_dev_vals, sk, hk, kv_row);
+
+  DeviceBuffer dq(nq * 2), dk(nkv * 2), dv(nkv * 2), dout(nq * 2), dlse(size_t(b) * h * sq * 4);
+  ASSERT_TRUE(dq.ptr && dk.ptr && dv.ptr && dout.ptr && dlse.ptr) << "cudaMalloc failed";
+  dq.upload(q_bits);
+  dk.upload(k_bits);
+  dv.upload(v_bits);
+
+  FwdArgs args;
+  auto view = [&](void* p, int s, int heads, int64_t row) {
+    TensorRef t;
+    t.data = p; t.dtype = c.dtype; t.rank = 4;
+    t.shape[0] = b; t.shape[1] = s; t.shape[2] = heads; t.shape[3] = d;
+    t.stride[0] = s * row; t.stride[1] = row; t.stride[2] = d; t.stride[3] = 1;
+    return t;
+  };
+  args.q = view(dq.ptr, sq, h, q_row);
+  args.k = view(dk.ptr, sk, hk, kv_row);
+  args.v = view(dv.ptr, sk, hk, kv_row);
+  args.out = view(dout.ptr, sq, h, q_row);
+  args.lse = TensorRef::contiguous(dlse.ptr, DType::kFloat32, {b, h, sq});
+  args.causal = c.causal;
+
+  // Poison, run, fetch: twice, to check the result is bitwise reproducible.
+  std::vector<uint16_t> out_bits[2];
+  std::vector<float> lse_dev[2];
+  for (int run = 0; run < 2; ++run) {
+    FLASH3_CUDA_OK(cudaMemset(dout.ptr, 0xFF, nq * 2));  // 0xFFFF: NaN in fp16 and bf16
+    FLASH3_CUDA_OK(cudaMemset(dlse.ptr, 0xFF, size_t(b) * h * sq * 4));
+    ASSERT_NO_THROW(fwd(args));
+    FLASH3_CUDA_OK(cudaDeviceSynchronize());
+    out_bits[run] = dout.download<uint16_t>(nq);
+    lse_dev[run] = dlse.download<float>(size_t(b) * h * sq);
+  }
+  ASSERT_TRUE(out_bits[0] == out_bits[1]) << "forward output differs between two identical runs";
+  ASSERT_EQ(std::memcmp(lse_dev[0].data(), lse_dev[1].data(), lse_dev[0].size() * 4), 0);
+
+  // Every element written (finite), padding untouched.
+  for (size_t r = 0; r < size_t(b) * sq; ++r) {
+    for (int64_t j = 0; j < q_row; ++j) {
+      const uint16_t bits = out_bits[0][r * q_row + j];
+      if (j < int64_t(h) * d) {
+        ASSERT_TRUE(std::isfinite(from_bits(c.dtype, bits))) << "out not written at row " << r << " col " << j;
+      } else {
+        ASSERT_EQ(bits, 0xFFFF) << "padding overwritten at row " << r;
+      }
+    }
+  }
+  for (size_t i = 0; i < lse_dev[0].size(); ++i) {
+    ASSERT_FALSE(std::isnan(lse_dev[0][i])) << "lse not written at " << i;
+  }
+
+  const std::vector<int> rows = reference_rows(sq, rng);
+  ref::Problem p{b, sq, sk, h, hk, d, 1.0 / std::sqrt(double(d)), c.causal};
+  std::vector<double> out64(q.size(), 0.0), lse64(size_t(b) * h * sq, 0.0);
+  std::vector<double> outlp(q.size(), 0.0), lselp(size_t(b) * h * sq, 0.0);
+  ref::attention_fwd_fp64(p, q.data(), k.data(), v.data(), out64.data(), lse64.data(), &rows);
+  ref::attention_fwd_lowp(p, c.dtype, q.data(), k.data(), v.data(), outlp.data(), lselp.data(), &rows);
+
+  double err = 0, err_lp = 0, err_lse = 0, err_lse_lp = 0;
+  auto lse_diff = [](double a, double ref) {
+    if (std::isinf(ref) || std::isinf(a)) return (std::isinf(ref) && a == ref) ? 0.0 : INFINITY;
+    return std::abs(a - ref);
+  };
+  for (int bi = 0; bi < b; ++bi) {
+    for (int hi = 0; hi < h; ++hi) {
+      for (int si : rows) {
+        const size_t lse_idx = (size_t(bi) * h + hi) * sq + si;
+        err_lse = std::max(err_lse, lse_diff(lse_dev[0][lse_idx], lse64[lse_idx]));
+        err_lse_lp = std::max(err_lse_lp, lse_diff(lselp[lse_idx], lse64[lse_idx]));
+        for (int di = 0; di < d; ++di) {
+          const size_t ref_idx = ((size_t(bi) * sq + si) * h + hi) * d + di;
+          const double got = from_bits(c.dtype, out_bits[0][(size_t(bi) * sq + si) * q_row + size_t(hi) * d + di]);
+          err = std::max(err, std::abs(got - out64[ref_idx]));
+          err_lp = std::max(err_lp, std::abs(outlp[ref_idx] - out64[ref_idx]));
+        }
+      }
+    }
+  }
+  const double atol = 1e-4;
+  EXPECT_LE(err, 2 * err_lp + atol) << "out: flash3 max err " << err << ", plain " << dtype_name(c.dtype)
+                                    << " attention max err " << err_lp;
+  EXPECT_LE(err_lse, 2 * err_lse_lp + atol) << "lse: flash3 max err " << err_lse << ", plain " << err_lse_lp;
+  EXPECT_LE(err_lse, 1e-3) << "lse: flash3 max err " << err_lse;
+  ::testing::Test::RecordProperty("max_err", std::to_string(err));
+  ::testing::Test::RecordProperty("max_err_plain", std::to_string(err_lp));
+}
+
+// ---- the full matrix: dtype x head dim x causal x (MHA, GQA 4:1, MQA) ----------------------
+using Combo = std::tuple<DType, int, bool, int>;  // dtype, head dim, causal, kv heads (of 8)
+
+class FwdGpu : public ::testing::TestWithParam<Combo> {};
+
+TEST_P(FwdGpu, MatchesReference) {
+  FLASH3_REQUIRE_HOPPER();
+  const auto [dtype, d, causal, hk] = GetParam();
+  const int h = 8;
+  // (batch, seqlen_q, seqlen_k): ragged sizes around the tiles, and seqlen_q != seqlen_k.
+  const std::vector<std::tuple<int, int, int>> shapes = {
+      {2, 1, 1},     {2, 17, 17},   {2, 113, 113}, {2, 128, 128}, {2, 129, 129},
+      {1, 1000, 1000}, {1, 4096, 4096}, {2, 1, 1000}, {2, 113, 1000}, {1, 1000, 129},
+      {2, 129, 17},  {1, 17, 4096},
+  };
+  uint64_t seed = 1234 + uint64_t(d) * 7 + (causal ? 1 : 0) * 13 + uint64_t(hk) * 17 + int(dtype) * 31;
+  for (const auto& [b, sq, sk] : shapes) {
+    run_case(Case{dtype, d, causal, b, sq, sk, h, hk}, seed++);
+    if (HasFatalFailure()) return;
+  }
+}
+
+std::string combo_name(const ::testing::TestParamInfo<Combo>& info) {
+  const auto [dtype, d, causal, hk] = info.param;
+  const char* heads = hk == 8 ? "mha" : hk == 1 ? "mqa" : "gqa";
+  return std::string(dtype == DType::kBFloat16 ? "bf16" : "fp16") + "_d" + std::to_string(d) +
+         (causal ? "_causal_" : "_full_") + heads;
+}
+
+INSTANTIATE_TEST_SUITE_P(All, FwdGpu,
+                         ::testing::Combine(::testing::Values(DType::kBFloat16, DType::kFloat16),
+                                            ::testing::Values(64, 128, 256), ::testing::Bool(),
+                                            ::testing::Values(8, 2, 1)),
+                         combo_name);
+
+// ---- small cases: strided (padded) tensors; also the subset run under compute-sanitizer -------
+TEST(FwdGpuSmall, PaddedStridesAndRaggedShapes) {
+  FLASH3_REQUIRE_HOPPER();
+  uint64_t seed = 99;
+  for (DType dtype : {DType::kBFloat16, DType::kFloat16})
+    for (int d : {64, 128, 256})
+      for (bool causal : {false, true}) {
+        run_case(Case{dtype, d, causal, 2, 77, 150, 4, 2, /*pad=*/8}, seed++);
+        run_case(Case{dtype, d, causal, 1, 150, 77, 4, 1, /*pad=*/8}, seed++);
+        if (HasFatalFailure()) return;
+      }
+}
+
+TEST(FwdGpuSmall, NoKeysGivesZeroAndInfiniteLse) {
+  FLASH3_REQUIRE_HOPPER();
+  const int b = 2, sq = 5, h = 2, d = 64;
+  DeviceBuffer q(size_t(b) * sq * h * d * 2), out(size_t(b) * sq * h * d * 2), lse(size_t(b) * h * sq * 4);
+  DeviceBuffer kv(64);
+  FLASH3_CUDA_OK(cudaMemset(q.ptr, 0x3C, q.bytes));
+  FLASH3_CUDA_OK(cudaMemset(out.ptr, 0xFF, out.bytes));
+  FwdArgs args;
+  args.q = TensorRef::contiguous(q.ptr, DType::kFloat16, {b, sq, h, d});
+  args.k = TensorRef::contiguous(kv.ptr, DType::kFloat16, {b, 0, h, d});
+  args.v = args.k;
+  args.out = TensorRef::contiguous(out.ptr, DType::kFloat16, {b, sq, h, d});
+  args.lse = TensorRef::contiguous(lse.ptr, DType::kFloat32, {b, h, sq});
+  ASSERT_NO_THROW(fwd(args));
+  FLASH3_CUDA_OK(cudaDeviceSynchronize());
+  for (uint16_t bits : out.download<uint16_t>(size_t(b) * sq * h * d)) ASSERT_EQ(bits, 0);
+  for (float x : lse.download<float>(size_t(b) * h * sq)) ASSERT_TRUE(std::isinf(x) && x > 0);
+}
+
+}  // namespace
+}  // namespace flash3::testing
