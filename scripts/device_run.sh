@@ -29,7 +29,7 @@ gzip -f "$OUT/sass.txt"
 if has test || has quick; then
   filter='*'; has quick && ! has test && filter='FwdGpuSmall.*:*bf16_d128*'
   t0=$(date +%s)
-  ./build/flash3_tests --gtest_filter="$filter" --gtest_brief=1 --gtest_output=json:"$OUT/gtest.json" > "$OUT/gtest.log" 2>&1
+  timeout ${GTEST_TIMEOUT:-300} ./build/flash3_tests --gtest_filter="$filter" --gtest_brief=1 --gtest_output=json:"$OUT/gtest.json" > "$OUT/gtest.log" 2>&1
   log "gtest rc=$? in $(( $(date +%s) - t0 )) s: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$OUT/gtest.log" | tr '\n' ' ')"
   grep -E "FAILED|Failure|error" "$OUT/gtest.log" | head -30
   FLASH3_LIB="$root/build/libflash3.so" PYTHONPATH="$root/python" timeout 300 python3 -m pytest -q -x tests/test_torch.py > "$OUT/pytest.log" 2>&1
@@ -37,13 +37,13 @@ if has test || has quick; then
 fi
 if has sanitize; then
   for tool in memcheck racecheck; do
-    compute-sanitizer --tool $tool --error-exitcode 9 ./build/flash3_tests --gtest_filter='FwdGpuSmall.*' --gtest_brief=1 > "$OUT/sanitize_$tool.log" 2>&1
+    timeout 120 compute-sanitizer --tool $tool --error-exitcode 9 ./build/flash3_tests --gtest_filter='FwdGpuSmall.*' --gtest_brief=1 > "$OUT/sanitize_$tool.log" 2>&1
     log "compute-sanitizer $tool rc=$?: $(grep -E 'ERROR SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"
   done
 fi
 if has bench; then
-  ./build/flash3_bench --json "$OUT/bench_cpp.json" 2>&1 | tee "$OUT/bench_cpp.log"
+  timeout 120 ./build/flash3_bench --json "$OUT/bench_cpp.json" 2>&1 | tee "$OUT/bench_cpp.log"
   FLASH3_LIB="$root/build/libflash3.so" PYTHONPATH="$root/python" PYTHONUNBUFFERED=1 \
-    python3 bench/bench_torch.py --json "$OUT/bench_torch.json" 2>&1 | tee "$OUT/bench_torch.log"
+    timeout ${BENCH_TIMEOUT:-240} python3 bench/bench_torch.py ${BENCH_ARGS:-} --json "$OUT/bench_torch.json" 2>&1 | tee "$OUT/bench_torch.log"
 fi
 cat "$OUT/summary.txt"

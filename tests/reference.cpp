@@ -96,7 +96,7 @@ void attention(const Problem& p, const double* q, const double* k, const double*
       std::fill(o.begin(), o.end(), T(0));
       T row_lse[kRows];
       for (int r = 0; r < nr; ++r) {
-        T* sr = &s[r * sk];
+        T* sr = s.data() + r * sk;
         T m = -std::numeric_limits<T>::infinity(), sum = 0;
         for (int64_t j = 0; j <= last[r]; ++j) m = std::max(m, sr[j]);
         for (int64_t j = 0; j <= last[r]; ++j) sum += (sr[j] = std::exp(sr[j] - m));
@@ -108,7 +108,7 @@ void attention(const Problem& p, const double* q, const double* k, const double*
         for (int r = 0; r < nr; ++r) {
           if (j > last[r]) continue;
           const T pj = s[r * sk + j];
-          T* orow = &o[r * d];
+          T* orow = o.data() + r * d;
           for (int64_t c = 0; c < d; ++c) orow[c] += pj * static_cast<T>(vj[c]);
         }
       }
