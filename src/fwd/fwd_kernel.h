@@ -29,6 +29,37 @@ __device__ __forceinline__ int num_key_blocks(int m_block, int seqlen_q, int seq
   return n_max;
 }
 
+// Named barriers (id 0 is __syncthreads).
+enum : int { kBarrierEpilogue = 1, kBarrierPingpongBase = 2 };
+__device__ __forceinline__ void named_barrier_sync(int threads, int id) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int threads, int id) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Pingpong (§3.1): consumer warpgroups take turns issuing their GEMMs, so that one warpgroup's
+// softmax runs while another's GEMMs run. Warpgroup w waits on barrier (base + w) before
+// issuing, and after issuing lets warpgroup (w + 1) % n go. Warpgroup 0 holds the first turn.
+// Every warpgroup of a block issues the same number of GEMM batches, so the turns stay matched.
+template <class Traits>
+struct PingpongScheduler {
+  int wg;
+  __device__ explicit PingpongScheduler(int consumer_wg) : wg(consumer_wg) {
+    if constexpr (Traits::kPingpong) {
+      if (wg == 0) named_barrier_arrive(256, kBarrierPingpongBase);
+    }
+  }
+  __device__ __forceinline__ void before_gemms() const {
+    if constexpr (Traits::kPingpong) named_barrier_sync(256, kBarrierPingpongBase + wg);
+  }
+  __device__ __forceinline__ void after_gemms() const {
+    if constexpr (Traits::kPingpong) {
+      named_barrier_arrive(256, kBarrierPingpongBase + (wg + 1) % Traits::kNumConsumerWG);
+    }
+  }
+};
+
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     fwd_kernel(const __grid_constant__ typename Traits::Params params) {
@@ -111,6 +142,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   // ====================================== consumers =======================================
   cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();  // line 12
   const int tidx = threadIdx.x - 128;
+  const int consumer_wg = warpgroup - 1;
   typename Traits::TiledMmaQK mma_qk;
   typename Traits::TiledMmaPV mma_pv;
   auto thr_qk = mma_qk.get_thread_slice(tidx);
@@ -133,34 +165,83 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   OnlineSoftmax<kRows> softmax(params.scale_log2);  // line 13
   clear(tOrO);
   const int row0 = m_block * kBlockM;
+  PingpongScheduler<Traits> scheduler(consumer_wg);
+
+  // S = Q K_j^T landed in tSrS: mask it where the block crosses the end of the keys or the
+  // causal diagonal, then the online softmax (lines 18-19), which returns the O rescale.
+  auto softmax_step = [&](int n_block, float (&rescale)[kRows]) {
+    const int col0 = n_block * kBlockN;
+    bool need_mask = col0 + kBlockN > params.seqlen_k;
+    if constexpr (Traits::kCausal) {
+      need_mask |= col0 + kBlockN - 1 > row0 + params.seqlen_k - params.seqlen_q;
+    }
+    if (need_mask) {
+      apply_mask<Traits::kCausal>(tSrS_rc, tScS_rc, row0, col0, params.seqlen_q, params.seqlen_k);
+    }
+    softmax.step(tSrS_rc, rescale);
+  };
 
   if (n_block_max > 0) {
     shared.barrier_q.wait(0);  // line 14
     PipelineState read;
-    for (int n_block = n_block_max - 1; n_block >= 0; --n_block) {
-      // Lines 16-17: S = Q K_j^T.
-      pipeline_k.consumer_wait(read);
-      warpgroup_gemm</*zero_init=*/true, /*wait=*/0>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
-      pipeline_k.consumer_release(read);
-      // Masking where the block crosses the end of the keys or the causal diagonal.
-      const int col0 = n_block * kBlockN;
-      bool need_mask = col0 + kBlockN > params.seqlen_k;
-      if constexpr (Traits::kCausal) {
-        need_mask |= col0 + kBlockN - 1 > row0 + params.seqlen_k - params.seqlen_q;
+    if constexpr (!Traits::kIntraWGOverlap) {
+      // Algorithm 1 as written: each GEMM is waited for before the softmax that follows it.
+      for (int n_block = n_block_max - 1; n_block >= 0; --n_block) {
+        pipeline_k.consumer_wait(read);
+        scheduler.before_gemms();
+        warpgroup_gemm</*zero_init=*/true, /*wait=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
+        scheduler.after_gemms();
+        warpgroup_wait<0>();
+        pipeline_k.consumer_release(read);
+        float rescale[kRows];
+        softmax_step(n_block, rescale);
+        scale_rows(tOrO_rc, rescale);
+        convert_into<Element>(tSrS, tOrP);
+        pipeline_v.consumer_wait(read);
+        scheduler.before_gemms();
+        warpgroup_gemm</*zero_init=*/false, /*wait=*/-1>(mma_pv, tOrP, tOrV(_, _, _, read.index()), tOrO);
+        scheduler.after_gemms();
+        warpgroup_wait<0>();
+        pipeline_v.consumer_release(read);
+        ++read;
       }
-      if (need_mask) {
-        apply_mask<Traits::kCausal>(tSrS_rc, tScS_rc, row0, col0, params.seqlen_q, params.seqlen_k);
-      }
-      // Lines 18-19: running max, P = exp(S - m), running sum; rescale O.
+    } else {
+      // Algorithm 2: the PV GEMM of block j runs on the tensor cores while the softmax of
+      // block j+1 runs on the FP32 and exp units. The first S is computed alone.
       float rescale[kRows];
-      softmax.step(tSrS_rc, rescale);
-      scale_rows(tOrO_rc, rescale);
+      pipeline_k.consumer_wait(read);
+      scheduler.before_gemms();
+      warpgroup_gemm</*zero_init=*/true, /*wait=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
+      scheduler.after_gemms();
+      warpgroup_wait<0>();
+      pipeline_k.consumer_release(read);
+      softmax_step(n_block_max - 1, rescale);  // O is 0: no rescale needed
       convert_into<Element>(tSrS, tOrP);
-      // Lines 20-22: O += P V_j, then hand the stage back to the producer.
-      pipeline_v.consumer_wait(read);
-      warpgroup_gemm</*zero_init=*/false, /*wait=*/0>(mma_pv, tOrP, tOrV(_, _, _, read.index()), tOrO);
-      pipeline_v.consumer_release(read);
+      PipelineState read_v = read;
       ++read;
+      for (int n_block = n_block_max - 2; n_block >= 0; --n_block) {
+        pipeline_k.consumer_wait(read);
+        scheduler.before_gemms();
+        warpgroup_gemm</*zero_init=*/true, /*wait=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
+        pipeline_v.consumer_wait(read_v);
+        warpgroup_gemm</*zero_init=*/false, /*wait=*/-1>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
+        scheduler.after_gemms();
+        warpgroup_wait<1>();  // S_{j+1} is ready; O += P_j V_j may still be running
+        pipeline_k.consumer_release(read);
+        softmax_step(n_block, rescale);
+        warpgroup_wait<0>();  // O += P_j V_j is done: P_j's registers are free
+        pipeline_v.consumer_release(read_v);
+        scale_rows(tOrO_rc, rescale);
+        convert_into<Element>(tSrS, tOrP);
+        read_v = read;
+        ++read;
+      }
+      pipeline_v.consumer_wait(read_v);
+      scheduler.before_gemms();
+      warpgroup_gemm</*zero_init=*/false, /*wait=*/-1>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
+      scheduler.after_gemms();
+      warpgroup_wait<0>();
+      pipeline_v.consumer_release(read_v);
     }
   }
 
@@ -169,28 +250,35 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   softmax.finalize(params.softmax_scale, inv_sum, lse);
   scale_rows(tOrO_rc, inv_sum);
 
-  // Line 25: write O (rows past seqlen_q are not written) and the log-sum-exp.
-  Tensor tOrOut = make_tensor<Element>(tOrO.layout());
-  convert_into<Element>(tOrO, tOrOut);
-  Tensor tOrOut_rc = make_tensor(tOrOut.data(), acc_layout_rowcol(tOrO.layout()));
+  // Line 25: the log-sum-exp straight from registers (one thread of each quad owns a row) ...
   Tensor tOcO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor tOcO_rc = make_tensor(tOcO.data(), acc_layout_rowcol(tOcO.layout()));
-  Element* out = params.out + batch * params.out_batch_stride + head * params.out_head_stride;
-  CUTLASS_PRAGMA_UNROLL
-  for (int m = 0; m < kRows; ++m) {
-    const int row = row0 + get<0>(tOcO_rc(m, 0));
-    if (row >= params.seqlen_q) continue;
-    Element* out_row = out + row * params.out_row_stride;
-    // NOTES: values (2i, 2i+1) of a row are adjacent columns: one 4-byte store per pair.
+  if (params.lse != nullptr && thread_in_wg % 4 == 0) {
+    float* lse_out = params.lse + batch * params.lse_batch_stride + head * params.lse_head_stride;
     CUTLASS_PRAGMA_UNROLL
-    for (int n = 0; n < size<1>(tOrOut_rc); n += 2) {
-      const int col = get<1>(tOcO_rc(m, n));
-      *reinterpret_cast<uint32_t*>(out_row + col) =
-          *reinterpret_cast<const uint32_t*>(&tOrOut_rc(m, n));
+    for (int m = 0; m < kRows; ++m) {
+      const int row = row0 + get<0>(tOcO_rc(m, 0));
+      if (row < params.seqlen_q) lse_out[row] = lse[m];
     }
-    if (params.lse != nullptr && thread_in_wg % 4 == 0) {
-      params.lse[batch * params.lse_batch_stride + head * params.lse_head_stride + row] = lse[m];
-    }
+  }
+  // ... and O through shared memory: each warpgroup writes its own 64 rows into the Q buffer
+  // (only its own S GEMMs read those rows, and they are done), then one thread sends the whole
+  // tile out with a TMA store, which clips the rows past seqlen_q.
+  Tensor tOrOut = make_tensor<Element>(tOrO.layout());
+  convert_into<Element>(tOrO, tOrOut);
+  auto smem_copy_o = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_pv);
+  auto thr_copy_o = smem_copy_o.get_thread_slice(tidx);
+  copy(smem_copy_o, thr_copy_o.retile_S(tOrOut), thr_copy_o.partition_D(sQ));
+  cutlass::arch::fence_view_async_shared();  // st.shared / stmatrix -> TMA (async proxy)
+  named_barrier_sync(Traits::kNumConsumerThreads, kBarrierEpilogue);
+  if (tidx == 0) {
+    Tensor mO = params.tma_o.get_tma_tensor(params.layout_q.shape());
+    Tensor gO = local_tile(mO(_, _, head, batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                           make_coord(m_block, _0{}));
+    auto [tOgO, tOsO] = tma_partition(params.tma_o, group_modes<0, 2>(sQ), group_modes<0, 2>(gO));
+    copy(params.tma_o, tOsO, tOgO);
+    tma_store_arrive();
+    tma_store_wait<0>();  // the block's shared memory must outlive the store's reads
   }
 }
 

@@ -12,15 +12,19 @@ namespace flash3::detail {
 
 using namespace cute;
 
-template <class Element_, int kHeadDim_, bool kCausal_>
+template <class Element_, int kHeadDim_, bool kCausal_, class Variant = FwdDefaultVariant>
 struct FwdTraits {
   using Element = Element_;
-  using Config = FwdTileConfig<kHeadDim_>;
+  using Config = FwdTileConfig<kHeadDim_, kCausal_>;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = Config::kBlockM;
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kStages = Config::kStages;
   static constexpr bool kCausal = kCausal_;
+  static constexpr bool kPingpong =
+      Variant::kPingpong < 0 ? Config::kPingpong : bool(Variant::kPingpong);
+  static constexpr bool kIntraWGOverlap =
+      Variant::kIntraWGOverlap < 0 ? Config::kIntraWGOverlap : bool(Variant::kIntraWGOverlap);
 
   // Warpgroup 0 is the producer (TMA); warpgroups 1.. are consumers, 64 query rows each.
   static constexpr int kNumConsumerWG = kBlockM / 64;
@@ -69,7 +73,13 @@ struct FwdTraits {
     return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), layout),
                          take<0, 2>(SmemLayoutK{}), Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
   }
+  // O goes out through shared memory (the Q buffer, free once the last S = Q K^T is done).
+  static auto make_tma_o(Element* ptr, LayoutQKV layout) {
+    return make_tma_copy(SM90_TMA_STORE{}, make_tensor(make_gmem_ptr(ptr), layout), SmemLayoutQ{},
+                         Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{});
+  }
   using TmaQ = decltype(make_tma_q(nullptr, LayoutQKV{}));
+  using TmaO = decltype(make_tma_o(nullptr, LayoutQKV{}));
   using TmaKV = decltype(make_tma_kv(nullptr, LayoutQKV{}));
 
   static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
@@ -81,9 +91,8 @@ struct FwdTraits {
   struct Params {
     TmaQ tma_q;
     TmaKV tma_k, tma_v;
+    TmaO tma_o;
     LayoutQKV layout_q, layout_k;  // logical shapes (TMA bounds) and strides
-    Element* out;
-    int64_t out_row_stride, out_head_stride, out_batch_stride;
     float* lse;  // may be null
     int64_t lse_head_stride, lse_batch_stride;
     int seqlen_q, seqlen_k, nheads, nheads_per_kv;

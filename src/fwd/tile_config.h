@@ -6,20 +6,42 @@
 // keeps O (64 x d / 128 floats) and S (64 x kBlockN / 128 floats), within the 240 registers
 // that setmaxnreg gives it.
 //
-//   head dim | kBlockM | kBlockN | stages | smem (bf16)
-//   ---------+---------+---------+--------+----------------------------
-//        64  |   128   |   128   |   2    | 16 + 2 x 32 = 80 KB
-//       128  |   128   |   128   |   2    | 32 + 2 x 64 = 160 KB
-//       256  |   128   |    80   |   2    | 64 + 2 x 80 = 224 KB
+// NOTES: pingpong (two or more consumer warpgroups taking turns at the tensor cores, §3.1) and
+// the intra-warpgroup GEMM-softmax overlap (Algorithm 2, §3.2) are on wherever registers allow.
+//
+//   head dim | kBlockM (WGs) | kBlockN            | stages | pingpong | overlap | smem (bf16)
+//   ---------+---------------+--------------------+--------+----------+---------+-------------
+//        64  |   128 (2)     | 128                |   2    |   yes    |   yes   | 16 + 2x32 = 80 KB
+//       128  |   128 (2)     | 176 (causal: 128)  |   2    |   yes    |   yes   | 32 + 2x88 = 208 KB
+//       256  |   128 (2)     |  80                |   2    |   no     |   yes   | 64 + 2x80 = 224 KB
 #pragma once
 
 namespace flash3 {
 
-template <int kHeadDim>
+// Technique switches, for the ablation of the paper's Table 2.
+struct FwdDefaultVariant {
+  static constexpr int kPingpong = -1;        // -1: as the tile config says; 0: off; 1: on
+  static constexpr int kIntraWGOverlap = -1;  // likewise
+};
+struct FwdNoPingpong { static constexpr int kPingpong = 0, kIntraWGOverlap = -1; };
+struct FwdNoOverlap { static constexpr int kPingpong = -1, kIntraWGOverlap = 0; };
+
+template <int kHeadDim, bool kCausal>
 struct FwdTileConfig;
 
-template <> struct FwdTileConfig<64>  { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2; };
-template <> struct FwdTileConfig<128> { static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2; };
-template <> struct FwdTileConfig<256> { static constexpr int kBlockM = 128, kBlockN = 80,  kStages = 2; };
+template <bool kCausal> struct FwdTileConfig<64, kCausal> {
+  // NOTES: 192 x 128 with three consumer warpgroups (FlashAttention-3's choice) leaves 160
+  // registers per consumer thread and ptxas spills a few values; two warpgroups do not spill.
+  static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2;
+  static constexpr bool kPingpong = true, kIntraWGOverlap = true;
+};
+template <bool kCausal> struct FwdTileConfig<128, kCausal> {
+  static constexpr int kBlockM = 128, kBlockN = kCausal ? 128 : 176, kStages = 2;
+  static constexpr bool kPingpong = true, kIntraWGOverlap = true;
+};
+template <bool kCausal> struct FwdTileConfig<256, kCausal> {
+  static constexpr int kBlockM = 128, kBlockN = 80, kStages = 2;
+  static constexpr bool kPingpong = false, kIntraWGOverlap = true;
+};
 
 }  // namespace flash3
