@@ -5,19 +5,44 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <sstream>
+#include <cstdio>
+#include <string>
 #include <vector>
 
 namespace flash3 {
 namespace {
 
-// The one place error messages are formatted: "flash3::fwd: " + the streamed pieces.
+// Message pieces as text. NOTES: plain std::string building, no iostreams: formatting through
+// std::ostream crashed (inside the locale machinery) when the library was loaded by ctypes
+// into a PyTorch process on the GPU machine.
+struct Arg;
+struct Dim;
+struct Layout;
+struct Name;
+std::string text(const char* s) { return s; }
+std::string text(int v) { return std::to_string(v); }
+std::string text(long v) { return std::to_string(v); }
+std::string text(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
+}
+std::string text(float v) { return text(double(v)); }
+std::string text(const void* p) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%p", p);
+  return buf;
+}
+std::string text(const Dim& x);
+std::string text(const Layout& x);
+std::string text(const Name& x);
+
+// The one place error messages are formatted: "flash3::fwd: " + the pieces.
 template <class... Parts>
 [[noreturn]] void fail(const Parts&... parts) {
-  std::ostringstream os;
-  os << "flash3::fwd: ";
-  (os << ... << parts);
-  throw Error(os.str());
+  std::string msg = "flash3::fwd: ";
+  ((msg += text(parts)), ...);
+  throw Error(msg);
 }
 
 // An argument, the names of its dims, and the rank it must have.
@@ -31,29 +56,30 @@ const char* const kQDims[] = {"batch", "seqlen_q", "nheads", "head_dim"};
 const char* const kKDims[] = {"batch", "seqlen_k", "nheads_kv", "head_dim"};
 const char* const kLseDims[] = {"batch", "nheads", "seqlen_q"};
 
-// Streams as "q.shape[3] (head_dim)".
+// "q.shape[3] (head_dim)".
 struct Dim {
   const Arg& a;
   int d;
 };
-std::ostream& operator<<(std::ostream& os, const Dim& x) {
-  return os << x.a.name << ".shape[" << x.d << "] (" << x.a.dims[x.d] << ")";
+std::string text(const Dim& x) {
+  return std::string(x.a.name) + ".shape[" + std::to_string(x.d) + "] (" + x.a.dims[x.d] + ")";
 }
-// Streams as "(batch, seqlen_q, nheads, head_dim)".
+// "(batch, seqlen_q, nheads, head_dim)".
 struct Layout {
   const Arg& a;
 };
-std::ostream& operator<<(std::ostream& os, const Layout& x) {
-  for (int d = 0; d < x.a.rank; ++d) os << (d ? ", " : "(") << x.a.dims[d];
-  return os << ")";
+std::string text(const Layout& x) {
+  std::string s;
+  for (int d = 0; d < x.a.rank; ++d) s += std::string(d ? ", " : "(") + x.a.dims[d];
+  return s + ")";
 }
-// Streams a dtype name, or the code of a value that is not a DType.
+// A dtype name, or the code of a value that is not a DType.
 struct Name {
   DType dtype;
 };
-std::ostream& operator<<(std::ostream& os, const Name& x) {
-  if (dtype_size(x.dtype) == 0) return os << "unknown (code " << static_cast<int>(x.dtype) << ")";
-  return os << dtype_name(x.dtype);
+std::string text(const Name& x) {
+  if (dtype_size(x.dtype) == 0) return "unknown (code " + std::to_string(static_cast<int>(x.dtype)) + ")";
+  return dtype_name(x.dtype);
 }
 
 void check_same(const Arg& a, int da, const Arg& b, int db, const char* rule) {
