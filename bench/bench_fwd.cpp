@@ -5,7 +5,9 @@
 // random (never zero) inputs. On a machine without a Hopper GPU it says so and exits 2.
 //
 // usage: flash3_bench [--dtype bf16|fp16] [--hdims 64,128,256] [--seqlens 512,...] [--reps N]
-//                     [--causal 0|1|both] [--json PATH]
+//                     [--causal 0|1|both] [--json PATH] [--ablation 1]
+// --ablation 1: the paper's Table 2 instead (batch 4, seqlen 8448, 16 heads, hdim 128, bf16,
+// non-causal), once per technique switched off.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -50,6 +52,7 @@ int main(int argc, char** argv) {
   int reps = 10;
   flash3::DType dtype = flash3::DType::kBFloat16;
   const char* json_path = nullptr;
+  bool ablation = false;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     if (a == "--hdims") hdims = parse_list(argv[i + 1]);
@@ -58,6 +61,7 @@ int main(int argc, char** argv) {
     else if (a == "--causal") causals = std::string(argv[i + 1]) == "both" ? std::vector<int>{0, 1} : std::vector<int>{std::atoi(argv[i + 1])};
     else if (a == "--dtype") dtype = std::string(argv[i + 1]) == "fp16" ? flash3::DType::kFloat16 : flash3::DType::kBFloat16;
     else if (a == "--json") json_path = argv[i + 1];
+    else if (a == "--ablation") ablation = std::atoi(argv[i + 1]) != 0;
     else { std::fprintf(stderr, "flash3_bench: unknown option %s\n", a.c_str()); return 1; }
   }
   std::string why;
@@ -68,9 +72,9 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop;
   check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
 
-  // One buffer set sized for the largest problem (16384 tokens x 2048 hidden), filled with
+  // One buffer set sized for the largest problem (4 x 8448 tokens x 2048 hidden), filled with
   // random values, reused by every point (each point reads all of q, k, v it uses).
-  const size_t tokens = 16384, hidden = 2048, n = tokens * hidden;
+  const size_t tokens = 16384, hidden = 2048, n = size_t(4) * 8448 * hidden;  // ablation's size
   std::vector<uint16_t> host(n);
   std::mt19937 rng(0);
   std::normal_distribution<float> normal(0.f, 1.f);
@@ -80,7 +84,7 @@ int main(int argc, char** argv) {
   check(cudaMalloc(&k, n * 2), "cudaMalloc");
   check(cudaMalloc(&v, n * 2), "cudaMalloc");
   check(cudaMalloc(&out, n * 2), "cudaMalloc");
-  check(cudaMalloc(&lse, tokens * 64 * 4), "cudaMalloc");
+  check(cudaMalloc(&lse, n / 64 * 4), "cudaMalloc");
   check(cudaMemcpy(q, host.data(), n * 2, cudaMemcpyHostToDevice), "cudaMemcpy");
   for (auto& x : host) x = bf16_bits(normal(rng));
   check(cudaMemcpy(k, host.data(), n * 2, cudaMemcpyHostToDevice), "cudaMemcpy");
@@ -100,6 +104,52 @@ int main(int argc, char** argv) {
   check(cudaEventCreate(&start), "cudaEventCreate");
   check(cudaEventCreate(&stop), "cudaEventCreate");
   std::printf("device: %s (%d SMs)\n", prop.name, prop.multiProcessorCount);
+  // Median time of one forward call in ms (3 warm-ups, `reps` timed runs); -1 on error.
+  auto time_ms = [&](const flash3::FwdArgs& args) -> double {
+    std::vector<float> ms(reps);
+    try {
+      for (int i = 0; i < 3; ++i) flash3::fwd(args);
+      for (int i = 0; i < reps; ++i) {
+        check(cudaEventRecord(start), "cudaEventRecord");
+        flash3::fwd(args);
+        check(cudaEventRecord(stop), "cudaEventRecord");
+        check(cudaEventSynchronize(stop), "cudaEventSynchronize");
+        check(cudaEventElapsedTime(&ms[i], start, stop), "cudaEventElapsedTime");
+      }
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "flash3_bench: %s\n", e.what());
+      return -1;
+    }
+    std::sort(ms.begin(), ms.end());
+    return ms[reps / 2];
+  };
+  if (ablation) {
+    const int b = 4, s = 8448, h = 16, d = 128;
+    const double flops = 4.0 * b * h * double(s) * s * d;
+    const struct { flash3::FwdVariant v; const char* name; } rows[] = {
+        {flash3::FwdVariant::kDefault, "flash3 (all techniques)"},
+        {flash3::FwdVariant::kNoOverlap, "no GEMM-softmax pipelining"},
+        {flash3::FwdVariant::kNoPingpong, "no pingpong"},
+        {flash3::FwdVariant::kNoPersistent, "no persistent scheduler"},
+    };
+    std::printf("ablation (paper Table 2): batch %d, seqlen %d, %d heads, hdim %d, bf16, non-causal\n", b, s, h, d);
+    FILE* json = json_path ? std::fopen(json_path, "w") : nullptr;
+    if (json) std::fprintf(json, "{\"device\": \"%s\", \"ablation\": [\n", prop.name);
+    for (size_t i = 0; i < sizeof(rows) / sizeof(rows[0]); ++i) {
+      flash3::FwdArgs args;
+      args.q = flash3::TensorRef::contiguous(q, flash3::DType::kBFloat16, {b, s, h, d});
+      args.k = args.q; args.k.data = k;
+      args.v = args.q; args.v.data = v;
+      args.out = args.q; args.out.data = out;
+      args.variant = rows[i].v;
+      const double med = time_ms(args);
+      if (med < 0) return 1;
+      std::printf("%-30s %8.3f ms %8.1f TFLOP/s\n", rows[i].name, med, flops / (med * 1e-3) / 1e12);
+      if (json) std::fprintf(json, "%s  {\"config\": \"%s\", \"ms\": %.5f, \"tflops\": %.2f}", i ? ",\n" : "", rows[i].name, med, flops / (med * 1e-3) / 1e12);
+    }
+    if (json) { std::fprintf(json, "\n]}\n"); std::fclose(json); }
+    return 0;
+  }
   std::printf("%-5s %-6s %-7s %-5s %-6s %10s %10s\n", "hdim", "causal", "seqlen", "batch", "heads", "ms", "TFLOP/s");
   FILE* json = json_path ? std::fopen(json_path, "w") : nullptr;
   if (json) std::fprintf(json, "{\"device\": \"%s\", \"points\": [\n", prop.name);
@@ -115,22 +165,8 @@ int main(int argc, char** argv) {
         args.out = flash3::TensorRef::contiguous(out, dtype, {b, s, h, d});
         args.lse = flash3::TensorRef::contiguous(lse, flash3::DType::kFloat32, {b, h, s});
         args.causal = causal != 0;
-        std::vector<float> ms(reps);
-        try {
-          for (int i = 0; i < 3; ++i) flash3::fwd(args);
-          for (int i = 0; i < reps; ++i) {
-            check(cudaEventRecord(start), "cudaEventRecord");
-            flash3::fwd(args);
-            check(cudaEventRecord(stop), "cudaEventRecord");
-            check(cudaEventSynchronize(stop), "cudaEventSynchronize");
-            check(cudaEventElapsedTime(&ms[i], start, stop), "cudaEventElapsedTime");
-          }
-        } catch (const std::exception& e) {
-          std::fprintf(stderr, "flash3_bench: %s\n", e.what());
-          return 1;
-        }
-        std::sort(ms.begin(), ms.end());
-        const double med = ms[reps / 2];
+        const double med = time_ms(args);
+        if (med < 0) return 1;
         const double flops = 4.0 * b * h * double(s) * s * d / (causal ? 2.0 : 1.0);
         const double tflops = flops / (med * 1e-3) / 1e12;
         std::printf("%-5d %-6s %-7d %-5d %-6d %10.3f %10.1f\n", d, causal ? "yes" : "no", s, b, h, med, tflops);

@@ -57,6 +57,16 @@ class CudaError : public Error {
   explicit CudaError(const std::string& what) : Error(what) {}
 };
 
+// Benchmark switches that turn one technique of the forward kernel off (the paper's Table 2).
+// kNoPersistent works everywhere; kNoPingpong and kNoOverlap are built for bfloat16, head dim
+// 128, non-causal only (fwd() throws flash3::Error elsewhere).
+enum class FwdVariant : int {
+  kDefault = 0,
+  kNoPersistent = 1,  // one block per tile instead of one persistent block per SM
+  kNoPingpong = 2,    // consumer warpgroups issue their GEMMs without taking turns
+  kNoOverlap = 3,     // no intra-warpgroup GEMM-softmax pipelining (Algorithm 1 as written)
+};
+
 struct FwdArgs {
   TensorRef q, k, v;
   TensorRef out;
@@ -66,6 +76,7 @@ struct FwdArgs {
   // j <= i + seqlen_k - seqlen_q. Query rows that can see no key get out = 0 and lse = +inf.
   bool causal = false;
   cudaStream_t stream = nullptr;
+  FwdVariant variant = FwdVariant::kDefault;
 };
 
 // Forward attention: out = softmax(scale * q k^T [masked]) v, and the log-sum-exp.

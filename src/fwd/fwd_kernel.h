@@ -1,5 +1,6 @@
 // flash3: the warp-specialized forward kernel, Algorithm 1 of the FlashAttention-3 paper
-// (shared/paper, §3.1). One block computes one (kBlockM query rows, head, batch) tile of O.
+// (shared/paper, §3.1), with pingpong (§3.1), the intra-warpgroup overlap (Algorithm 2, §3.2) and
+// a persistent tile loop (tile_scheduler.h). A tile is (kBlockM query rows, head, batch) of O.
 //   warpgroup 0      producer: TMA loads of Q_i once and of K_j, V_j into a kStages-deep ring
 //                    of shared-memory buffers, each stage guarded by a full/empty mbarrier pair.
 //   warpgroups 1..   consumers, 64 query rows each: S = Q K^T (WGMMA, both from shared memory),
@@ -11,6 +12,7 @@
 #include "fwd/kernel_traits.h"
 #include "fwd/mask.h"
 #include "fwd/softmax.h"
+#include "fwd/tile_scheduler.h"
 #include "fwd/utils.h"
 
 namespace flash3::detail {
@@ -67,20 +69,20 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   using Pipeline = typename Traits::Pipeline;
   using PipelineState = typename Traits::PipelineState;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  using TileQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
+  using TileKV = Shape<Int<kBlockN>, Int<kHeadDim>>;
 
   extern __shared__ __align__(1024) char smem_raw[];
   auto& shared = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
 
   const int warpgroup = cutlass::canonical_warp_group_idx();
   const int thread_in_wg = threadIdx.x % 128;
-  // NOTES: heavy query blocks first: under a causal mask the last query blocks see the most
-  // keys, so launching them first shortens the tail of the grid.
-  const int m_block = Traits::kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const int head = blockIdx.y, batch = blockIdx.z;
-  const int head_kv = head / params.nheads_per_kv;  // GQA/MQA by indexing, never by copying
-  const int n_block_max = num_key_blocks<Traits>(m_block, params.seqlen_q, params.seqlen_k);
+  const FwdTileScheduler<Traits::kCausal> scheduler(params.seqlen_q, kBlockM, params.nheads,
+                                                    params.batch);
 
-  // Line 1: the pipeline objects over the shared-memory ring.
+  // Line 1: the pipeline objects over the shared-memory ring, and the two barriers of the Q
+  // buffer: "Q has landed" (producer -> consumers) and "O has left" (consumers -> producer; the
+  // Q buffer doubles as the staging buffer of the O store).
   const bool is_producer_thread = warpgroup == 0 && thread_in_wg == 0;
   typename Pipeline::Params pipe_params;
   pipe_params.transaction_bytes = Traits::kTmaBytesKV;
@@ -90,9 +92,11 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   pipe_params.num_consumers = Traits::kNumConsumerThreads;
   if (threadIdx.x == 0) {
     shared.barrier_q.init(1);
+    shared.barrier_o.init(1);
     cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_o.get_tma_descriptor());
   }
   Pipeline pipeline_k(shared.pipeline_k, pipe_params, Shape<_1, _1, _1>{});
   Pipeline pipeline_v(shared.pipeline_v, pipe_params, Shape<_1, _1, _1>{});
@@ -106,35 +110,54 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   if (warpgroup == 0) {
     // ===================================== producer ======================================
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();  // line 3
-    if (is_producer_thread && n_block_max > 0) {
-      Tensor mQ = params.tma_q.get_tma_tensor(params.layout_q.shape());
-      Tensor mK = params.tma_k.get_tma_tensor(params.layout_k.shape());
-      Tensor mV = params.tma_v.get_tma_tensor(params.layout_k.shape());
-      Tensor gQ = local_tile(mQ(_, _, head, batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
-                             make_coord(m_block, _0{}));
-      Tensor gK = local_tile(mK(_, _, head_kv, batch), Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                             make_coord(_, _0{}));  // (kBlockN, d, n_blocks)
-      Tensor gV = local_tile(mV(_, _, head_kv, batch), Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                             make_coord(_, _0{}));
-      auto [tQgQ, tQsQ] = tma_partition(params.tma_q, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-      auto [tKgK, tKsK] = tma_partition(params.tma_k, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-      auto [tVgV, tVsV] = tma_partition(params.tma_v, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-
-      // Lines 4-5: Q_i once; the barrier completes when its bytes have landed.
+    if (!is_producer_thread) return;
+    Tensor mQ = params.tma_q.get_tma_tensor(params.layout_q.shape());
+    Tensor mK = params.tma_k.get_tma_tensor(params.layout_k.shape());
+    Tensor mV = params.tma_v.get_tma_tensor(params.layout_k.shape());
+    PipelineState write_k = cutlass::make_producer_start_state<Pipeline>();
+    PipelineState write_v = cutlass::make_producer_start_state<Pipeline>();
+    int tiles_done = 0;
+    for (int t = blockIdx.x; t < scheduler.num_tiles; t += gridDim.x, ++tiles_done) {
+      const FwdTile tile = scheduler.tile(t);
+      const int head_kv = tile.head / params.nheads_per_kv;  // GQA/MQA by indexing
+      const int n_block_max = num_key_blocks<Traits>(tile.m_block, params.seqlen_q, params.seqlen_k);
+      Tensor gQ = local_tile(mQ(_, _, tile.head, tile.batch), TileQ{}, make_coord(tile.m_block, _0{}));
+      Tensor gK = local_tile(mK(_, _, head_kv, tile.batch), TileKV{}, make_coord(_, _0{}));
+      Tensor gV = local_tile(mV(_, _, head_kv, tile.batch), TileKV{}, make_coord(_, _0{}));
+      auto q_parts = tma_partition(params.tma_q, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+      auto k_parts = tma_partition(params.tma_k, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+      auto v_parts = tma_partition(params.tma_v, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+      Tensor tKgK = get<0>(k_parts);  // (TMA, n_block)
+      Tensor tKsK = get<1>(k_parts);  // (TMA, stage)
+      Tensor tVgV = get<0>(v_parts);
+      Tensor tVsV = get<1>(v_parts);
+      auto load_k = [&](int n_block) {
+        pipeline_k.producer_acquire(write_k);  // line 7
+        copy(params.tma_k.with(*pipeline_k.producer_get_barrier(write_k)), tKgK(_, n_block),
+             tKsK(_, write_k.index()));
+        ++write_k;
+      };
+      auto load_v = [&](int n_block) {
+        pipeline_v.producer_acquire(write_v);
+        copy(params.tma_v.with(*pipeline_v.producer_get_barrier(write_v)), tVgV(_, n_block),
+             tVsV(_, write_v.index()));
+        ++write_v;
+      };
+      // NOTES: the first K of this tile is issued before waiting for the previous tile's O
+      // to leave the Q buffer, so it streams in during that epilogue.
+      if (n_block_max > 0) load_k(n_block_max - 1);
+      if (tiles_done > 0) shared.barrier_o.wait((tiles_done - 1) & 1);
+      // Lines 4-5: Q_i, loaded for every tile (also one with no visible key) so that the
+      // consumers' wait on it orders each O store after the previous one.
       shared.barrier_q.arrive_and_expect_tx(Traits::kTmaBytesQ);
-      copy(params.tma_q.with(reinterpret_cast<uint64_t&>(shared.barrier_q)), tQgQ, tQsQ);
-
-      // Lines 6-10: K_j, V_j into stage j % kStages once the consumers have released it.
-      PipelineState write = cutlass::make_producer_start_state<Pipeline>();
-      for (int n_block = n_block_max - 1; n_block >= 0; --n_block) {
-        pipeline_k.producer_acquire(write);
-        copy(params.tma_k.with(*pipeline_k.producer_get_barrier(write)), tKgK(_, n_block),
-             tKsK(_, write.index()));
-        pipeline_v.producer_acquire(write);
-        copy(params.tma_v.with(*pipeline_v.producer_get_barrier(write)), tVgV(_, n_block),
-             tVsV(_, write.index()));
-        ++write;
+      copy(params.tma_q.with(reinterpret_cast<uint64_t&>(shared.barrier_q)), get<0>(q_parts),
+           get<1>(q_parts));
+      // Lines 6-10, in the order the consumers use them: K_{j+1} is needed before V_j.
+      for (int n_block = n_block_max - 2; n_block >= 0; --n_block) {
+        load_k(n_block);
+        load_v(n_block + 1);
       }
+      if (n_block_max > 0) load_v(0);
     }
     return;
   }
@@ -142,7 +165,6 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   // ====================================== consumers =======================================
   cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();  // line 12
   const int tidx = threadIdx.x - 128;
-  const int consumer_wg = warpgroup - 1;
   typename Traits::TiledMmaQK mma_qk;
   typename Traits::TiledMmaPV mma_pv;
   auto thr_qk = mma_qk.get_thread_slice(tidx);
@@ -151,134 +173,146 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // descriptors into shared memory
   Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stage)
   Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stage)
-  Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  Tensor tOrO = partition_fragment_C(mma_pv, TileQ{});
   Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
   Tensor tSrS_rc = make_tensor(tSrS.data(), acc_layout_rowcol(tSrS.layout()));
   Tensor tOrO_rc = make_tensor(tOrO.data(), acc_layout_rowcol(tOrO.layout()));
   // P in the input precision, laid out as the A operand of the PV WGMMA.
   Tensor tOrP = make_tensor<Element>(acc_layout_as_a_operand(tSrS.layout()));
-  // (row, col) coordinates of this thread's scores inside the tile, for masking.
+  // (row, col) coordinates of this thread's scores / outputs inside the tile.
   Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
   Tensor tScS_rc = make_tensor(tScS.data(), acc_layout_rowcol(tScS.layout()));
-  constexpr int kRows = decltype(size<0>(tSrS_rc))::value;
-
-  OnlineSoftmax<kRows> softmax(params.scale_log2);  // line 13
-  clear(tOrO);
-  const int row0 = m_block * kBlockM;
-  PingpongScheduler<Traits> scheduler(consumer_wg);
-
-  // S = Q K_j^T landed in tSrS: mask it where the block crosses the end of the keys or the
-  // causal diagonal, then the online softmax (lines 18-19), which returns the O rescale.
-  auto softmax_step = [&](int n_block, float (&rescale)[kRows]) {
-    const int col0 = n_block * kBlockN;
-    bool need_mask = col0 + kBlockN > params.seqlen_k;
-    if constexpr (Traits::kCausal) {
-      need_mask |= col0 + kBlockN - 1 > row0 + params.seqlen_k - params.seqlen_q;
-    }
-    if (need_mask) {
-      apply_mask<Traits::kCausal>(tSrS_rc, tScS_rc, row0, col0, params.seqlen_q, params.seqlen_k);
-    }
-    softmax.step(tSrS_rc, rescale);
-  };
-
-  if (n_block_max > 0) {
-    shared.barrier_q.wait(0);  // line 14
-    PipelineState read;
-    if constexpr (!Traits::kIntraWGOverlap) {
-      // Algorithm 1 as written: each GEMM is waited for before the softmax that follows it.
-      for (int n_block = n_block_max - 1; n_block >= 0; --n_block) {
-        pipeline_k.consumer_wait(read);
-        scheduler.before_gemms();
-        warpgroup_gemm</*zero_init=*/true, /*wait=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
-        scheduler.after_gemms();
-        warpgroup_wait<0>();
-        pipeline_k.consumer_release(read);
-        float rescale[kRows];
-        softmax_step(n_block, rescale);
-        scale_rows(tOrO_rc, rescale);
-        convert_into<Element>(tSrS, tOrP);
-        pipeline_v.consumer_wait(read);
-        scheduler.before_gemms();
-        warpgroup_gemm</*zero_init=*/false, /*wait=*/-1>(mma_pv, tOrP, tOrV(_, _, _, read.index()), tOrO);
-        scheduler.after_gemms();
-        warpgroup_wait<0>();
-        pipeline_v.consumer_release(read);
-        ++read;
-      }
-    } else {
-      // Algorithm 2: the PV GEMM of block j runs on the tensor cores while the softmax of
-      // block j+1 runs on the FP32 and exp units. The first S is computed alone.
-      float rescale[kRows];
-      pipeline_k.consumer_wait(read);
-      scheduler.before_gemms();
-      warpgroup_gemm</*zero_init=*/true, /*wait=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
-      scheduler.after_gemms();
-      warpgroup_wait<0>();
-      pipeline_k.consumer_release(read);
-      softmax_step(n_block_max - 1, rescale);  // O is 0: no rescale needed
-      convert_into<Element>(tSrS, tOrP);
-      PipelineState read_v = read;
-      ++read;
-      for (int n_block = n_block_max - 2; n_block >= 0; --n_block) {
-        pipeline_k.consumer_wait(read);
-        scheduler.before_gemms();
-        warpgroup_gemm</*zero_init=*/true, /*wait=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
-        pipeline_v.consumer_wait(read_v);
-        warpgroup_gemm</*zero_init=*/false, /*wait=*/-1>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
-        scheduler.after_gemms();
-        warpgroup_wait<1>();  // S_{j+1} is ready; O += P_j V_j may still be running
-        pipeline_k.consumer_release(read);
-        softmax_step(n_block, rescale);
-        warpgroup_wait<0>();  // O += P_j V_j is done: P_j's registers are free
-        pipeline_v.consumer_release(read_v);
-        scale_rows(tOrO_rc, rescale);
-        convert_into<Element>(tSrS, tOrP);
-        read_v = read;
-        ++read;
-      }
-      pipeline_v.consumer_wait(read_v);
-      scheduler.before_gemms();
-      warpgroup_gemm</*zero_init=*/false, /*wait=*/-1>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
-      scheduler.after_gemms();
-      warpgroup_wait<0>();
-      pipeline_v.consumer_release(read_v);
-    }
-  }
-
-  // Line 24: O / rowsum, LSE = m + log(rowsum).
-  float inv_sum[kRows], lse[kRows];
-  softmax.finalize(params.softmax_scale, inv_sum, lse);
-  scale_rows(tOrO_rc, inv_sum);
-
-  // Line 25: the log-sum-exp straight from registers (one thread of each quad owns a row) ...
-  Tensor tOcO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor tOcO = thr_pv.partition_C(make_identity_tensor(TileQ{}));
   Tensor tOcO_rc = make_tensor(tOcO.data(), acc_layout_rowcol(tOcO.layout()));
-  if (params.lse != nullptr && thread_in_wg % 4 == 0) {
-    float* lse_out = params.lse + batch * params.lse_batch_stride + head * params.lse_head_stride;
-    CUTLASS_PRAGMA_UNROLL
-    for (int m = 0; m < kRows; ++m) {
-      const int row = row0 + get<0>(tOcO_rc(m, 0));
-      if (row < params.seqlen_q) lse_out[row] = lse[m];
-    }
-  }
-  // ... and O through shared memory: each warpgroup writes its own 64 rows into the Q buffer
-  // (only its own S GEMMs read those rows, and they are done), then one thread sends the whole
-  // tile out with a TMA store, which clips the rows past seqlen_q.
-  Tensor tOrOut = make_tensor<Element>(tOrO.layout());
-  convert_into<Element>(tOrO, tOrOut);
+  constexpr int kRows = decltype(size<0>(tSrS_rc))::value;
   auto smem_copy_o = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_pv);
   auto thr_copy_o = smem_copy_o.get_thread_slice(tidx);
-  copy(smem_copy_o, thr_copy_o.retile_S(tOrOut), thr_copy_o.partition_D(sQ));
-  cutlass::arch::fence_view_async_shared();  // st.shared / stmatrix -> TMA (async proxy)
-  named_barrier_sync(Traits::kNumConsumerThreads, kBarrierEpilogue);
-  if (tidx == 0) {
-    Tensor mO = params.tma_o.get_tma_tensor(params.layout_q.shape());
-    Tensor gO = local_tile(mO(_, _, head, batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
-                           make_coord(m_block, _0{}));
-    auto [tOgO, tOsO] = tma_partition(params.tma_o, group_modes<0, 2>(sQ), group_modes<0, 2>(gO));
-    copy(params.tma_o, tOsO, tOgO);
-    tma_store_arrive();
-    tma_store_wait<0>();  // the block's shared memory must outlive the store's reads
+  Tensor mO = params.tma_o.get_tma_tensor(params.layout_q.shape());
+
+  PingpongScheduler<Traits> turns(warpgroup - 1);
+  PipelineState read_k, read_v;
+  int tiles_done = 0;
+  for (int t = blockIdx.x; t < scheduler.num_tiles; t += gridDim.x, ++tiles_done) {
+    const FwdTile tile = scheduler.tile(t);
+    const int n_block_max = num_key_blocks<Traits>(tile.m_block, params.seqlen_q, params.seqlen_k);
+    const int row0 = tile.m_block * kBlockM;
+    OnlineSoftmax<kRows> softmax(params.scale_log2);  // line 13
+    clear(tOrO);
+
+    // S = Q K_j^T landed in tSrS: mask it where the block crosses the end of the keys or the
+    // causal diagonal, then the online softmax (lines 18-19), which returns the O rescale.
+    auto softmax_step = [&](int n_block, float (&rescale)[kRows]) {
+      const int col0 = n_block * kBlockN;
+      bool need_mask = col0 + kBlockN > params.seqlen_k;
+      if constexpr (Traits::kCausal) {
+        need_mask |= col0 + kBlockN - 1 > row0 + params.seqlen_k - params.seqlen_q;
+      }
+      if (need_mask) {
+        apply_mask<Traits::kCausal>(tSrS_rc, tScS_rc, row0, col0, params.seqlen_q, params.seqlen_k);
+      }
+      softmax.step(tSrS_rc, rescale);
+    };
+    auto gemm_qk = [&]() {
+      warpgroup_gemm</*zero_init=*/true, /*wait=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
+    };
+    auto gemm_pv = [&]() {
+      warpgroup_gemm</*zero_init=*/false, /*wait=*/-1>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
+    };
+
+    shared.barrier_q.wait(tiles_done & 1);  // line 14
+    if (n_block_max > 0) {
+      if constexpr (!Traits::kIntraWGOverlap) {
+        // Algorithm 1 as written: each GEMM is waited for before the softmax that follows it.
+        for (int n_block = n_block_max - 1; n_block >= 0; --n_block) {
+          pipeline_k.consumer_wait(read_k);  // lines 16-17
+          turns.before_gemms();
+          gemm_qk();
+          turns.after_gemms();
+          warpgroup_wait<0>();
+          pipeline_k.consumer_release(read_k);
+          ++read_k;
+          float rescale[kRows];
+          softmax_step(n_block, rescale);
+          scale_rows(tOrO_rc, rescale);
+          convert_into<Element>(tSrS, tOrP);
+          pipeline_v.consumer_wait(read_v);  // lines 20-22
+          turns.before_gemms();
+          gemm_pv();
+          turns.after_gemms();
+          warpgroup_wait<0>();
+          pipeline_v.consumer_release(read_v);
+          ++read_v;
+        }
+      } else {
+        // Algorithm 2: the PV GEMM of block j runs on the tensor cores while the softmax of
+        // block j+1 runs on the FP32 and exp units. The first S is computed alone.
+        float rescale[kRows];
+        pipeline_k.consumer_wait(read_k);
+        turns.before_gemms();
+        gemm_qk();
+        turns.after_gemms();
+        warpgroup_wait<0>();
+        pipeline_k.consumer_release(read_k);
+        ++read_k;
+        softmax_step(n_block_max - 1, rescale);  // O is 0: no rescale needed
+        convert_into<Element>(tSrS, tOrP);
+        for (int n_block = n_block_max - 2; n_block >= 0; --n_block) {
+          pipeline_k.consumer_wait(read_k);
+          turns.before_gemms();
+          gemm_qk();
+          pipeline_v.consumer_wait(read_v);
+          gemm_pv();
+          turns.after_gemms();
+          warpgroup_wait<1>();  // S_{j+1} is ready; O += P_j V_j may still be running
+          pipeline_k.consumer_release(read_k);
+          ++read_k;
+          softmax_step(n_block, rescale);
+          warpgroup_wait<0>();  // O += P_j V_j is done: P_j's registers are free
+          pipeline_v.consumer_release(read_v);
+          ++read_v;
+          scale_rows(tOrO_rc, rescale);
+          convert_into<Element>(tSrS, tOrP);
+        }
+        pipeline_v.consumer_wait(read_v);
+        turns.before_gemms();
+        gemm_pv();
+        turns.after_gemms();
+        warpgroup_wait<0>();
+        pipeline_v.consumer_release(read_v);
+        ++read_v;
+      }
+    }
+
+    // Line 24: O / rowsum, LSE = m + log(rowsum).
+    float inv_sum[kRows], lse[kRows];
+    softmax.finalize(params.softmax_scale, inv_sum, lse);
+    scale_rows(tOrO_rc, inv_sum);
+
+    // Line 25: the log-sum-exp straight from registers (one thread of each quad owns a row) ...
+    if (params.lse != nullptr && thread_in_wg % 4 == 0) {
+      float* lse_out = params.lse + tile.batch * params.lse_batch_stride + tile.head * params.lse_head_stride;
+      CUTLASS_PRAGMA_UNROLL
+      for (int m = 0; m < kRows; ++m) {
+        const int row = row0 + get<0>(tOcO_rc(m, 0));
+        if (row < params.seqlen_q) lse_out[row] = lse[m];
+      }
+    }
+    // ... and O through shared memory: each warpgroup writes its own 64 rows into the Q buffer
+    // (only its own S GEMMs read those rows, and they are done), then one thread sends the
+    // whole tile out with a TMA store, which clips the rows past seqlen_q.
+    Tensor tOrOut = make_tensor<Element>(tOrO.layout());
+    convert_into<Element>(tOrO, tOrOut);
+    copy(smem_copy_o, thr_copy_o.retile_S(tOrOut), thr_copy_o.partition_D(sQ));
+    cutlass::arch::fence_view_async_shared();  // st.shared / stmatrix -> TMA (async proxy)
+    named_barrier_sync(Traits::kNumConsumerThreads, kBarrierEpilogue);
+    if (tidx == 0) {
+      Tensor gO = local_tile(mO(_, _, tile.head, tile.batch), TileQ{}, make_coord(tile.m_block, _0{}));
+      auto [tOgO, tOsO] = tma_partition(params.tma_o, group_modes<0, 2>(sQ), group_modes<0, 2>(gO));
+      copy(params.tma_o, tOsO, tOgO);
+      tma_store_arrive();
+      tma_store_wait<0>();         // the store has read the Q buffer ...
+      shared.barrier_o.arrive();   // ... so the producer may load the next Q into it
+    }
   }
 }
 

@@ -2,15 +2,24 @@
 // descriptors and the parameters, picks the causal or non-causal kernel, and launches.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
+#include <string>
 
 #include "fwd/fwd_dispatch.h"
 #include "fwd/fwd_kernel.h"
 
 namespace flash3::detail {
 
+inline int num_sms() {
+  int device = 0, sms = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+  return sms;
+}
+
 template <class Traits>
-void launch_fwd(const FwdProblem& p, const FwdArgs& args) {
+void launch_fwd(const FwdProblem& p, const FwdArgs& args, bool persistent = true) {
   using Element = typename Traits::Element;
   using Params = typename Traits::Params;
   auto qkv_layout = [](const TensorRef& t) {
@@ -32,6 +41,7 @@ void launch_fwd(const FwdProblem& p, const FwdArgs& args) {
       p.write_lse ? static_cast<float*>(args.lse.data) : nullptr,
       p.write_lse ? args.lse.stride[1] : 0,
       p.write_lse ? args.lse.stride[0] : 0,
+      p.batch,
       p.seqlen_q,
       p.seqlen_k,
       p.nheads,
@@ -43,17 +53,35 @@ void launch_fwd(const FwdProblem& p, const FwdArgs& args) {
   constexpr int kSmem = Traits::kSmemBytes;
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
              "cudaFuncSetAttribute(max dynamic shared memory)");
-  const dim3 grid(cute::ceil_div(p.seqlen_q, Traits::kBlockM), p.nheads, p.batch);
+  // Persistent: one block per SM (the shared memory allows no more), each looping over tiles.
+  const FwdTileScheduler<Traits::kCausal> scheduler(p.seqlen_q, Traits::kBlockM, p.nheads, p.batch);
+  const int blocks = persistent ? std::min(scheduler.num_tiles, num_sms()) : scheduler.num_tiles;
+  const dim3 grid(blocks);
   kernel<<<grid, Traits::kNumThreads, kSmem, args.stream>>>(params);
   check_cuda(cudaGetLastError(), "forward kernel launch");
 }
 
-template <class Element, int kHeadDim>
+template <class Element, int kHeadDim, bool kAblations = false>
 void run_fwd(const FwdProblem& p, const FwdArgs& args) {
+  const bool persistent = args.variant != FwdVariant::kNoPersistent;
+  const bool compile_time_variant =
+      args.variant == FwdVariant::kNoPingpong || args.variant == FwdVariant::kNoOverlap;
+  if (compile_time_variant) {
+    if constexpr (kAblations) {
+      if (!p.causal) {
+        if (args.variant == FwdVariant::kNoPingpong) {
+          return launch_fwd<FwdTraits<Element, kHeadDim, false, FwdNoPingpong>>(p, args, persistent);
+        }
+        return launch_fwd<FwdTraits<Element, kHeadDim, false, FwdNoOverlap>>(p, args, persistent);
+      }
+    }
+    throw Error("flash3::fwd: variant " + std::to_string(int(args.variant)) +
+                " (an ablation) is built for bfloat16, head_dim 128, non-causal only");
+  }
   if (p.causal) {
-    launch_fwd<FwdTraits<Element, kHeadDim, true>>(p, args);
+    launch_fwd<FwdTraits<Element, kHeadDim, true>>(p, args, persistent);
   } else {
-    launch_fwd<FwdTraits<Element, kHeadDim, false>>(p, args);
+    launch_fwd<FwdTraits<Element, kHeadDim, false>>(p, args, persistent);
   }
 }
 

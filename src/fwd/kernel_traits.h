@@ -95,7 +95,7 @@ struct FwdTraits {
     LayoutQKV layout_q, layout_k;  // logical shapes (TMA bounds) and strides
     float* lse;  // may be null
     int64_t lse_head_stride, lse_batch_stride;
-    int seqlen_q, seqlen_k, nheads, nheads_per_kv;
+    int batch, seqlen_q, seqlen_k, nheads, nheads_per_kv;
     float softmax_scale, scale_log2;
   };
 
@@ -104,6 +104,7 @@ struct FwdTraits {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> smem_k;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> smem_v;
     cutlass::arch::ClusterTransactionBarrier barrier_q;
+    cutlass::arch::ClusterBarrier barrier_o;
     typename Pipeline::SharedStorage pipeline_k;
     typename Pipeline::SharedStorage pipeline_v;
   };
