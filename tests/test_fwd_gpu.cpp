@@ -21,6 +21,7 @@ struct Case {
   bool causal;
   int batch, seqlen_q, seqlen_k, nheads, nheads_kv;
   int pad = 0;  // extra elements at the end of every (seqlen) row of q, k, v and out
+  FwdVariant variant = FwdVariant::kDefault;
 };
 
 std::string describe(const Case& c) {
@@ -28,7 +29,7 @@ std::string describe(const Case& c) {
          (c.causal ? " causal" : "") + " b=" + std::to_string(c.batch) +
          " sq=" + std::to_string(c.seqlen_q) + " sk=" + std::to_string(c.seqlen_k) +
          " h=" + std::to_string(c.nheads) + " hk=" + std::to_string(c.nheads_kv) +
-         " pad=" + std::to_string(c.pad);
+         " pad=" + std::to_string(c.pad) + " variant=" + std::to_string(int(c.variant));
 }
 
 // Query rows the reference computes: all of them for small problems, else a sample that
@@ -92,6 +93,7 @@ void run_case(const Case& c, uint64_t seed) {
   args.out = view(dout.ptr, sq, h, q_row);
   args.lse = TensorRef::contiguous(dlse.ptr, DType::kFloat32, {b, h, sq});
   args.causal = c.causal;
+  args.variant = c.variant;
 
   // Poison, run, fetch: twice, to check the result is bitwise reproducible.
   std::vector<uint16_t> out_bits[2];
@@ -204,6 +206,23 @@ TEST(FwdGpuSmall, PaddedStridesAndRaggedShapes) {
         run_case(Case{dtype, d, causal, 1, 150, 77, 4, 1, /*pad=*/8}, seed++);
         if (HasFatalFailure()) return;
       }
+}
+
+// The ablation kernels (benchmark only) must compute the same function.
+TEST(FwdGpuVariants, AblationKernelsMatchReference) {
+  FLASH3_REQUIRE_HOPPER();
+  uint64_t seed = 4242;
+  for (FwdVariant v : {FwdVariant::kNoPersistent, FwdVariant::kNoPingpong, FwdVariant::kNoOverlap}) {
+    for (auto [sq, sk] : {std::pair<int, int>{129, 1000}, {1000, 1000}, {4096, 4096}}) {
+      Case c{DType::kBFloat16, 128, false, 1, sq, sk, 8, 2};
+      c.variant = v;
+      run_case(c, seed++);
+      if (HasFatalFailure()) return;
+    }
+  }
+  Case causal{DType::kBFloat16, 128, true, 1, 1000, 1000, 8, 2};
+  causal.variant = FwdVariant::kNoPersistent;
+  run_case(causal, seed++);
 }
 
 TEST(FwdGpuSmall, NoKeysGivesZeroAndInfiniteLse) {

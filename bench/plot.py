@@ -1,0 +1,139 @@
+#!/usr/bin/env python3
+"""Chart of bench/bench_torch.py's JSON in the style of Figure 5 of the FlashAttention-3 paper.
+
+One panel per (causal no/yes) x (head dim), grouped bars per sequence length: FlashAttention-2
+(torch SDPA), cuDNN (torch SDPA), flash3 and, where the JSON has FA3's ratio to cuDNN from the
+anchors, FA3 implied as cuDNN x that ratio (hatched). TFLOP/s printed on top of each bar.
+
+    python3 bench/plot.py IN.json OUT.png [--pass fwd|bwd]
+
+--pass fwd reads the top-level 'rows' (or a 'fwd' section if there is one); --pass bwd reads a
+'bwd' section ({'rows': [...]} or a list of rows). Unknown keys are ignored.
+"""
+import argparse
+import json
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
+
+PASS_NAMES = {"fwd": "Forward", "bwd": "Backward"}
+# (label, how to get the value from a row, style)
+SERIES = [
+    ("FlashAttention-2 (torch)", lambda r, p: r.get("fa2_tflops"), dict(color="#f28e2b")),
+    ("cuDNN", lambda r, p: r.get("cudnn_tflops"), dict(color="#e15759")),
+    ("flash3", lambda r, p: r.get("flash3_tflops"), dict(color="#7b4fa6")),
+    ("FA3 (implied: cuDNN x anchor ratio)", lambda r, p: implied_fa3(r, p),
+     dict(facecolor="#e6dcf0", edgecolor="#7b4fa6", hatch="////", linewidth=0.6)),
+]
+
+
+def implied_fa3(row, pss):
+    cudnn = row.get("cudnn_tflops")
+    ratio = row.get(f"fa3_over_cudnn_{pss}", row.get("fa3_over_cudnn"))
+    return cudnn * ratio if cudnn and ratio else None
+
+
+def seqlen_label(s):
+    return f"{s // 1024}k" if s >= 1024 and s % 1024 == 0 else str(s)
+
+
+def rows_for(data, pss):
+    sec = data.get(pss)
+    if isinstance(sec, dict) and isinstance(sec.get("rows"), list):
+        return sec["rows"]
+    if isinstance(sec, list):
+        return sec
+    if pss == "fwd" and isinstance(data.get("rows"), list):
+        return data["rows"]
+    return None
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("inp", metavar="IN.json")
+    p.add_argument("out", metavar="OUT.png")
+    p.add_argument("--pass", dest="pss", choices=sorted(PASS_NAMES), default="fwd")
+    p.add_argument("--dpi", type=int, default=150)
+    a = p.parse_args()
+
+    with open(a.inp) as f:
+        data = json.load(f)
+    rows = [r for r in (rows_for(data, a.pss) or []) if isinstance(r, dict)
+            and all(k in r for k in ("hdim", "causal", "seqlen"))]
+    if not rows:
+        print(f"plot: no '{a.pss}' rows in {a.inp}", file=sys.stderr)
+        return 1
+
+    hdims = sorted({r["hdim"] for r in rows})
+    causals = sorted({bool(r["causal"]) for r in rows})
+    seqlens = sorted({r["seqlen"] for r in rows})
+    by_key = {(r["hdim"], bool(r["causal"]), r["seqlen"]): r for r in rows}
+    # Only the series with at least one value anywhere get a bar slot (e.g. no anchors: 3 bars).
+    series = [s for s in SERIES if any(s[1](r, a.pss) for r in rows)]
+    nser = len(series)
+
+    fig, axes = plt.subplots(len(causals), len(hdims), squeeze=False,
+                             figsize=(max(6.5, 6.2 * len(hdims)), 4.3 * len(causals) + 1.3))
+    width = 0.84 / max(nser, 1)
+    label_fs = 5.5 if nser * len(seqlens) > 16 else 7
+    for i, causal in enumerate(causals):
+        for j, hd in enumerate(hdims):
+            ax = axes[i][j]
+            ymax = 0.0
+            for k, (name, get, style) in enumerate(series):
+                for x, s in enumerate(seqlens):
+                    r = by_key.get((hd, causal, s))
+                    v = get(r, a.pss) if r else None
+                    if not v:
+                        continue
+                    xpos = x + (k - (nser - 1) / 2) * width
+                    ax.bar(xpos, v, width, zorder=3, **style)
+                    ax.text(xpos, v, f" {v:.0f}", ha="center", va="bottom", rotation=90,
+                            fontsize=label_fs, zorder=4)
+                    ymax = max(ymax, v)
+            ax.set_xticks(range(len(seqlens)))
+            ax.set_xticklabels([seqlen_label(s) for s in seqlens])
+            ax.set_xlim(-0.55, len(seqlens) - 0.45)
+            ax.set_ylim(0, ymax * 1.17 if ymax else 1)
+            ax.grid(axis="y", alpha=0.35, zorder=0)
+            ax.set_axisbelow(True)
+            ax.tick_params(labelsize=8)
+            ax.set_title(f"{PASS_NAMES[a.pss]}, head dim {hd}{', causal' if causal else ''}",
+                         fontsize=10, fontweight="bold")
+            if j == 0:
+                ax.set_ylabel("Speed (TFLOP/s)", fontsize=9)
+            if i == len(causals) - 1:
+                ax.set_xlabel("Sequence length", fontsize=9)
+
+    dev = data.get("device") or "unknown device"
+    gemm = data.get("gemm_bf16_tflops")
+    title = f"Attention {PASS_NAMES[a.pss].lower()} speed (bf16) on {dev}"
+    if gemm:
+        title += f"  |  bf16 GEMM ceiling (8192\u00b3): {gemm:.0f} TFLOP/s"
+    sub = []
+    for key, lab in (("flash3_over_cudnn", "flash3/cuDNN"), ("flash3_over_fa2", "flash3/FA2"),
+                     ("flash3_over_fa3_implied", "flash3/FA3 (implied)")):
+        g = (data.get("geomean") or {}).get(key) if a.pss == "fwd" else None
+        if isinstance(g, (int, float)):
+            sub.append(f"{lab} {g:.3f}")
+    meta = [f"{k} {data[k]}" for k in ("torch", "cuda", "date") if data.get(k)]
+    fig.suptitle(title, fontsize=13, fontweight="bold", y=0.995)
+    if sub or meta:
+        fig.text(0.5, 0.952, ("geomean: " + ", ".join(sub) + ("   |   " if sub and meta else "") if sub else "")
+                 + ", ".join(meta), ha="center", va="top", fontsize=8.5, color="#444444")
+    handles = [Patch(label=name, **style) for name, _, style in series]
+    fig.legend(handles=handles, loc="upper center", ncol=len(handles), fontsize=9, frameon=False,
+               bbox_to_anchor=(0.5, 0.93))
+    top = 1 - 1.05 / fig.get_figheight()
+    fig.tight_layout(rect=(0, 0, 1, top), h_pad=1.2, w_pad=1.0)
+    fig.savefig(a.out, dpi=a.dpi)
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
