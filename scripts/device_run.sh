@@ -24,6 +24,7 @@ grep -E "Used [0-9]+ registers|spill|stack frame" "$OUT/build.log" | sort | uniq
 grep -E "C75(08|1[0-9])" "$OUT/build.log" | sort | uniq -c | head -5 | tee -a "$OUT/summary.txt"
 cuobjdump --dump-sass build/libflash3.so > "$OUT/sass.txt" 2>/dev/null
 log "SASS: HGMMA $(grep -c HGMMA "$OUT/sass.txt"), local-memory LDL/STL $(grep -cE '\b(LDL|STL)\b' "$OUT/sass.txt")"
+python3 tools/check_overlap.py < "$OUT/sass.txt" | tee -a "$OUT/summary.txt"
 gzip -f "$OUT/sass.txt"
 
 if has test || has quick; then

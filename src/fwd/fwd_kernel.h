@@ -31,6 +31,17 @@ __device__ __forceinline__ int num_key_blocks(int m_block, int seqlen_q, int seq
   return n_max;
 }
 
+// Stores the sum of `values` to shared memory with a volatile st.shared, so its computation stays ahead of the
+// next wgmma.wait_group in the SASS.
+template <int N>
+__device__ __forceinline__ void pin_before_wait(float* slot, const float (&values)[N]) {
+  float v = values[0];
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 1; i < N; ++i) v += values[i];
+  const uint32_t addr = cute::cast_smem_ptr_to_uint(slot);
+  asm volatile("st.shared.f32 [%0], %1;" ::"r"(addr), "f"(v) : "memory");
+}
+
 // Named barriers (id 0 is __syncthreads).
 enum : int { kBarrierEpilogue = 1, kBarrierPingpongBase = 2 };
 __device__ __forceinline__ void named_barrier_sync(int threads, int id) {
@@ -267,6 +278,12 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
           pipeline_k.consumer_release(read_k);
           ++read_k;
           softmax_step(n_block, rescale);
+          // NOTES: pin the softmax before the wait below; otherwise ptxas (13.0) hoists
+          // wgmma.wait_group 0 above the exponentials and the overlap of Algorithm 2 is gone
+          // (seen in the SASS: WARPGROUP.DEPBAR.LE gsb0, 0x0 ahead of every MUFU.EX2; the
+          // order in the PTX was right). A shared-memory store of the row sum, which needs
+          // every exponential of the row, is kept before the wait by ptxas.
+          pin_before_wait(&shared.softmax_pin[tidx], softmax.row_sum);
           warpgroup_wait<0>();  // O += P_j V_j is done: P_j's registers are free
           pipeline_v.consumer_release(read_v);
           ++read_v;

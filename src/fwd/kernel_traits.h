@@ -105,6 +105,7 @@ struct FwdTraits {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> smem_v;
     cutlass::arch::ClusterTransactionBarrier barrier_q;
     cutlass::arch::ClusterBarrier barrier_o;
+    float softmax_pin[kNumConsumerThreads];  // see pin_before_wait
     typename Pipeline::SharedStorage pipeline_k;
     typename Pipeline::SharedStorage pipeline_v;
   };
