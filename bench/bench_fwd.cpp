@@ -5,7 +5,8 @@
 // random (never zero) inputs. On a machine without a Hopper GPU it says so and exits 2.
 //
 // usage: flash3_bench [--dtype bf16|fp16] [--hdims 64,128,256] [--seqlens 512,...] [--reps N]
-//                     [--causal 0|1|both] [--json PATH] [--ablation 1]
+//                     [--causal 0|1|both] [--json PATH] [--ablation 1] [--variant N]
+// --variant N: a flash3::FwdVariant (4: persistent also for causal).
 // --ablation 1: the paper's Table 2 instead (batch 4, seqlen 8448, 16 heads, hdim 128, bf16,
 // non-causal), once per technique switched off.
 #include <cuda_runtime_api.h>
@@ -53,6 +54,7 @@ int main(int argc, char** argv) {
   flash3::DType dtype = flash3::DType::kBFloat16;
   const char* json_path = nullptr;
   bool ablation = false;
+  int variant = 0;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     if (a == "--hdims") hdims = parse_list(argv[i + 1]);
@@ -62,6 +64,7 @@ int main(int argc, char** argv) {
     else if (a == "--dtype") dtype = std::string(argv[i + 1]) == "fp16" ? flash3::DType::kFloat16 : flash3::DType::kBFloat16;
     else if (a == "--json") json_path = argv[i + 1];
     else if (a == "--ablation") ablation = std::atoi(argv[i + 1]) != 0;
+    else if (a == "--variant") variant = std::atoi(argv[i + 1]);
     else { std::fprintf(stderr, "flash3_bench: unknown option %s\n", a.c_str()); return 1; }
   }
   std::string why;
@@ -165,6 +168,7 @@ int main(int argc, char** argv) {
         args.out = flash3::TensorRef::contiguous(out, dtype, {b, s, h, d});
         args.lse = flash3::TensorRef::contiguous(lse, flash3::DType::kFloat32, {b, h, s});
         args.causal = causal != 0;
+        args.variant = static_cast<flash3::FwdVariant>(variant);
         const double med = time_ms(args);
         if (med < 0) return 1;
         const double flops = 4.0 * b * h * double(s) * s * d / (causal ? 2.0 : 1.0);

@@ -44,8 +44,15 @@ if has sanitize; then
 fi
 if has bench; then
   timeout 120 ./build/flash3_bench --json "$OUT/bench_cpp.json" 2>&1 | tee "$OUT/bench_cpp.log"
+  timeout 60 ./build/flash3_bench --causal 1 --variant 4 2>&1 | tee "$OUT/bench_causal_persistent.log"
   timeout 60 ./build/flash3_bench --ablation 1 --json "$OUT/ablation.json" 2>&1 | tee "$OUT/ablation.log"
   FLASH3_LIB="$root/build/libflash3.so" PYTHONPATH="$root/python" PYTHONUNBUFFERED=1 \
     timeout ${BENCH_TIMEOUT:-240} python3 bench/bench_torch.py ${BENCH_ARGS:-} --json "$OUT/bench_torch.json" 2>&1 | tee "$OUT/bench_torch.log"
+  python3 bench/plot.py "$OUT/bench_torch.json" "$OUT/fwd_chart.png" || true
 fi
+# At most 8 files come back from the GPU machine: keep the key ones, pack the rest.
+(cd "$OUT" && tar czf logs.tar.gz --exclude=logs.tar.gz --exclude=summary.txt --exclude=bench_torch.json \
+   --exclude=fwd_chart.png --exclude=bench_cpp.json --exclude=ablation.json . && \
+   find . -maxdepth 1 -type f ! -name logs.tar.gz ! -name summary.txt ! -name bench_torch.json \
+   ! -name fwd_chart.png ! -name bench_cpp.json ! -name ablation.json -delete)
 cat "$OUT/summary.txt"

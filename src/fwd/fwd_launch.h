@@ -66,7 +66,8 @@ void run_fwd(const FwdProblem& p, const FwdArgs& args) {
   // NOTES: causal tiles differ in length; with one block per tile (in LPT order) the hardware's
   // block dispatcher balances them dynamically, which measured faster than the static
   // round-robin persistent loop (docs/perf-log.md, step 4). Non-causal tiles are equal: persistent.
-  const bool persistent = args.variant != FwdVariant::kNoPersistent && !p.causal;
+  const bool persistent = args.variant == FwdVariant::kPersistent ||
+                          (args.variant != FwdVariant::kNoPersistent && !p.causal);
   const bool compile_time_variant =
       args.variant == FwdVariant::kNoPingpong || args.variant == FwdVariant::kNoOverlap;
   if (compile_time_variant) {
