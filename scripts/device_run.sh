@@ -51,8 +51,7 @@ if has bench; then
   python3 bench/plot.py "$OUT/bench_torch.json" "$OUT/fwd_chart.png" || true
 fi
 # At most 8 files come back from the GPU machine: keep the key ones, pack the rest.
-(cd "$OUT" && tar czf logs.tar.gz --exclude=logs.tar.gz --exclude=summary.txt --exclude=bench_torch.json \
-   --exclude=fwd_chart.png --exclude=bench_cpp.json --exclude=ablation.json . && \
-   find . -maxdepth 1 -type f ! -name logs.tar.gz ! -name summary.txt ! -name bench_torch.json \
-   ! -name fwd_chart.png ! -name bench_cpp.json ! -name ablation.json -delete)
+keep="summary.txt bench_torch.json fwd_chart.png bench_cpp.json ablation.json"
+(cd "$OUT" && rest=$(ls | grep -vxF -f <(tr ' ' '\n' <<< "$keep")) && [ -n "$rest" ] && \
+   tar czf /tmp/logs.tar.gz $rest && rm -f $rest && mv /tmp/logs.tar.gz .)
 cat "$OUT/summary.txt"

@@ -63,11 +63,13 @@ void launch_fwd(const FwdProblem& p, const FwdArgs& args, bool persistent = true
 
 template <class Element, int kHeadDim, bool kAblations = false>
 void run_fwd(const FwdProblem& p, const FwdArgs& args) {
-  // NOTES: causal tiles differ in length; with one block per tile (in LPT order) the hardware's
-  // block dispatcher balances them dynamically, which measured faster than the static
-  // round-robin persistent loop (docs/perf-log.md, step 4). Non-causal tiles are equal: persistent.
-  const bool persistent = args.variant == FwdVariant::kPersistent ||
-                          (args.variant != FwdVariant::kNoPersistent && !p.causal);
+  // NOTES: non-causal tiles are all the same length: persistent (one block per SM). Causal
+  // tiles differ in length; measured side by side (docs/perf-log.md, step 6) the persistent
+  // loop wins while tiles are short (seqlen_k <= 1024) and the hardware's block dispatcher,
+  // handing out one-tile blocks in LPT order, balances long causal tiles better.
+  const bool persistent =
+      args.variant == FwdVariant::kPersistent ||
+      (args.variant != FwdVariant::kNoPersistent && (!p.causal || p.seqlen_k <= 1024));
   const bool compile_time_variant =
       args.variant == FwdVariant::kNoPingpong || args.variant == FwdVariant::kNoOverlap;
   if (compile_time_variant) {
