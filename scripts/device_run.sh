@@ -4,7 +4,7 @@
 # and the benchmarks. Logs and JSON go to $OUT (default ./out). The CUTLASS headers and the
 # GoogleTest sources must already be in third_party/ (run scripts/setup.sh here, then carry
 # third_party: the GPU machine has no network).
-#   usage: bash scripts/device_run.sh [all|build|test|sanitize|bench|quick]...
+#   usage: bash scripts/device_run.sh [all|build|test|sanitize|profile|bench|quick]...
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -40,6 +40,17 @@ if has sanitize; then
   for tool in memcheck racecheck; do
     timeout 120 compute-sanitizer --tool $tool --error-exitcode 9 ./build/flash3_tests --gtest_filter='FwdGpuSmall.*' --gtest_brief=1 > "$OUT/sanitize_$tool.log" 2>&1
     log "compute-sanitizer $tool rc=$?: $(grep -E 'ERROR SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"
+  done
+fi
+if has profile; then
+  # Nsight Compute on two sweep points (clocks left alone): throughput and warp stall reasons.
+  for cfg in "64 0 8192" "128 1 2048"; do
+    set -- $cfg
+    timeout 180 ncu --clock-control none -k regex:fwd_kernel -s 3 -c 1 --section SpeedOfLight \
+      --section WarpStateStats --section ComputeWorkloadAnalysis \
+      ./build/flash3_bench --hdims $1 --causal $2 --seqlens $3 --reps 1 > "$OUT/ncu_d$1_c$2_s$3.txt" 2>&1
+    log "ncu hdim $1 causal $2 seqlen $3: rc=$?"
+    grep -E "Compute \(SM\) Throughput|Memory Throughput|Duration|Issue Slots Busy|Stall|Warp Cycles Per Issued" "$OUT/ncu_d$1_c$2_s$3.txt" | head -20 | tee -a "$OUT/summary.txt"
   done
 fi
 if has bench; then

@@ -43,7 +43,7 @@ __device__ __forceinline__ void pin_before_wait(float* slot, const float (&value
 }
 
 // Named barriers (id 0 is __syncthreads).
-enum : int { kBarrierEpilogue = 1, kBarrierPingpongBase = 2 };
+enum : int { kBarrierPingpongBase = 1 };
 __device__ __forceinline__ void named_barrier_sync(int threads, int id) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
@@ -92,8 +92,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
                                                     params.batch);
 
   // Line 1: the pipeline objects over the shared-memory ring, and the two barriers of the Q
-  // buffer: "Q has landed" (producer -> consumers) and "O has left" (consumers -> producer; the
-  // Q buffer doubles as the staging buffer of the O store).
+  // buffer: "Q has landed" (producer -> consumers) and "Q is free" (consumers -> producer,
+  // once the tile's last S = Q K^T has completed).
   const bool is_producer_thread = warpgroup == 0 && thread_in_wg == 0;
   typename Pipeline::Params pipe_params;
   pipe_params.transaction_bytes = Traits::kTmaBytesKV;
@@ -103,11 +103,10 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   pipe_params.num_consumers = Traits::kNumConsumerThreads;
   if (threadIdx.x == 0) {
     shared.barrier_q.init(1);
-    shared.barrier_o.init(1);
+    shared.barrier_q_free.init(Traits::kNumConsumerThreads);
     cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(params.tma_o.get_tma_descriptor());
   }
   Pipeline pipeline_k(shared.pipeline_k, pipe_params, Shape<_1, _1, _1>{});
   Pipeline pipeline_v(shared.pipeline_v, pipe_params, Shape<_1, _1, _1>{});
@@ -154,12 +153,14 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
              tVsV(_, write_v.index()));
         ++write_v;
       };
-      // NOTES: the first K of this tile is issued before waiting for the previous tile's O
-      // to leave the Q buffer, so it streams in during that epilogue.
+      // NOTES: the first K of this tile is issued before waiting for the consumers to be done
+      // with the previous tile's Q, so it streams in meanwhile; the next Q is loaded as soon
+      // as the previous tile's last S = Q K^T has completed, while its last PV GEMM, softmax
+      // finalization and O store still run.
       if (n_block_max > 0) load_k(n_block_max - 1);
-      if (tiles_done > 0) shared.barrier_o.wait((tiles_done - 1) & 1);
-      // Lines 4-5: Q_i, loaded for every tile (also one with no visible key) so that the
-      // consumers' wait on it orders each O store after the previous one.
+      if (tiles_done > 0) shared.barrier_q_free.wait((tiles_done - 1) & 1);
+      // Lines 4-5: Q_i, loaded for every tile (also one with no visible key), so that Q loads
+      // and "Q is free" signals strictly alternate.
       shared.barrier_q.arrive_and_expect_tx(Traits::kTmaBytesQ);
       copy(params.tma_q.with(reinterpret_cast<uint64_t&>(shared.barrier_q)), get<0>(q_parts),
            get<1>(q_parts));
@@ -196,9 +197,6 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   Tensor tOcO = thr_pv.partition_C(make_identity_tensor(TileQ{}));
   Tensor tOcO_rc = make_tensor(tOcO.data(), acc_layout_rowcol(tOcO.layout()));
   constexpr int kRows = decltype(size<0>(tSrS_rc))::value;
-  auto smem_copy_o = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_pv);
-  auto thr_copy_o = smem_copy_o.get_thread_slice(tidx);
-  Tensor mO = params.tma_o.get_tma_tensor(params.layout_q.shape());
 
   PingpongScheduler<Traits> turns(warpgroup - 1);
   PipelineState read_k, read_v;
@@ -207,7 +205,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     const FwdTile tile = scheduler.tile(t);
     const int n_block_max = num_key_blocks<Traits>(tile.m_block, params.seqlen_q, params.seqlen_k);
     const int row0 = tile.m_block * kBlockM;
-    OnlineSoftmax<kRows> softmax(params.scale_log2);  // line 13
+    OnlineSoftmax<kRows, Traits::Config::kPolyExpStride> softmax(params.scale_log2);  // line 13
     clear(tOrO);
 
     // S = Q K_j^T landed in tSrS: mask it where the block crosses the end of the keys or the
@@ -226,11 +224,13 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     auto gemm_qk = [&]() {
       warpgroup_gemm</*zero_init=*/true, /*wait=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
     };
+    auto release_q = [&]() { shared.barrier_q_free.arrive(); };
     auto gemm_pv = [&]() {
       warpgroup_gemm</*zero_init=*/false, /*wait=*/-1>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
     };
 
     shared.barrier_q.wait(tiles_done & 1);  // line 14
+    if (n_block_max <= 0) release_q();
     if (n_block_max > 0) {
       if constexpr (!Traits::kIntraWGOverlap) {
         // Algorithm 1 as written: each GEMM is waited for before the softmax that follows it.
@@ -242,6 +242,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
           warpgroup_wait<0>();
           pipeline_k.consumer_release(read_k);
           ++read_k;
+          if (n_block == 0) release_q();
           float rescale[kRows];
           softmax_step(n_block, rescale);
           scale_rows(tOrO_rc, rescale);
@@ -265,6 +266,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         warpgroup_wait<0>();
         pipeline_k.consumer_release(read_k);
         ++read_k;
+        if (n_block_max == 1) release_q();
         softmax_step(n_block_max - 1, rescale);  // O is 0: no rescale needed
         convert_into<Element>(tSrS, tOrP);
         for (int n_block = n_block_max - 2; n_block >= 0; --n_block) {
@@ -277,6 +279,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
           warpgroup_wait<1>();  // S_{j+1} is ready; O += P_j V_j may still be running
           pipeline_k.consumer_release(read_k);
           ++read_k;
+          if (n_block == 0) release_q();
           softmax_step(n_block, rescale);
           // NOTES: pin the softmax before the wait below; otherwise ptxas (13.0) hoists
           // wgmma.wait_group 0 above the exponentials and the overlap of Algorithm 2 is gone
@@ -314,21 +317,23 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         if (row < params.seqlen_q) lse_out[row] = lse[m];
       }
     }
-    // ... and O through shared memory: each warpgroup writes its own 64 rows into the Q buffer
-    // (only its own S GEMMs read those rows, and they are done), then one thread sends the
-    // whole tile out with a TMA store, which clips the rows past seqlen_q.
+    // ... and O straight from registers too (the Q buffer is already the next tile's).
+    // NOTES: values (2i, 2i+1) of an accumulator row are adjacent columns: one 4-byte store
+    // per pair; rows past seqlen_q are not written.
     Tensor tOrOut = make_tensor<Element>(tOrO.layout());
     convert_into<Element>(tOrO, tOrOut);
-    copy(smem_copy_o, thr_copy_o.retile_S(tOrOut), thr_copy_o.partition_D(sQ));
-    cutlass::arch::fence_view_async_shared();  // st.shared / stmatrix -> TMA (async proxy)
-    named_barrier_sync(Traits::kNumConsumerThreads, kBarrierEpilogue);
-    if (tidx == 0) {
-      Tensor gO = local_tile(mO(_, _, tile.head, tile.batch), TileQ{}, make_coord(tile.m_block, _0{}));
-      auto [tOgO, tOsO] = tma_partition(params.tma_o, group_modes<0, 2>(sQ), group_modes<0, 2>(gO));
-      copy(params.tma_o, tOsO, tOgO);
-      tma_store_arrive();
-      tma_store_wait<0>();         // the store has read the Q buffer ...
-      shared.barrier_o.arrive();   // ... so the producer may load the next Q into it
+    Tensor tOrOut_rc = make_tensor(tOrOut.data(), acc_layout_rowcol(tOrO.layout()));
+    Element* out = params.out + tile.batch * params.out_batch_stride + tile.head * params.out_head_stride;
+    CUTLASS_PRAGMA_UNROLL
+    for (int m = 0; m < kRows; ++m) {
+      const int row = row0 + get<0>(tOcO_rc(m, 0));
+      if (row >= params.seqlen_q) continue;
+      Element* out_row = out + row * params.out_row_stride;
+      CUTLASS_PRAGMA_UNROLL
+      for (int n = 0; n < size<1>(tOrOut_rc); n += 2) {
+        *reinterpret_cast<uint32_t*>(out_row + get<1>(tOcO_rc(m, n))) =
+            *reinterpret_cast<const uint32_t*>(&tOrOut_rc(m, n));
+      }
     }
   }
 }

@@ -73,13 +73,7 @@ struct FwdTraits {
     return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), layout),
                          take<0, 2>(SmemLayoutK{}), Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
   }
-  // O goes out through shared memory (the Q buffer, free once the last S = Q K^T is done).
-  static auto make_tma_o(Element* ptr, LayoutQKV layout) {
-    return make_tma_copy(SM90_TMA_STORE{}, make_tensor(make_gmem_ptr(ptr), layout), SmemLayoutQ{},
-                         Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{});
-  }
   using TmaQ = decltype(make_tma_q(nullptr, LayoutQKV{}));
-  using TmaO = decltype(make_tma_o(nullptr, LayoutQKV{}));
   using TmaKV = decltype(make_tma_kv(nullptr, LayoutQKV{}));
 
   static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
@@ -91,8 +85,9 @@ struct FwdTraits {
   struct Params {
     TmaQ tma_q;
     TmaKV tma_k, tma_v;
-    TmaO tma_o;
     LayoutQKV layout_q, layout_k;  // logical shapes (TMA bounds) and strides
+    Element* out;
+    int64_t out_row_stride, out_head_stride, out_batch_stride;
     float* lse;  // may be null
     int64_t lse_head_stride, lse_batch_stride;
     int batch, seqlen_q, seqlen_k, nheads, nheads_per_kv;
@@ -104,7 +99,7 @@ struct FwdTraits {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> smem_k;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> smem_v;
     cutlass::arch::ClusterTransactionBarrier barrier_q;
-    cutlass::arch::ClusterBarrier barrier_o;
+    cutlass::arch::ClusterBarrier barrier_q_free;
     float softmax_pin[kNumConsumerThreads];  // see pin_before_wait
     typename Pipeline::SharedStorage pipeline_k;
     typename Pipeline::SharedStorage pipeline_v;
