@@ -43,7 +43,7 @@ __device__ __forceinline__ void pin_before_wait(float* slot, const float (&value
 }
 
 // Named barriers (id 0 is __syncthreads).
-enum : int { kBarrierPingpongBase = 1 };
+enum : int { kBarrierEpilogue = 1, kBarrierPingpongBase = 2 };
 __device__ __forceinline__ void named_barrier_sync(int threads, int id) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
@@ -89,11 +89,11 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   const int warpgroup = cutlass::canonical_warp_group_idx();
   const int thread_in_wg = threadIdx.x % 128;
   const FwdTileScheduler<Traits::kCausal> scheduler(params.seqlen_q, kBlockM, params.nheads,
-                                                    params.batch);
+                                                    params.batch, params.l2_section);
 
   // Line 1: the pipeline objects over the shared-memory ring, and the two barriers of the Q
   // buffer: "Q has landed" (producer -> consumers) and "Q is free" (consumers -> producer,
-  // once the tile's last S = Q K^T has completed).
+  // once the tile's last S = Q K^T has completed, or its O store through the Q buffer).
   const bool is_producer_thread = warpgroup == 0 && thread_in_wg == 0;
   typename Pipeline::Params pipe_params;
   pipe_params.transaction_bytes = Traits::kTmaBytesKV;
@@ -103,7 +103,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   pipe_params.num_consumers = Traits::kNumConsumerThreads;
   if (threadIdx.x == 0) {
     shared.barrier_q.init(1);
-    shared.barrier_q_free.init(Traits::kNumConsumerThreads);
+    shared.barrier_q_free.init(Traits::kQFreeArrivals);
+    if constexpr (Traits::kStageOInQ) cute::prefetch_tma_descriptor(params.tma_o.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
@@ -205,7 +206,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     const FwdTile tile = scheduler.tile(t);
     const int n_block_max = num_key_blocks<Traits>(tile.m_block, params.seqlen_q, params.seqlen_k);
     const int row0 = tile.m_block * kBlockM;
-    OnlineSoftmax<kRows, Traits::Config::kPolyExpStride> softmax(params.scale_log2);  // line 13
+    OnlineSoftmax<kRows> softmax(params.scale_log2);  // line 13
     clear(tOrO);
 
     // S = Q K_j^T landed in tSrS: mask it where the block crosses the end of the keys or the
@@ -224,7 +225,9 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     auto gemm_qk = [&]() {
       warpgroup_gemm</*zero_init=*/true, /*wait=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
     };
-    auto release_q = [&]() { shared.barrier_q_free.arrive(); };
+    auto release_q = [&]() {
+      if constexpr (!Traits::kStageOInQ) shared.barrier_q_free.arrive();
+    };
     auto gemm_pv = [&]() {
       warpgroup_gemm</*zero_init=*/false, /*wait=*/-1>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
     };
@@ -317,22 +320,42 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         if (row < params.seqlen_q) lse_out[row] = lse[m];
       }
     }
-    // ... and O straight from registers too (the Q buffer is already the next tile's).
-    // NOTES: values (2i, 2i+1) of an accumulator row are adjacent columns: one 4-byte store
-    // per pair; rows past seqlen_q are not written.
     Tensor tOrOut = make_tensor<Element>(tOrO.layout());
     convert_into<Element>(tOrO, tOrOut);
-    Tensor tOrOut_rc = make_tensor(tOrOut.data(), acc_layout_rowcol(tOrO.layout()));
-    Element* out = params.out + tile.batch * params.out_batch_stride + tile.head * params.out_head_stride;
-    CUTLASS_PRAGMA_UNROLL
-    for (int m = 0; m < kRows; ++m) {
-      const int row = row0 + get<0>(tOcO_rc(m, 0));
-      if (row >= params.seqlen_q) continue;
-      Element* out_row = out + row * params.out_row_stride;
+    if constexpr (Traits::kStageOInQ) {
+      // ... and O through the Q buffer: each warpgroup writes its own 64 rows (only its own S
+      // GEMMs read them, and they are done), then one thread sends the tile out with a TMA
+      // store, which clips the rows past seqlen_q, and frees the Q buffer once it has read it.
+      auto smem_copy_o = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_pv);
+      auto thr_copy_o = smem_copy_o.get_thread_slice(tidx);
+      copy(smem_copy_o, thr_copy_o.retile_S(tOrOut), thr_copy_o.partition_D(sQ));
+      cutlass::arch::fence_view_async_shared();  // st.shared / stmatrix -> TMA (async proxy)
+      named_barrier_sync(Traits::kNumConsumerThreads, kBarrierEpilogue);
+      if (tidx == 0) {
+        Tensor mO = params.tma_o.get_tma_tensor(params.layout_q.shape());
+        Tensor gO = local_tile(mO(_, _, tile.head, tile.batch), TileQ{}, make_coord(tile.m_block, _0{}));
+        auto o_parts = tma_partition(params.tma_o, group_modes<0, 2>(sQ), group_modes<0, 2>(gO));
+        copy(params.tma_o, get<1>(o_parts), get<0>(o_parts));
+        tma_store_arrive();
+        tma_store_wait<0>();             // the store has read the Q buffer ...
+        shared.barrier_q_free.arrive();  // ... so the producer may load the next Q into it
+      }
+    } else {
+      // ... and O straight from registers (the Q buffer is already the next tile's).
+      // NOTES: values (2i, 2i+1) of an accumulator row are adjacent columns: one 4-byte store
+      // per pair; rows past seqlen_q are not written.
+      Tensor tOrOut_rc = make_tensor(tOrOut.data(), acc_layout_rowcol(tOrO.layout()));
+      Element* out = params.out + tile.batch * params.out_batch_stride + tile.head * params.out_head_stride;
       CUTLASS_PRAGMA_UNROLL
-      for (int n = 0; n < size<1>(tOrOut_rc); n += 2) {
-        *reinterpret_cast<uint32_t*>(out_row + get<1>(tOcO_rc(m, n))) =
-            *reinterpret_cast<const uint32_t*>(&tOrOut_rc(m, n));
+      for (int m = 0; m < kRows; ++m) {
+        const int row = row0 + get<0>(tOcO_rc(m, 0));
+        if (row >= params.seqlen_q) continue;
+        Element* out_row = out + row * params.out_row_stride;
+        CUTLASS_PRAGMA_UNROLL
+        for (int n = 0; n < size<1>(tOrOut_rc); n += 2) {
+          *reinterpret_cast<uint32_t*>(out_row + get<1>(tOcO_rc(m, n))) =
+              *reinterpret_cast<const uint32_t*>(&tOrOut_rc(m, n));
+        }
       }
     }
   }

@@ -11,6 +11,13 @@
 
 namespace flash3::detail {
 
+inline long long l2_bytes() {
+  int device = 0, l2 = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  check_cuda(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device), "cudaDeviceGetAttribute");
+  return l2;
+}
+
 inline int num_sms() {
   int device = 0, sms = 0;
   check_cuda(cudaGetDevice(&device), "cudaGetDevice");
@@ -35,6 +42,7 @@ void launch_fwd(const FwdProblem& p, const FwdArgs& args, bool persistent = true
       Traits::make_tma_q(static_cast<const Element*>(args.q.data), layout_q),
       Traits::make_tma_kv(static_cast<const Element*>(args.k.data), layout_k),
       Traits::make_tma_kv(static_cast<const Element*>(args.v.data), layout_v),
+      Traits::make_tma_o(static_cast<Element*>(args.out.data), qkv_layout(args.out)),
       layout_q,
       layout_k,
       static_cast<Element*>(args.out.data),
@@ -49,6 +57,8 @@ void launch_fwd(const FwdProblem& p, const FwdArgs& args, bool persistent = true
       p.seqlen_k,
       p.nheads,
       p.nheads / p.nheads_kv,
+      FwdTileScheduler<Traits::kCausal>::l2_section(p.seqlen_k, Traits::kHeadDim, int(sizeof(Element)),
+                                                    l2_bytes() / 2),
       p.softmax_scale,
       float(p.softmax_scale * M_LOG2E),
   };
@@ -57,7 +67,8 @@ void launch_fwd(const FwdProblem& p, const FwdArgs& args, bool persistent = true
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
              "cudaFuncSetAttribute(max dynamic shared memory)");
   // Persistent: one block per SM (the shared memory allows no more), each looping over tiles.
-  const FwdTileScheduler<Traits::kCausal> scheduler(p.seqlen_q, Traits::kBlockM, p.nheads, p.batch);
+  const FwdTileScheduler<Traits::kCausal> scheduler(p.seqlen_q, Traits::kBlockM, p.nheads, p.batch,
+                                                    params.l2_section);
   const int blocks = persistent ? std::min(scheduler.num_tiles, num_sms()) : scheduler.num_tiles;
   const dim3 grid(blocks);
   kernel<<<grid, Traits::kNumThreads, kSmem, args.stream>>>(params);

@@ -73,7 +73,17 @@ struct FwdTraits {
     return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), layout),
                          take<0, 2>(SmemLayoutK{}), Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
   }
+  // With kStageOInQ, O goes out through the Q buffer and one TMA store.
+  static auto make_tma_o(Element* ptr, LayoutQKV layout) {
+    return make_tma_copy(SM90_TMA_STORE{}, make_tensor(make_gmem_ptr(ptr), layout), SmemLayoutQ{},
+                         Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{});
+  }
   using TmaQ = decltype(make_tma_q(nullptr, LayoutQKV{}));
+  using TmaO = decltype(make_tma_o(nullptr, LayoutQKV{}));
+  static constexpr bool kStageOInQ = Config::kStageOInQ;
+  // Arrivals that free the Q buffer: every consumer thread after its last S GEMM, or the one
+  // thread that waited for the O store.
+  static constexpr int kQFreeArrivals = kStageOInQ ? 1 : kNumConsumerThreads;
   using TmaKV = decltype(make_tma_kv(nullptr, LayoutQKV{}));
 
   static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
@@ -85,12 +95,14 @@ struct FwdTraits {
   struct Params {
     TmaQ tma_q;
     TmaKV tma_k, tma_v;
+    TmaO tma_o;
     LayoutQKV layout_q, layout_k;  // logical shapes (TMA bounds) and strides
     Element* out;
     int64_t out_row_stride, out_head_stride, out_batch_stride;
     float* lse;  // may be null
     int64_t lse_head_stride, lse_batch_stride;
     int batch, seqlen_q, seqlen_k, nheads, nheads_per_kv;
+    int l2_section;  // (head, batch) pairs per L2 section of the causal tile order
     float softmax_scale, scale_log2;
   };
 

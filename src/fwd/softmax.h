@@ -6,9 +6,7 @@
 
 namespace flash3::detail {
 
-// kPolyExpStride > 0: every kPolyExpStride-th score of a row is exponentiated on the FP32 pipe
-// (poly_exp2) instead of the MUFU.
-template <int kRows, int kPolyExpStride = 0>
+template <int kRows>
 struct OnlineSoftmax {
   float row_max[kRows];
   float row_sum[kRows];  // per-thread partial sums; reduced across the quad in finalize()
@@ -38,12 +36,7 @@ struct OnlineSoftmax {
       float sum = 0.f;
       CUTLASS_PRAGMA_UNROLL
       for (int n = 0; n < size<1>(s); ++n) {
-        const float x = fmaf(s(m, n), scale_log2, -offset);
-        if constexpr (kPolyExpStride > 0) {
-          s(m, n) = n % kPolyExpStride == kPolyExpStride - 1 ? poly_exp2(x) : fast_exp2(x);
-        } else {
-          s(m, n) = fast_exp2(x);
-        }
+        s(m, n) = fast_exp2(fmaf(s(m, n), scale_log2, -offset));
         sum += s(m, n);
       }
       row_sum[m] = row_sum[m] * rescale[m] + sum;

@@ -6,12 +6,17 @@
 // keeps O (64 x d / 128 floats) and S (64 x kBlockN / 128 floats), within the 240 registers
 // that setmaxnreg gives it.
 //
+// O leaves either straight from registers (the next tile's Q then loads as soon as the last
+// S = Q K^T is done) or, with kStageOInQ, through the Q buffer and one TMA store (the next Q
+// waits for the store); measured: staging wins at head dim 256 (128 accumulator registers of
+// O per thread), direct stores win at 64 and 128 (docs/perf-log.md, step 7).
+//
 // NOTES: pingpong (two or more consumer warpgroups taking turns at the tensor cores, §3.1) and
 // the intra-warpgroup GEMM-softmax overlap (Algorithm 2, §3.2) are on wherever registers allow.
 //
 //   head dim | kBlockM (WGs) | kBlockN            | stages | pingpong | overlap | smem (bf16)
 //   ---------+---------------+--------------------+--------+----------+---------+-------------
-//        64  |   128 (2)     | 128                |   2    |   yes    |   yes   | 16 + 2x32 = 80 KB
+//        64  |   192 (3)     | 128                |   2    |   yes    |   yes   | 24 + 2x32 = 88 KB
 //       128  |   128 (2)     | 176 (causal: 128)  |   2    |   yes    |   yes   | 32 + 2x88 = 208 KB
 //       256  |   128 (2)     |  80                |   2    |   no     |   yes   | 64 + 2x80 = 224 KB
 #pragma once
@@ -30,21 +35,22 @@ template <int kHeadDim, bool kCausal>
 struct FwdTileConfig;
 
 template <bool kCausal> struct FwdTileConfig<64, kCausal> {
-  // NOTES: 192 x 128 with three consumer warpgroups (FlashAttention-3's choice) leaves 160
-  // registers per consumer thread and ptxas spills a few values; two warpgroups do not spill.
-  static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2;
+  // NOTES: three consumer warpgroups (160 registers each): more warps to hide the softmax,
+  // which at head dim 64 takes as long as the GEMMs. (With O staged through shared memory this
+  // spilled a few values; with O stored from registers it does not.)
+  static constexpr int kBlockM = 192, kBlockN = 128, kStages = 2;
   static constexpr bool kPingpong = true, kIntraWGOverlap = true;
-  static constexpr int kPolyExpStride = 4;  // a quarter of the exponentials on the FP32 pipe
+  static constexpr bool kStageOInQ = false;
 };
 template <bool kCausal> struct FwdTileConfig<128, kCausal> {
   static constexpr int kBlockM = 128, kBlockN = kCausal ? 128 : 176, kStages = 2;
   static constexpr bool kPingpong = true, kIntraWGOverlap = true;
-  static constexpr int kPolyExpStride = 0;
+  static constexpr bool kStageOInQ = false;
 };
 template <bool kCausal> struct FwdTileConfig<256, kCausal> {
   static constexpr int kBlockM = 128, kBlockN = 80, kStages = 2;
   static constexpr bool kPingpong = false, kIntraWGOverlap = true;
-  static constexpr int kPolyExpStride = 0;
+  static constexpr bool kStageOInQ = true;
 };
 
 }  // namespace flash3

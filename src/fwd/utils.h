@@ -89,25 +89,4 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
-// exp2 on the FP32 pipe instead of the MUFU: round-to-nearest split x = i + f (f in [-0.5, 0.5]),
-// 2^f by a degree-5 polynomial (relative error ~2e-6, far below the bf16/fp16 rounding of P),
-// 2^i added to the exponent bits. Inputs below -126 (masked scores) give exactly 0, as
-// ex2.approx.ftz does.
-// NOTES: at head dim 64 the exponentials take as long as the GEMMs (16 MUFU ops per SM per
-// clock against 128 FP32 ops); moving a fraction of them to the FP32 pipe shortens the softmax.
-__device__ __forceinline__ float poly_exp2(float x) {
-  const float xc = fmaxf(x, -127.f);
-  const float t = xc + 12582912.f;  // 1.5 * 2^23: the low mantissa bits now hold round(xc)
-  const float f = xc - (t - 12582912.f);
-  float p = 1.3333558e-3f;
-  p = fmaf(p, f, 9.6181291e-3f);
-  p = fmaf(p, f, 5.5504109e-2f);
-  p = fmaf(p, f, 2.4022651e-1f);
-  p = fmaf(p, f, 6.9314718e-1f);
-  p = fmaf(p, f, 1.0f);
-  const int i = __float_as_int(t) - 0x4B400000;
-  const float r = __int_as_float(__float_as_int(p) + (i << 23));
-  return x < -126.f ? 0.f : r;
-}
-
 }  // namespace flash3::detail
