@@ -225,11 +225,30 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     auto gemm_qk = [&]() {
       warpgroup_gemm</*zero_init=*/true, /*wait=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
     };
-    auto release_q = [&]() {
-      if constexpr (!Traits::kStageOInQ) shared.barrier_q_free.arrive();
-    };
     auto gemm_pv = [&]() {
       warpgroup_gemm</*zero_init=*/false, /*wait=*/-1>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
+    };
+    // One GEMM on its own, waited for (the pingpong turn taken around its issue).
+    auto qk_alone = [&]() {
+      pipeline_k.consumer_wait(read_k);
+      turns.before_gemms();
+      gemm_qk();
+      turns.after_gemms();
+      warpgroup_wait<0>();
+      pipeline_k.consumer_release(read_k);
+      ++read_k;
+    };
+    auto pv_alone = [&]() {
+      pipeline_v.consumer_wait(read_v);
+      turns.before_gemms();
+      gemm_pv();
+      turns.after_gemms();
+      warpgroup_wait<0>();
+      pipeline_v.consumer_release(read_v);
+      ++read_v;
+    };
+    auto release_q = [&]() {
+      if constexpr (!Traits::kStageOInQ) shared.barrier_q_free.arrive();
     };
 
     shared.barrier_q.wait(tiles_done & 1);  // line 14
@@ -238,37 +257,19 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       if constexpr (!Traits::kIntraWGOverlap) {
         // Algorithm 1 as written: each GEMM is waited for before the softmax that follows it.
         for (int n_block = n_block_max - 1; n_block >= 0; --n_block) {
-          pipeline_k.consumer_wait(read_k);  // lines 16-17
-          turns.before_gemms();
-          gemm_qk();
-          turns.after_gemms();
-          warpgroup_wait<0>();
-          pipeline_k.consumer_release(read_k);
-          ++read_k;
+          qk_alone();  // lines 16-17
           if (n_block == 0) release_q();
           float rescale[kRows];
           softmax_step(n_block, rescale);
           scale_rows(tOrO_rc, rescale);
           convert_into<Element>(tSrS, tOrP);
-          pipeline_v.consumer_wait(read_v);  // lines 20-22
-          turns.before_gemms();
-          gemm_pv();
-          turns.after_gemms();
-          warpgroup_wait<0>();
-          pipeline_v.consumer_release(read_v);
-          ++read_v;
+          pv_alone();  // lines 20-22
         }
       } else {
         // Algorithm 2: the PV GEMM of block j runs on the tensor cores while the softmax of
         // block j+1 runs on the FP32 and exp units. The first S is computed alone.
         float rescale[kRows];
-        pipeline_k.consumer_wait(read_k);
-        turns.before_gemms();
-        gemm_qk();
-        turns.after_gemms();
-        warpgroup_wait<0>();
-        pipeline_k.consumer_release(read_k);
-        ++read_k;
+        qk_alone();
         if (n_block_max == 1) release_q();
         softmax_step(n_block_max - 1, rescale);  // O is 0: no rescale needed
         convert_into<Element>(tSrS, tOrP);
@@ -296,13 +297,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
           scale_rows(tOrO_rc, rescale);
           convert_into<Element>(tSrS, tOrP);
         }
-        pipeline_v.consumer_wait(read_v);
-        turns.before_gemms();
-        gemm_pv();
-        turns.after_gemms();
-        warpgroup_wait<0>();
-        pipeline_v.consumer_release(read_v);
-        ++read_v;
+        pv_alone();
       }
     }
 
