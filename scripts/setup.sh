@@ -30,10 +30,11 @@ PY
   echo "setup: CUTLASS $CUTLASS_VERSION headers in $dest/include"
 fi
 
-if [ ! -f /usr/include/gtest/gtest.h ] && [ "${FLASH3_SKIP_APT:-0}" != 1 ]; then
+if { [ ! -f /usr/include/gtest/gtest.h ] || [ ! -f /usr/src/googletest/CMakeLists.txt ]; } &&
+   [ ! -f "$root/third_party/googletest/CMakeLists.txt" ] && [ "${FLASH3_SKIP_APT:-0}" != 1 ]; then
   if command -v apt-get >/dev/null; then
     SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
-    $SUDO apt-get update -qq && $SUDO apt-get install -y -qq libgtest-dev cmake ninja-build >/dev/null
+    $SUDO apt-get update -qq && $SUDO apt-get install -y -qq libgtest-dev googletest cmake ninja-build >/dev/null
   else
     echo "setup: GoogleTest not found and no apt-get; tests will not be built" >&2
   fi
