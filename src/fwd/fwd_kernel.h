@@ -157,7 +157,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       // NOTES: the first K of this tile is issued before waiting for the consumers to be done
       // with the previous tile's Q, so it streams in meanwhile; the next Q is loaded as soon
       // as the previous tile's last S = Q K^T has completed, while its last PV GEMM, softmax
-      // finalization and O store still run.
+      // finalization and O store still run (with kStageOInQ: once its O store has read the
+      // Q buffer).
       if (n_block_max > 0) load_k(n_block_max - 1);
       if (tiles_done > 0) shared.barrier_q_free.wait((tiles_done - 1) & 1);
       // Lines 4-5: Q_i, loaded for every tile (also one with no visible key), so that Q loads

@@ -43,12 +43,6 @@ struct OnlineSoftmax {
     }
   }
 
-  // Keeps the running statistics computed before this point (see the mainloop's NOTES).
-  __device__ __forceinline__ void fence() {
-    fence_values(row_max);
-    fence_values(row_sum);
-  }
-
   // Line 24: the final 1 / rowsum and the log-sum-exp (natural log) of the scaled scores.
   // Rows that saw no visible key: inv_sum = 1 (their output is 0) and lse = +inf.
   __device__ __forceinline__ void finalize(float softmax_scale, float (&inv_sum)[kRows],

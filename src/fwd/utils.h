@@ -63,14 +63,6 @@ __device__ __forceinline__ void convert_into(Tensor<Engine, Layout> const& in, O
       convert(*reinterpret_cast<cutlass::Array<From, N> const*>(in.data()));
 }
 
-// An empty asm that claims to read and write each value: the compiler must have computed them
-// by this point and cannot move their computation past later volatile asm (e.g. wgmma waits).
-template <int N>
-__device__ __forceinline__ void fence_values(float (&v)[N]) {
-  CUTLASS_PRAGMA_UNROLL
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(v[i])::"memory");
-}
-
 // The 4 threads of a quad hold the columns of the same accumulator rows.
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
