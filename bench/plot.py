@@ -52,6 +52,13 @@ def rows_for(data, pss):
     return None
 
 
+def geomean_for(data, pss):
+    sec = data.get(pss)
+    if isinstance(sec, dict) and isinstance(sec.get("geomean"), dict):
+        return sec["geomean"]
+    return data.get("geomean") if pss == "fwd" and isinstance(data.get("geomean"), dict) else None
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("inp", metavar="IN.json")
@@ -76,8 +83,10 @@ def main():
     series = [s for s in SERIES if any(s[1](r, a.pss) for r in rows)]
     nser = len(series)
 
+    narrow = len(hdims) < 3  # e.g. --hdims 128: title on two lines, legend on two rows
+    head_in = 1.35 if narrow else 0.95  # inches above the panels for title, subtitle, legend
     fig, axes = plt.subplots(len(causals), len(hdims), squeeze=False,
-                             figsize=(max(6.5, 6.2 * len(hdims)), 4.3 * len(causals) + 1.3))
+                             figsize=(max(9.0, 6.2 * len(hdims)), 4.3 * len(causals) + head_in + 0.4))
     width = 0.84 / max(nser, 1)
     label_fs = 5.5 if nser * len(seqlens) > 16 else 7
     for i, causal in enumerate(causals):
@@ -109,27 +118,30 @@ def main():
             if i == len(causals) - 1:
                 ax.set_xlabel("Sequence length", fontsize=9)
 
+    # Lay the panels out first: tight_layout would otherwise also make room for the suptitle.
+    fig.tight_layout(rect=(0, 0, 1, 1 - head_in / fig.get_figheight()), h_pad=1.2, w_pad=1.0)
+
     dev = data.get("device") or "unknown device"
     gemm = data.get("gemm_bf16_tflops")
     title = f"Attention {PASS_NAMES[a.pss].lower()} speed (bf16) on {dev}"
     if gemm:
-        title += f"  |  bf16 GEMM ceiling (8192\u00b3): {gemm:.0f} TFLOP/s"
+        title += ("\n" if narrow else "  |  ") + f"bf16 GEMM ceiling (8192\u00b3): {gemm:.0f} TFLOP/s"
     sub = []
     for key, lab in (("flash3_over_cudnn", "flash3/cuDNN"), ("flash3_over_fa2", "flash3/FA2"),
                      ("flash3_over_fa3_implied", "flash3/FA3 (implied)")):
-        g = (data.get("geomean") or {}).get(key) if a.pss == "fwd" else None
+        g = (geomean_for(data, a.pss) or {}).get(key)
         if isinstance(g, (int, float)):
             sub.append(f"{lab} {g:.3f}")
     meta = [f"{k} {data[k]}" for k in ("torch", "cuda", "date") if data.get(k)]
-    fig.suptitle(title, fontsize=13, fontweight="bold", y=0.995)
+    figh = fig.get_figheight()
+    fig.suptitle(title, fontsize=13, fontweight="bold", y=1 - 0.05 / figh, va="top")
+    sub_y = 1 - (0.62 if narrow else 0.36) / figh
     if sub or meta:
-        fig.text(0.5, 0.952, ("geomean: " + ", ".join(sub) + ("   |   " if sub and meta else "") if sub else "")
+        fig.text(0.5, sub_y, ("geomean: " + ", ".join(sub) + ("   |   " if sub and meta else "") if sub else "")
                  + ", ".join(meta), ha="center", va="top", fontsize=8.5, color="#444444")
     handles = [Patch(label=name, **style) for name, _, style in series]
-    fig.legend(handles=handles, loc="upper center", ncol=len(handles), fontsize=9, frameon=False,
-               bbox_to_anchor=(0.5, 0.93))
-    top = 1 - 1.05 / fig.get_figheight()
-    fig.tight_layout(rect=(0, 0, 1, top), h_pad=1.2, w_pad=1.0)
+    fig.legend(handles=handles, loc="upper center", ncol=2 if narrow else len(handles), fontsize=9,
+               frameon=False, bbox_to_anchor=(0.5, sub_y - 0.2 / figh))
     fig.savefig(a.out, dpi=a.dpi)
     print(f"wrote {a.out}")
     return 0
