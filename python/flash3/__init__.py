@@ -1,21 +1,25 @@
-"""flash3: FlashAttention-3 forward for Hopper, called from PyTorch through ctypes (no extension).
+"""flash3: FlashAttention-3 for Hopper, called from PyTorch through ctypes (no extension).
 
     from flash3 import flash_attn_func
     out = flash_attn_func(q, k, v, causal=True)          # q: (batch, seqlen_q, nheads, headdim)
     out, lse = flash_attn_func(q, k, v, return_attn_probs=True)
+    out.sum().backward()                                  # dq, dk, dv by flash3's backward kernels
+
+The buffer-level entry points are forward_into and backward_into.
 
 Names and argument order follow FlashAttention-3's `flash_attn_interface.flash_attn_func`.
 The library is found via $FLASH3_LIB, else ../../build/libflash3.so beside this package, else
 the system's library path.
 """
 import contextlib
+import ctypes
 import math
 
 import torch
 
 from . import _lib
 
-__all__ = ["flash_attn_func", "forward_into", "hopper_available", "version"]
+__all__ = ["flash_attn_func", "forward_into", "backward_into", "hopper_available", "version"]
 
 _DTYPES = {torch.float16: _lib.FLOAT16, torch.bfloat16: _lib.BFLOAT16, torch.float32: _lib.FLOAT32,
            torch.int32: _lib.INT32}
@@ -27,7 +31,8 @@ for _name, _code in (("float8_e4m3fn", _lib.FLOAT8_E4M3), ("float8_e5m2", _lib.F
 # value raises NotImplementedError. Performance hints that cannot change the result are ignored.
 _UNSUPPORTED = {"qv": None, "q_descale": None, "k_descale": None, "v_descale": None,
                 "attention_chunk": 0, "softcap": 0.0}
-_IGNORED = ("num_splits", "pack_gqa", "sm_margin", "deterministic")  # forward is deterministic
+_IGNORED = ("num_splits", "pack_gqa", "sm_margin")
+_WORKSPACE_ALIGN = 256  # bytes: flash3::BwdArgs::workspace
 
 
 def hopper_available():
@@ -63,31 +68,84 @@ def _ref(t, name):
     return r
 
 
+def _scale_arg(softmax_scale):
+    """The library's float for softmax_scale (0.0: its default 1/sqrt(head_dim))."""
+    if softmax_scale is None:
+        return 0.0
+    scale = float(softmax_scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"softmax_scale: must be positive and finite, got {softmax_scale}")
+    return scale
+
+
+def _refs(named, optional=()):
+    """flash3_tensor refs for (name, tensor) pairs: each a CUDA tensor (or None where optional)."""
+    for name, t in named:
+        if t is None and name not in optional:
+            raise ValueError(f"{name}: must be a tensor, got None")
+        if isinstance(t, torch.Tensor) and not t.is_cuda:
+            raise ValueError(f"{name}: must be a CUDA tensor, got device {t.device}")
+    return [_ref(t, name) for name, t in named]
+
+
+def _on_device(dev):
+    """The library launches on the current device: make it dev's for the call."""
+    same = dev.index is None or dev.index == torch.cuda.current_device()
+    return contextlib.nullcontext() if same else torch.cuda.device(dev)
+
+
+def _check(rc, buf, what):
+    if rc != _lib.OK:
+        msg = buf.value.decode(errors="replace") or f"{what} failed with code {rc}"
+        raise (ValueError if rc == _lib.INVALID_ARGUMENT else RuntimeError)(msg)
+
+
 def forward_into(q, k, v, out, lse=None, softmax_scale=None, causal=False):
     """Runs the forward pass into caller-given buffers: out like q, lse float32 (b, h, sq) or None.
     Raises ValueError with the library's message on invalid arguments, RuntimeError otherwise."""
-    if softmax_scale is None:
-        scale = 0.0  # library default: 1/sqrt(head_dim)
-    else:
-        scale = float(softmax_scale)
-        if not (math.isfinite(scale) and scale > 0):
-            raise ValueError(f"softmax_scale: must be positive and finite, got {softmax_scale}")
-    for name, t in (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)):
-        if t is None and name != "lse":
-            raise ValueError(f"{name}: must be a tensor, got None")
-        if t is not None and isinstance(t, torch.Tensor) and not t.is_cuda:
-            raise ValueError(f"{name}: must be a CUDA tensor, got device {t.device}")
-    refs = [_ref(t, n) for t, n in ((q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse"))]
+    scale = _scale_arg(softmax_scale)
+    refs = _refs((("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)), optional=("lse",))
     lib, buf, dev = _lib.lib(), _lib.err_buffer(), q.device
-    # the library launches on the current device: make it q's, on torch's current stream there
-    same = dev.index is None or dev.index == torch.cuda.current_device()
-    with contextlib.nullcontext() if same else torch.cuda.device(dev):
+    with _on_device(dev):  # on torch's current stream of q's device
         rc = lib.flash3_fwd(*refs, scale, int(bool(causal)), torch.cuda.current_stream(dev).cuda_stream,
                             buf, len(buf))
-    if rc != _lib.OK:
-        msg = buf.value.decode(errors="replace") or f"flash3_fwd failed with code {rc}"
-        raise (ValueError if rc == _lib.INVALID_ARGUMENT else RuntimeError)(msg)
+    _check(rc, buf, "flash3_fwd")
     return out, lse
+
+
+def backward_into(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=None, causal=False,
+                  deterministic=False):
+    """Runs the backward pass into caller-given buffers dq (like q), dk, dv (like k, v).
+
+    q, k, v, out and lse are the forward's inputs, output and log-sum-exp (float32 (b, h, sq));
+    dout is dLoss/dout, shaped like out. softmax_scale and causal must be the forward's.
+    deterministic: bitwise-identical gradients from call to call (a little slower).
+    The library's scratch memory is a uint8 tensor from PyTorch's caching allocator, used on
+    torch's current stream of q's device, where the kernels run. Returns (dq, dk, dv).
+    Raises ValueError with the library's message on invalid arguments, RuntimeError otherwise.
+    """
+    scale = _scale_arg(softmax_scale)
+    # the C order: q, k, v, out, dout, lse, dq, dk, dv
+    refs = _refs((("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout), ("lse", lse),
+                  ("dq", dq), ("dk", dk), ("dv", dv)))
+    lib, buf, dev = _lib.lib(), _lib.err_buffer(), q.device
+    if not _lib.has_bwd():
+        raise RuntimeError("this libflash3.so has no backward (flash3_bwd): rebuild the library")
+    flags = (scale, int(bool(causal)), int(bool(deterministic)))
+    with _on_device(dev):
+        nbytes = ctypes.c_uint64(0)
+        rc = lib.flash3_bwd_workspace_size(*refs, *flags, ctypes.byref(nbytes), buf, len(buf))
+        _check(rc, buf, "flash3_bwd_workspace_size")
+        size, workspace, ptr = nbytes.value, None, None
+        if size:
+            # allocated on the current stream, so the allocator reuses it only after the kernels
+            workspace = torch.empty(size + _WORKSPACE_ALIGN, dtype=torch.uint8, device=dev)
+            ptr = -workspace.data_ptr() % _WORKSPACE_ALIGN + workspace.data_ptr()
+        rc = lib.flash3_bwd(*refs, *flags, ptr, size, torch.cuda.current_stream(dev).cuda_stream,
+                            buf, len(buf))
+    del workspace
+    _check(rc, buf, "flash3_bwd")
+    return dq, dk, dv
 
 
 def _forward(q, k, v, softmax_scale, causal, want_lse):
@@ -101,16 +159,36 @@ def _forward(q, k, v, softmax_scale, causal, want_lse):
     return forward_into(q, k, v, out, lse, softmax_scale, causal)
 
 
+def _kernel_layout(t):
+    """True when flash3 can read t as it is: last dim contiguous, every other stride (of a dim
+    longer than 1) positive and a multiple of 16 bytes."""
+    if t.stride(-1) != 1:
+        return False
+    unit = max(1, 16 // t.element_size())
+    return all(n <= 1 or (s > 0 and s % unit == 0) for n, s in zip(t.shape[:-1], t.stride()[:-1]))
+
+
 class _FlashAttnFunc(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, causal):
+    def forward(ctx, q, k, v, softmax_scale, causal, deterministic):
         out, lse = _forward(q, k, v, softmax_scale, causal, True)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dout, dlse):
-        raise NotImplementedError("flash3 backward is not implemented yet")
+        q, k, v, out, lse = ctx.saved_tensors
+        # an incoming gradient may be any view (sum() gives a stride-0 expand): copy it only when
+        # the kernels cannot read it as it is
+        if not _kernel_layout(dout):
+            dout = dout.contiguous()
+        dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+        backward_into(dout, q, k, v, out, lse, dq, dk, dv, ctx.softmax_scale, ctx.causal,
+                      ctx.deterministic)
+        return dq, dk, dv, None, None, None
 
 
 def _window_is_causal(window_size, causal):
@@ -125,13 +203,16 @@ def _window_is_causal(window_size, causal):
 
 
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, *, window_size=(-1, -1),
-                    return_attn_probs=False, **unsupported):
+                    deterministic=False, return_attn_probs=False, **unsupported):
     """softmax(softmax_scale * q k^T [causal mask]) v.
 
     q (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k, nheads_kv, headdim), bf16 or fp16,
     headdim 64/128/256, nheads a multiple of nheads_kv (GQA/MQA). causal is aligned bottom-right:
     query i sees key j iff j <= i + seqlen_k - seqlen_q. Returns out, or (out, softmax_lse) with
     softmax_lse float32 (batch, nheads, seqlen_q) when return_attn_probs.
+    When any of q, k, v requires grad, the backward (loss.backward()) runs flash3's backward
+    kernels; deterministic=True makes its gradients bitwise reproducible (the forward always is).
+    softmax_lse is not differentiable.
     """
     for name, value in unsupported.items():
         if name in _IGNORED:
@@ -145,7 +226,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, *, window_size=(-
     needs_grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
     if needs_grad:
-        out, lse = _FlashAttnFunc.apply(q, k, v, softmax_scale, causal)
+        out, lse = _FlashAttnFunc.apply(q, k, v, softmax_scale, causal, bool(deterministic))
     else:
         out, lse = _forward(q, k, v, softmax_scale, causal, return_attn_probs)
     return (out, lse) if return_attn_probs else out

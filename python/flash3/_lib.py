@@ -38,6 +38,27 @@ def _candidates():
     return out
 
 
+def _bind_bwd(handle, ptr):
+    """Declares flash3_bwd and flash3_bwd_workspace_size where the library has them (a library
+    built before the backward existed still loads; has_bwd() then says False)."""
+    if not (hasattr(handle, "flash3_bwd") and hasattr(handle, "flash3_bwd_workspace_size")):
+        return
+    tensors = [ptr] * 9  # q, k, v, out, dout, lse, dq, dk, dv
+    handle.flash3_bwd.argtypes = tensors + [ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                                            ctypes.c_uint64, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
+    handle.flash3_bwd.restype = ctypes.c_int
+    handle.flash3_bwd_workspace_size.argtypes = tensors + [ctypes.c_float, ctypes.c_int, ctypes.c_int,
+                                                           ctypes.POINTER(ctypes.c_uint64),
+                                                           ctypes.c_char_p, ctypes.c_int]
+    handle.flash3_bwd_workspace_size.restype = ctypes.c_int
+
+
+def has_bwd():
+    """True when the loaded library exports the backward entry points."""
+    handle = lib()
+    return hasattr(handle, "flash3_bwd") and hasattr(handle, "flash3_bwd_workspace_size")
+
+
 def lib():
     """The loaded library; raises RuntimeError (once, with every path tried) if none loads."""
     global _lib, _load_error
@@ -55,6 +76,7 @@ def lib():
             handle.flash3_fwd.argtypes = [ptr, ptr, ptr, ptr, ptr, ctypes.c_float, ctypes.c_int,
                                           ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
             handle.flash3_fwd.restype = ctypes.c_int
+            _bind_bwd(handle, ptr)
             handle.flash3_hopper_available.argtypes = [ctypes.c_char_p, ctypes.c_int]
             handle.flash3_hopper_available.restype = ctypes.c_int
             handle.flash3_version.argtypes = []
