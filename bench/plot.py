@@ -1,14 +1,17 @@
 #!/usr/bin/env python3
-"""Chart of bench/bench_torch.py's JSON in the style of Figure 5 of the FlashAttention-3 paper.
+"""Chart of bench/bench_torch.py's JSON in the style of Figures 5 (forward) and 6 (backward) of the
+FlashAttention-3 paper.
 
 One panel per (causal no/yes) x (head dim), grouped bars per sequence length: FlashAttention-2
-(torch SDPA), cuDNN (torch SDPA), flash3 and, where the JSON has FA3's ratio to cuDNN from the
-anchors, FA3 implied as cuDNN x that ratio (hatched). TFLOP/s printed on top of each bar.
+(torch SDPA), cuDNN (torch SDPA), flash3, flash3 with deterministic=True (backward runs) and,
+where the JSON has FA3's ratio to cuDNN from the anchors, FA3 implied as cuDNN x that ratio
+(hatched). TFLOP/s printed on top of each bar; a series with no value anywhere gets no slot.
 
     python3 bench/plot.py IN.json OUT.png [--pass fwd|bwd]
 
---pass fwd reads the top-level 'rows' (or a 'fwd' section if there is one); --pass bwd reads a
-'bwd' section ({'rows': [...]} or a list of rows). Unknown keys are ignored.
+The JSON's own 'pass' ("fwd" when absent) says what its top-level 'rows' are; --pass defaults to
+it. A pass other than the file's is read from a section of that name ({'rows': [...]} or a list
+of rows). Unknown keys are ignored.
 """
 import argparse
 import json
@@ -26,6 +29,7 @@ SERIES = [
     ("FlashAttention-2 (torch)", lambda r, p: r.get("fa2_tflops"), dict(color="#f28e2b")),
     ("cuDNN", lambda r, p: r.get("cudnn_tflops"), dict(color="#e15759")),
     ("flash3", lambda r, p: r.get("flash3_tflops"), dict(color="#7b4fa6")),
+    ("flash3 (deterministic)", lambda r, p: r.get("flash3_det_tflops"), dict(color="#b79bd3")),
     ("FA3 (implied: cuDNN x anchor ratio)", lambda r, p: implied_fa3(r, p),
      dict(facecolor="#e6dcf0", edgecolor="#7b4fa6", hatch="////", linewidth=0.6)),
 ]
@@ -41,34 +45,44 @@ def seqlen_label(s):
     return f"{s // 1024}k" if s >= 1024 and s % 1024 == 0 else str(s)
 
 
+def file_pass(data):
+    """The pass of a JSON's top-level rows (bench_torch.py writes 'pass'; older files are fwd)."""
+    return data.get("pass") or "fwd"
+
+
 def rows_for(data, pss):
+    if file_pass(data) == pss and isinstance(data.get("rows"), list):
+        return data["rows"]
     sec = data.get(pss)
     if isinstance(sec, dict) and isinstance(sec.get("rows"), list):
         return sec["rows"]
     if isinstance(sec, list):
         return sec
-    if pss == "fwd" and isinstance(data.get("rows"), list):
-        return data["rows"]
     return None
 
 
 def geomean_for(data, pss):
+    if file_pass(data) == pss and isinstance(data.get("geomean"), dict):
+        return data["geomean"]
     sec = data.get(pss)
     if isinstance(sec, dict) and isinstance(sec.get("geomean"), dict):
         return sec["geomean"]
-    return data.get("geomean") if pss == "fwd" and isinstance(data.get("geomean"), dict) else None
+    return None
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("inp", metavar="IN.json")
     p.add_argument("out", metavar="OUT.png")
-    p.add_argument("--pass", dest="pss", choices=sorted(PASS_NAMES), default="fwd")
+    p.add_argument("--pass", dest="pss", choices=sorted(PASS_NAMES), default=None,
+                   help="which pass to draw (default: the JSON's own 'pass', else fwd)")
     p.add_argument("--dpi", type=int, default=150)
     a = p.parse_args()
 
     with open(a.inp) as f:
         data = json.load(f)
+    if a.pss is None:
+        a.pss = file_pass(data) if file_pass(data) in PASS_NAMES else "fwd"
     rows = [r for r in (rows_for(data, a.pss) or []) if isinstance(r, dict)
             and all(k in r for k in ("hdim", "causal", "seqlen"))]
     if not rows:
@@ -127,7 +141,8 @@ def main():
     if gemm:
         title += ("\n" if narrow else "  |  ") + f"bf16 GEMM ceiling (8192\u00b3): {gemm:.0f} TFLOP/s"
     sub = []
-    for key, lab in (("flash3_over_cudnn", "flash3/cuDNN"), ("flash3_over_fa2", "flash3/FA2"),
+    for key, lab in (("flash3_over_cudnn", "flash3/cuDNN"), ("flash3_det_over_cudnn", "deterministic/cuDNN"),
+                     ("flash3_det_over_flash3", "deterministic/default"), ("flash3_over_fa2", "flash3/FA2"),
                      ("flash3_over_fa3_implied", "flash3/FA3 (implied)")):
         g = (geomean_for(data, a.pss) or {}).get(key)
         if isinstance(g, (int, float)):
