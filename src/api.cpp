@@ -1,4 +1,5 @@
 // flash3: the public forward entry point: validate, then dispatch on (dtype, head dim).
+#include <mutex>
 #include <string>
 
 #include "flash3/flash3.h"
@@ -13,21 +14,46 @@ void check_cuda(cudaError_t err, const char* what) {
                     cudaGetErrorString(err) + ")");
   }
 }
+const DeviceInfo& current_device_info() {
+  // NOTES: every fwd()/bwd() call needs these; cudaDeviceGetAttribute costs microseconds of
+  // host time per call, which showed in the benchmark at short sequences. One slot per device.
+  constexpr int kMaxDevices = 64;
+  static DeviceInfo cache[kMaxDevices];
+  static std::once_flag once[kMaxDevices];
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  auto query = [](int dev, DeviceInfo& info) {
+    int l2 = 0;
+    check_cuda(cudaDeviceGetAttribute(&info.major, cudaDevAttrComputeCapabilityMajor, dev), "cudaDeviceGetAttribute");
+    check_cuda(cudaDeviceGetAttribute(&info.minor, cudaDevAttrComputeCapabilityMinor, dev), "cudaDeviceGetAttribute");
+    check_cuda(cudaDeviceGetAttribute(&info.sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
+    check_cuda(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev), "cudaDeviceGetAttribute");
+    info.l2_bytes = l2;
+  };
+  if (device < 0 || device >= kMaxDevices) {
+    thread_local DeviceInfo uncached;
+    query(device, uncached);
+    return uncached;
+  }
+  std::call_once(once[device], query, device, cache[device]);
+  return cache[device];
+}
+
+void require_hopper(const char* op) {
+  const DeviceInfo& info = current_device_info();
+  if (info.major != 9) {
+    throw CudaError(std::string(op) + ": the current device has compute capability " +
+                    std::to_string(info.major) + "." + std::to_string(info.minor) +
+                    "; flash3's kernels need Hopper (9.0)");
+  }
+}
+
 }  // namespace detail
 
 void fwd(const FwdArgs& args) {
   const FwdProblem p = validate_fwd(args);
   if (p.batch == 0 || p.seqlen_q == 0 || p.nheads == 0) return;
-  int device = 0, major = 0, minor = 0;
-  detail::check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  detail::check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
-                     "cudaDeviceGetAttribute");
-  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-  if (major != 9) {
-    throw CudaError("flash3::fwd: the current device has compute capability " +
-                    std::to_string(major) + "." + std::to_string(minor) +
-                    "; flash3's kernels need Hopper (9.0)");
-  }
+  detail::require_hopper("flash3::fwd");
   if (p.seqlen_k == 0) return detail::fill_no_keys(p, args);
 
   using Run = void (*)(const FwdProblem&, const FwdArgs&);

@@ -110,4 +110,46 @@ bool is_supported_head_dim(int head_dim);
 // True when a Hopper (sm_90) GPU is present and usable by this process.
 bool hopper_available(std::string* why_not = nullptr);
 
+// ---------------------------------------------------------------------------------------------
+// Backward pass (FlashAttention-3, Algorithm 3). Given the forward's inputs, its output and
+// log-sum-exp, and dout = dLoss/dout, writes dq, dk, dv = dLoss/d(q, k, v).
+//   q, out, dout, dq (batch, seqlen_q, nheads, head_dim)     one dtype (float16 or bfloat16)
+//   k, v, dk, dv     (batch, seqlen_k, nheads_kv, head_dim)  same dtype
+//   lse              (batch, nheads, seqlen_q) float32        as written by fwd()
+// Only the last dim must be contiguous. GQA/MQA: dk, dv are summed over the query heads that
+// share a kv head. Rows that see no key (causal with seqlen_q > seqlen_k) get dq = 0.
+struct BwdArgs {
+  TensorRef q, k, v, out, dout, lse;
+  TensorRef dq, dk, dv;
+  float softmax_scale = 0.0f;  // <= 0 (or NaN) means 1/sqrt(head_dim); must match the forward
+  bool causal = false;         // must match the forward
+  // Bitwise-identical gradients from run to run (dq partial sums are added in a fixed order).
+  bool deterministic = false;
+  cudaStream_t stream = nullptr;
+  // Optional scratch device memory of at least bwd_workspace_size() bytes, 256-byte aligned.
+  // nullptr: bwd() allocates it with cudaMallocAsync on `stream` and frees it after use.
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+};
+
+struct BwdProblem {
+  DType dtype = DType::kBFloat16;
+  int batch = 0, seqlen_q = 0, seqlen_k = 0, nheads = 0, nheads_kv = 0, head_dim = 0;
+  float softmax_scale = 0.0f;
+  bool causal = false;
+  bool deterministic = false;
+};
+
+// Checks every precondition of bwd() (not the workspace size) and returns the normalized
+// problem. Throws flash3::Error naming the argument (messages start "flash3::bwd: ").
+BwdProblem validate_bwd(const BwdArgs& args, PointerInspector inspect = nullptr);
+
+// Bytes of scratch memory bwd() needs for this problem (0 when there is nothing to compute).
+size_t bwd_workspace_size(const BwdProblem& p);
+
+// Throws flash3::Error on invalid arguments (including a too-small workspace) and
+// flash3::CudaError on CUDA failures. batch == 0 or seqlen_q == 0 returns without a launch;
+// seqlen_k == 0 writes dq = 0.
+void bwd(const BwdArgs& args);
+
 }  // namespace flash3

@@ -37,6 +37,24 @@ int flash3_fwd(const flash3_tensor* q, const flash3_tensor* k, const flash3_tens
                const flash3_tensor* out, const flash3_tensor* lse, float softmax_scale, int causal,
                void* stream, char* err, int err_len);
 
+/* Backward attention: writes dq, dk, dv (see flash3::BwdArgs in flash3.h). workspace may be NULL
+ * (the library allocates with cudaMallocAsync on stream); else at least
+ * flash3_bwd_workspace_size() bytes. Same return codes and err convention as flash3_fwd. */
+int flash3_bwd(const flash3_tensor* q, const flash3_tensor* k, const flash3_tensor* v,
+               const flash3_tensor* out, const flash3_tensor* dout, const flash3_tensor* lse,
+               const flash3_tensor* dq, const flash3_tensor* dk, const flash3_tensor* dv,
+               float softmax_scale, int causal, int deterministic, void* workspace,
+               uint64_t workspace_bytes, void* stream, char* err, int err_len);
+
+/* Scratch bytes flash3_bwd needs for these arguments, written to *bytes. Validates like
+ * flash3_bwd (same codes and messages). */
+int flash3_bwd_workspace_size(const flash3_tensor* q, const flash3_tensor* k,
+                              const flash3_tensor* v, const flash3_tensor* out,
+                              const flash3_tensor* dout, const flash3_tensor* lse,
+                              const flash3_tensor* dq, const flash3_tensor* dk,
+                              const flash3_tensor* dv, float softmax_scale, int causal,
+                              int deterministic, uint64_t* bytes, char* err, int err_len);
+
 /* 1 if a Hopper GPU is usable, else 0 (and a reason in why, if why_len > 0). */
 int flash3_hopper_available(char* why, int why_len);
 

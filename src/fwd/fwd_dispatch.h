@@ -21,4 +21,15 @@ void fill_no_keys(const FwdProblem& problem, const FwdArgs& args);
 // Throws flash3::CudaError naming `what` when `err` is not cudaSuccess.
 void check_cuda(cudaError_t err, const char* what);
 
+// Attributes of the current device, queried once per device and cached.
+struct DeviceInfo {
+  int major = 0, minor = 0, sms = 0;
+  long long l2_bytes = 0;
+};
+const DeviceInfo& current_device_info();
+
+// Throws flash3::CudaError unless the current device is Hopper (compute capability 9.x);
+// `op` ("flash3::fwd") starts the message.
+void require_hopper(const char* op);
+
 }  // namespace flash3::detail

@@ -44,12 +44,6 @@ __device__ __forceinline__ void pin_before_wait(float* slot, const float (&value
 
 // Named barriers (id 0 is __syncthreads).
 enum : int { kBarrierEpilogue = 1, kBarrierPingpongBase = 2 };
-__device__ __forceinline__ void named_barrier_sync(int threads, int id) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-__device__ __forceinline__ void named_barrier_arrive(int threads, int id) {
-  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
 
 // Pingpong (§3.1): consumer warpgroups take turns issuing their GEMMs, so that one warpgroup's
 // softmax runs while another's GEMMs run. Warpgroup w waits on barrier (base + w) before

@@ -11,19 +11,8 @@
 
 namespace flash3::detail {
 
-inline long long l2_bytes() {
-  int device = 0, l2 = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  check_cuda(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device), "cudaDeviceGetAttribute");
-  return l2;
-}
-
-inline int num_sms() {
-  int device = 0, sms = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
-  return sms;
-}
+inline long long l2_bytes() { return current_device_info().l2_bytes; }
+inline int num_sms() { return current_device_info().sms; }
 
 template <class Traits>
 void launch_fwd(const FwdProblem& p, const FwdArgs& args, bool persistent = true) {

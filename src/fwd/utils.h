@@ -1,4 +1,4 @@
-// flash3: small device helpers shared by the forward kernel: the WGMMA issue wrapper, register
+// flash3: small device helpers shared by the forward and backward kernels: the WGMMA issue wrapper, register
 // layout conversions of the WGMMA accumulator, type conversion, quad reductions, exp2.
 #pragma once
 
@@ -71,6 +71,14 @@ __device__ __forceinline__ float quad_max(float x) {
 __device__ __forceinline__ float quad_sum(float x) {
   x += __shfl_xor_sync(0xffffffffu, x, 1);
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// Named barriers: `threads` threads (a multiple of 32) meet at barrier `id` (0 is __syncthreads).
+__device__ __forceinline__ void named_barrier_sync(int threads, int id) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int threads, int id) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
 // NOTES: MUFU.EX2 directly; exp(x) is computed as exp2(x * log2(e)) with the softmax scale

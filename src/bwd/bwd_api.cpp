@@ -1,0 +1,60 @@
+// flash3: the public backward entry point: validate, size and (if needed) allocate the
+// workspace, then dispatch on (dtype, head dim).
+#include <string>
+
+#include "bwd/bwd_dispatch.h"
+#include "flash3/flash3.h"
+#include "fwd/fwd_dispatch.h"
+
+namespace flash3 {
+
+namespace {
+BwdWorkspaceLayout workspace_layout(const BwdProblem& p) {
+  return BwdWorkspaceLayout(p.batch, p.nheads, p.seqlen_q, p.seqlen_k, p.head_dim, p.deterministic,
+                            p.nheads != p.nheads_kv);
+}
+}  // namespace
+
+size_t bwd_workspace_size(const BwdProblem& p) {
+  if (p.batch == 0 || p.seqlen_q == 0 || p.nheads == 0) return 0;
+  return workspace_layout(p).bytes;
+}
+
+void bwd(const BwdArgs& args) {
+  const BwdProblem p = validate_bwd(args);
+  if (p.batch == 0 || p.seqlen_q == 0 || p.nheads == 0) return;
+  const BwdWorkspaceLayout ws = workspace_layout(p);
+  if (args.workspace != nullptr && args.workspace_bytes < ws.bytes) {
+    throw Error("flash3::bwd: workspace_bytes is " + std::to_string(args.workspace_bytes) +
+                "; this problem needs at least " + std::to_string(ws.bytes) +
+                " bytes (bwd_workspace_size)");
+  }
+  detail::require_hopper("flash3::bwd");
+
+  using Run = void (*)(const BwdProblem&, const BwdArgs&, const BwdWorkspaceLayout&, char*);
+  Run run = nullptr;
+  const bool bf16 = p.dtype == DType::kBFloat16;
+  switch (p.head_dim) {
+    case 64: run = bf16 ? detail::run_bwd_bf16_hdim64 : detail::run_bwd_fp16_hdim64; break;
+    case 128: run = bf16 ? detail::run_bwd_bf16_hdim128 : detail::run_bwd_fp16_hdim128; break;
+    case 256: run = bf16 ? detail::run_bwd_bf16_hdim256 : detail::run_bwd_fp16_hdim256; break;
+  }
+  if (run == nullptr) throw Error("flash3::bwd: no kernel for head_dim " + std::to_string(p.head_dim));
+
+  char* base = static_cast<char*>(args.workspace);
+  const bool own = base == nullptr;
+  if (own) {
+    void* ptr = nullptr;
+    detail::check_cuda(cudaMallocAsync(&ptr, ws.bytes, args.stream), "cudaMallocAsync(backward workspace)");
+    base = static_cast<char*>(ptr);
+  }
+  try {
+    run(p, args, ws, base);
+  } catch (...) {
+    if (own) cudaFreeAsync(base, args.stream);
+    throw;
+  }
+  if (own) detail::check_cuda(cudaFreeAsync(base, args.stream), "cudaFreeAsync(backward workspace)");
+}
+
+}  // namespace flash3

@@ -1,0 +1,80 @@
+// flash3: the one table of backward tile shapes, per head dim, and the workspace layout built
+// from it. Plain C++ (no CuTe) so that the host-side workspace sizing can include it.
+//
+// NOTES: a block owns kBlockN keys of one (head, batch) and keeps dK, dV for them in registers
+// (FP32) for its whole life, while kBlockM query rows stream past. Two consumer warpgroups
+// (240 registers each) share every GEMM; the accumulators per consumer thread are
+//   dK + dV: 2 x kBlockN x d / 256,  S + dP: 2 x kBlockM x kBlockN / 256,  dQ: kBlockM x d / 256
+// and S, dP are dead before dQ is live. (Head dim 64 with kBlockM = 128 spilled: S + dP + their
+// 16-bit copies + dK + dV exceed 232 registers.) Shared memory (bf16): K, V (kBlockN x d each), kStages x
+// (Q, dO) (kBlockM x d each), P and dS (kBlockM x kBlockN each), dQ in FP32 (kBlockM x d).
+//
+//   head dim | kBlockM | kBlockN | stages | registers (dK+dV, S+dP, dQ) | smem
+//   ---------+---------+---------+--------+-----------------------------+--------
+//        64  |    64   |   128   |   2    |   64,  64, 16               | 112 KB
+//       128  |    64   |   128   |   2    |  128,  64, 32               | 192 KB
+//       256  |    64   |    64   |   1    |  128,  32, 64               | 208 KB
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace flash3 {
+
+template <int kHeadDim>
+struct BwdTileConfig;
+template <> struct BwdTileConfig<64> { static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2; };
+template <> struct BwdTileConfig<128> { static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2; };
+template <> struct BwdTileConfig<256> { static constexpr int kBlockM = 64, kBlockN = 64, kStages = 1; };
+
+inline int bwd_block_m(int head_dim) {
+  return head_dim == 64 ? BwdTileConfig<64>::kBlockM
+                        : head_dim == 128 ? BwdTileConfig<128>::kBlockM : BwdTileConfig<256>::kBlockM;
+}
+inline int bwd_block_n(int head_dim) {
+  return head_dim == 64 ? BwdTileConfig<64>::kBlockN
+                        : head_dim == 128 ? BwdTileConfig<128>::kBlockN : BwdTileConfig<256>::kBlockN;
+}
+
+// The scratch memory of one backward call, carved from one buffer (each part 256-byte aligned):
+//   lse_log2 float [batch][nheads][seqlen_q_pad]   lse * log2(e); +inf on padding rows
+//   dpsum    float [batch][nheads][seqlen_q_pad]   D = rowsum(dO * O); 0 on padding rows
+//   dq_accum float [batch][nheads][m_blocks][kBlockM * d]   FP32 dQ, each tile in the register
+//            order of the dQ GEMM's accumulators (see bwd_kernel.h)
+//   dq_sem   int   [batch][nheads][m_blocks]       deterministic mode only: n_blocks added so far
+//   dk_accum, dv_accum float [batch][nheads][seqlen_k_pad][d]   GQA/MQA only: per-query-head dK, dV
+// seqlen_q_pad = m_blocks * kBlockM, seqlen_k_pad = n_blocks * kBlockN.
+struct BwdWorkspaceLayout {
+  int block_m = 0, block_n = 0, m_blocks = 0, n_blocks = 0;
+  int64_t seqlen_q_pad = 0, seqlen_k_pad = 0;
+  size_t lse_log2 = 0, dpsum = 0, dq_accum = 0, dq_sem = 0, dk_accum = 0, dv_accum = 0;  // offsets
+  size_t bytes = 0;
+
+  BwdWorkspaceLayout(int batch, int nheads, int seqlen_q, int seqlen_k, int head_dim,
+                     bool deterministic, bool gqa) {
+    block_m = bwd_block_m(head_dim);
+    block_n = bwd_block_n(head_dim);
+    m_blocks = (seqlen_q + block_m - 1) / block_m;
+    n_blocks = (seqlen_k + block_n - 1) / block_n;
+    seqlen_q_pad = int64_t(m_blocks) * block_m;
+    seqlen_k_pad = int64_t(n_blocks) * block_n;
+    const int64_t bh = int64_t(batch) * nheads;
+    size_t at = 0;
+    auto take = [&at](size_t n) {
+      const size_t off = at;
+      at += (n + 255) / 256 * 256;
+      return off;
+    };
+    lse_log2 = take(sizeof(float) * bh * seqlen_q_pad);
+    dpsum = take(sizeof(float) * bh * seqlen_q_pad);
+    dq_accum = take(sizeof(float) * bh * seqlen_q_pad * head_dim);
+    if (deterministic) dq_sem = take(sizeof(int) * bh * m_blocks);
+    if (gqa) {
+      dk_accum = take(sizeof(float) * bh * seqlen_k_pad * head_dim);
+      dv_accum = take(sizeof(float) * bh * seqlen_k_pad * head_dim);
+    }
+    bytes = at;
+  }
+};
+
+}  // namespace flash3

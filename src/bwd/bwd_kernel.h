@@ -1,0 +1,470 @@
+// flash3: the backward pass, Algorithm 3 of the FlashAttention-3 paper (shared/paper, Appendix
+// B.1), as three kernels:
+//   bwd_preprocess  D = rowsum(dO * O), lse * log2(e) (both padded per query tile), dQ accumulator
+//                   and the deterministic-mode counters cleared;
+//   bwd_kernel      one block per (kBlockN keys, head, batch), warp-specialized:
+//                     warp 0      producer: TMA loads K_j, V_j once, then streams Q_i, dO_i (with
+//                                 their lse and D) through a kStages-deep ring of buffers;
+//                     warp 1      dQ writer: adds each tile's dQ_i (FP32, from shared memory) into
+//                                 the global accumulator with one bulk reduce-add (TMA), so the
+//                                 consumers never wait on that traffic;
+//                     WGs 1, 2    consumers: S = Q_i K_j^T, dP = dO_i V_j^T, P = exp(S - lse),
+//                                 dS = P * (dP - D), dV_j += P^T dO_i, dK_j += dS^T Q_i,
+//                                 dQ_i = dS K_j, all with WGMMA; dK_j, dV_j stay in registers;
+//   bwd_postprocess dQ = scale * accumulator in the input dtype; for GQA/MQA dK, dV summed over
+//                   the query heads of each kv head.
+#pragma once
+
+#include <cutlass/arch/reg_reconfig.h>
+
+#include <cmath>
+
+#include "bwd/bwd_traits.h"
+#include "fwd/utils.h"
+
+namespace flash3::detail {
+
+// Named barriers of the backward kernel (id 0 is __syncthreads).
+enum : int { kBwdBarPReady = 1, kBwdBarPFree = 2, kBwdBarDQFull = 3, kBwdBarDQEmpty = 4 };
+constexpr int kBwdDQBarThreads = 256 + 32;  // consumers + the dQ writer warp
+
+// The query blocks [m_begin, m_end) that key block n_block must visit: causal skips the query
+// blocks whose rows all lie before the block's first key (bottom-right aligned mask).
+template <class Traits>
+__device__ __forceinline__ void query_block_range(int n_block, int seqlen_q, int seqlen_k,
+                                                  int& m_begin, int& m_end) {
+  m_end = (seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
+  m_begin = 0;
+  if constexpr (Traits::kCausal) {
+    // Row i sees key j iff j <= i + seqlen_k - seqlen_q: the first row to see key n*kBlockN.
+    const int first_row = n_block * Traits::kBlockN - (seqlen_k - seqlen_q);
+    m_begin = first_row <= 0 ? 0 : min(first_row / Traits::kBlockM, m_end);
+  }
+}
+
+// Block index -> (n_block, head, batch). Non-causal: n_block fastest (the blocks of one head
+// run together and share its Q, dO in L2). Causal: n_block slowest, so every head's longest
+// blocks (n_block 0 visits all query blocks) go first: longest-processing-time first. Both
+// orders dispatch block (n-1, h, b) before (n, h, b), which the deterministic mode relies on.
+template <bool kCausal>
+__device__ __forceinline__ void bwd_block_coords(int n_blocks, int nheads, int& n_block, int& head,
+                                                 int& batch) {
+  const int bid = blockIdx.x;
+  if constexpr (kCausal) {
+    const int per_n = gridDim.x / n_blocks;  // nheads * batch
+    n_block = bid / per_n;
+    head = (bid % per_n) % nheads;
+    batch = (bid % per_n) / nheads;
+  } else {
+    n_block = bid % n_blocks;
+    head = (bid / n_blocks) % nheads;
+    batch = (bid / n_blocks) / nheads;
+  }
+}
+
+__device__ __forceinline__ void bulk_load_1d(void* smem_dst, const void* gmem_src, uint32_t bytes,
+                                             uint64_t* mbar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+          cute::cast_smem_ptr_to_uint(smem_dst)),
+      "l"(gmem_src), "r"(bytes), "r"(cute::cast_smem_ptr_to_uint(mbar))
+      : "memory");
+}
+
+__device__ __forceinline__ void bulk_reduce_add_f32(float* gmem_dst, const float* smem_src, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(gmem_dst),
+               "r"(cute::cast_smem_ptr_to_uint(smem_src)), "r"(bytes)
+               : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kNumThreads, 1)
+    bwd_kernel(const __grid_constant__ typename Traits::Params params) {
+  using Element = typename Traits::Element;
+  using Pipeline = typename Traits::Pipeline;
+  using PipelineState = typename Traits::PipelineState;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  using TileQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
+  using TileKV = Shape<Int<kBlockN>, Int<kHeadDim>>;
+
+  extern __shared__ __align__(1024) char smem_raw[];
+  auto& shared = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
+
+  int n_block, head, batch;
+  bwd_block_coords<Traits::kCausal>(params.n_blocks, params.nheads, n_block, head, batch);
+  const int head_kv = head / params.nheads_per_kv;
+  int m_begin, m_end;
+  query_block_range<Traits>(n_block, params.seqlen_q, params.seqlen_k, m_begin, m_end);
+  const int64_t bh = int64_t(batch) * params.nheads + head;
+
+  const int warpgroup = cutlass::canonical_warp_group_idx();
+  const int warp_in_wg = (threadIdx.x / 32) % 4;
+  const int lane = threadIdx.x % 32;
+  const bool is_producer_thread = threadIdx.x == 0;
+
+  typename Pipeline::Params pipe_params;
+  pipe_params.transaction_bytes = Traits::kTmaBytesQ;
+  pipe_params.role = warpgroup == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  pipe_params.is_leader = is_producer_thread;
+  pipe_params.num_consumers = Traits::kNumConsumerThreads;
+  if (threadIdx.x == 0) {
+    shared.barrier_kv.init(1);
+    cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_do.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
+  }
+  Pipeline pipeline_q(shared.pipeline_q, pipe_params, Shape<_1, _1, _1>{});
+  Pipeline pipeline_do(shared.pipeline_do, pipe_params, Shape<_1, _1, _1>{});
+  __syncthreads();
+
+  Tensor sQ = make_tensor(make_smem_ptr(shared.smem_q.data()), typename Traits::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(shared.smem_do.data()), typename Traits::SmemLayoutdO{});
+  Tensor sK = make_tensor(make_smem_ptr(shared.smem_k.data()), typename Traits::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(shared.smem_v.data()), typename Traits::SmemLayoutV{});
+  Tensor sP = make_tensor(make_smem_ptr(shared.smem_p.data()), typename Traits::SmemLayoutP{});
+  Tensor sdS = make_tensor(make_smem_ptr(shared.smem_ds.data()), typename Traits::SmemLayoutdS{});
+  Tensor sQt = make_tensor(make_smem_ptr(shared.smem_q.data()), typename Traits::SmemLayoutQt{});
+  Tensor sdOt = make_tensor(make_smem_ptr(shared.smem_do.data()), typename Traits::SmemLayoutdOt{});
+  Tensor sKt = make_tensor(make_smem_ptr(shared.smem_k.data()), typename Traits::SmemLayoutKt{});
+  Tensor sPt = make_tensor(make_smem_ptr(shared.smem_p.data()), typename Traits::SmemLayoutPt{});
+  Tensor sdSt = make_tensor(make_smem_ptr(shared.smem_ds.data()), typename Traits::SmemLayoutdSt{});
+
+  if (warpgroup == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
+    if (warp_in_wg == 0) {
+      // ====================================== producer =====================================
+      if (!is_producer_thread) return;
+      Tensor mQ = params.tma_q.get_tma_tensor(params.layout_q.shape());
+      Tensor mdO = params.tma_do.get_tma_tensor(params.layout_q.shape());
+      Tensor mK = params.tma_k.get_tma_tensor(params.layout_k.shape());
+      Tensor mV = params.tma_v.get_tma_tensor(params.layout_k.shape());
+      Tensor gQ = local_tile(mQ(_, _, head, batch), TileQ{}, make_coord(_, _0{}));  // (M, D, m)
+      Tensor gdO = local_tile(mdO(_, _, head, batch), TileQ{}, make_coord(_, _0{}));
+      Tensor gK = local_tile(mK(_, _, head_kv, batch), TileKV{}, make_coord(n_block, _0{}));
+      Tensor gV = local_tile(mV(_, _, head_kv, batch), TileKV{}, make_coord(n_block, _0{}));
+      auto q_parts = tma_partition(params.tma_q, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+      auto do_parts = tma_partition(params.tma_do, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
+      auto k_parts = tma_partition(params.tma_k, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+      auto v_parts = tma_partition(params.tma_v, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+      uint64_t& kv_bar = reinterpret_cast<uint64_t&>(shared.barrier_kv);
+      shared.barrier_kv.arrive_and_expect_tx(Traits::kTmaBytesKV);
+      copy(params.tma_k.with(kv_bar), get<0>(k_parts), get<1>(k_parts));
+      copy(params.tma_v.with(kv_bar), get<0>(v_parts), get<1>(v_parts));
+      const float* lse = params.lse_log2 + bh * params.seqlen_q_pad;
+      const float* dpsum = params.dpsum + bh * params.seqlen_q_pad;
+      constexpr uint32_t kRowBytes = kBlockM * sizeof(float);
+      PipelineState write_q = cutlass::make_producer_start_state<Pipeline>();
+      PipelineState write_do = cutlass::make_producer_start_state<Pipeline>();
+      for (int m = m_begin; m < m_end; ++m) {
+        pipeline_q.producer_acquire(write_q);
+        uint64_t* bar_q = pipeline_q.producer_get_barrier(write_q);
+        copy(params.tma_q.with(*bar_q), get<0>(q_parts)(_, m), get<1>(q_parts)(_, write_q.index()));
+        bulk_load_1d(shared.smem_lse + write_q.index() * kBlockM, lse + m * kBlockM, kRowBytes, bar_q);
+        ++write_q;
+        pipeline_do.producer_acquire(write_do);
+        uint64_t* bar_do = pipeline_do.producer_get_barrier(write_do);
+        copy(params.tma_do.with(*bar_do), get<0>(do_parts)(_, m), get<1>(do_parts)(_, write_do.index()));
+        bulk_load_1d(shared.smem_dpsum + write_do.index() * kBlockM, dpsum + m * kBlockM, kRowBytes, bar_do);
+        ++write_do;
+      }
+    } else if (warp_in_wg == 1) {
+      // ===================================== dQ writer =====================================
+      float* dq_accum = params.dq_accum + bh * params.seqlen_q_pad * kHeadDim;
+      int* sem = params.dq_sem != nullptr ? params.dq_sem + bh * params.m_blocks : nullptr;
+      for (int m = m_begin; m < m_end; ++m) {
+        named_barrier_sync(kBwdDQBarThreads, kBwdBarDQFull);
+        if (lane == 0) {
+          if (sem != nullptr) {
+            // Deterministic: key blocks add into query tile m in the order 0, 1, 2, ...
+            int seen;
+            do {
+              asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(sem + m) : "memory");
+            } while (seen != n_block);
+          }
+          bulk_reduce_add_f32(dq_accum + int64_t(m) * Traits::kDQElems, shared.smem_dq,
+                              Traits::kDQElems * sizeof(float));
+          if (sem != nullptr) {
+            asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // the adds are done
+            asm volatile("fence.proxy.async.global;" ::: "memory");
+            __threadfence();
+            asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(sem + m) : "memory");
+          } else {
+            asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // smem read
+          }
+        }
+        __syncwarp();
+        if (m + 1 < m_end) named_barrier_arrive(kBwdDQBarThreads, kBwdBarDQEmpty);
+      }
+    }
+    return;
+  }
+
+  // ======================================= consumers ========================================
+  cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
+  const int tidx = threadIdx.x - 128;
+  typename Traits::TiledMmaSdP mma_sdp;
+  typename Traits::TiledMmadKV mma_dkv;
+  typename Traits::TiledMmadQ mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(tidx);
+  auto thr_dkv = mma_dkv.get_thread_slice(tidx);
+  auto thr_dq = mma_dq.get_thread_slice(tidx);
+
+  Tensor tSrQ = thr_sdp.partition_fragment_A(sQ);     // (MMA, M, K, stage)
+  Tensor tSrK = thr_sdp.partition_fragment_B(sK);     // (MMA, N, K)
+  Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO);  // (MMA, M, K, stage)
+  Tensor tdPrV = thr_sdp.partition_fragment_B(sV);
+  Tensor tdVrPt = thr_dkv.partition_fragment_A(sPt);
+  Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOt);  // (MMA, N, K, stage)
+  Tensor tdKrdSt = thr_dkv.partition_fragment_A(sdSt);
+  Tensor tdKrQt = thr_dkv.partition_fragment_B(sQt);    // (MMA, N, K, stage)
+  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
+  Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
+
+  Tensor tdVrdV = partition_fragment_C(mma_dkv, TileKV{});
+  Tensor tdKrdK = partition_fragment_C(mma_dkv, TileKV{});
+  clear(tdVrdV);
+  clear(tdKrdK);
+  Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+  Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+  Tensor tdQrdQ = partition_fragment_C(mma_dq, TileQ{});
+  Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+
+  // P and dS leave the registers with stmatrix into the swizzled tiles.
+  auto smem_copy_p = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
+  auto thr_copy_p = smem_copy_p.get_thread_slice(tidx);
+  Tensor tPsP = thr_copy_p.partition_D(sP);
+  Tensor tPsdS = thr_copy_p.partition_D(sdS);
+  Tensor tPrP = make_tensor<Element>(tSrS.layout());
+  Tensor tPrdS = make_tensor<Element>(tSrS.layout());
+
+  const int row_shift = params.seqlen_k - params.seqlen_q;  // causal: key j visible iff j <= i + shift
+  const int col0 = n_block * kBlockN;
+  shared.barrier_kv.wait(0);
+  PipelineState read_q, read_do;
+  for (int m = m_begin; m < m_end; ++m) {
+    const int row0 = m * kBlockM;
+    pipeline_q.consumer_wait(read_q);
+    warpgroup_gemm</*zero_init=*/true, /*wait=*/-1>(mma_sdp, tSrQ(_, _, _, read_q.index()), tSrK, tSrS);
+    pipeline_do.consumer_wait(read_do);
+    warpgroup_gemm</*zero_init=*/true, /*wait=*/-1>(mma_sdp, tdPrdO(_, _, _, read_do.index()), tdPrV, tdPrdP);
+    warpgroup_wait<1>();  // S is ready
+
+    // P = exp(scale * S - lse), 0 where masked (keys past seqlen_k, or in the causal future).
+    // Query rows past seqlen_q have lse = +inf (and dO = 0), so they give P = 0, dS = 0.
+    const float* lse = shared.smem_lse + read_q.index() * kBlockM;
+    bool need_mask = col0 + kBlockN > params.seqlen_k;
+    if constexpr (Traits::kCausal) need_mask |= col0 + kBlockN - 1 > row0 + row_shift;
+    if (need_mask) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(tSrS); ++i) {
+        const int r = get<0>(tScS(i)), c = get<1>(tScS(i));
+        bool masked = col0 + c >= params.seqlen_k;
+        if constexpr (Traits::kCausal) masked |= col0 + c > row0 + r + row_shift;
+        tSrS(i) = masked ? 0.0f : fast_exp2(tSrS(i) * params.scale_log2 - lse[r]);
+      }
+    } else {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(tSrS); ++i) {
+        tSrS(i) = fast_exp2(tSrS(i) * params.scale_log2 - lse[get<0>(tScS(i))]);
+      }
+    }
+    warpgroup_wait<0>();  // dP is ready
+    const float* dpsum = shared.smem_dpsum + read_do.index() * kBlockM;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(tSrS); ++i) {
+      tdPrdP(i) = tSrS(i) * (tdPrdP(i) - dpsum[get<0>(tScS(i))]);
+    }
+    convert_into<Element>(tSrS, tPrP);
+    convert_into<Element>(tdPrdP, tPrdS);
+
+    // Both warpgroups' GEMMs of the previous query block have read P and dS: overwrite them.
+    if (m > m_begin) named_barrier_sync(Traits::kNumConsumerThreads, kBwdBarPFree);
+    copy(smem_copy_p, thr_copy_p.retile_S(tPrP), tPsP);
+    copy(smem_copy_p, thr_copy_p.retile_S(tPrdS), tPsdS);
+    cutlass::arch::fence_view_async_shared();  // st.shared / stmatrix -> WGMMA (async proxy)
+    named_barrier_sync(Traits::kNumConsumerThreads, kBwdBarPReady);
+
+    warpgroup_gemm</*zero_init=*/false, /*wait=*/-1>(mma_dkv, tdVrPt, tdVrdOt(_, _, _, read_do.index()), tdVrdV);
+    warpgroup_gemm</*zero_init=*/false, /*wait=*/-1>(mma_dkv, tdKrdSt, tdKrQt(_, _, _, read_q.index()), tdKrdK);
+    warpgroup_gemm</*zero_init=*/true, /*wait=*/-1>(mma_dq, tdQrdS, tdQrKt, tdQrdQ);
+    warpgroup_wait<0>();
+    pipeline_q.consumer_release(read_q);
+    ++read_q;
+    pipeline_do.consumer_release(read_do);
+    ++read_do;
+
+    // dQ_i to shared memory for the dQ writer, in register order: value pair j of consumer
+    // thread t at float2 index j * 256 + t (conflict-free; bwd_postprocess undoes the order).
+    if (m > m_begin) named_barrier_sync(kBwdDQBarThreads, kBwdBarDQEmpty);
+    float2* dq_tile = reinterpret_cast<float2*>(shared.smem_dq);
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < size(tdQrdQ) / 2; ++j) {
+      dq_tile[j * Traits::kNumConsumerThreads + tidx] = make_float2(tdQrdQ(2 * j), tdQrdQ(2 * j + 1));
+    }
+    cutlass::arch::fence_view_async_shared();  // st.shared -> bulk reduce (async proxy)
+    named_barrier_arrive(kBwdDQBarThreads, kBwdBarDQFull);
+  }
+
+  // ---- epilogue: dK (scaled), dV: straight to the outputs (MHA) or per query head (GQA) -------
+  Tensor tdKcdK = thr_dkv.partition_C(make_identity_tensor(TileKV{}));
+  if (params.dk_accum == nullptr) {
+    Element* dk = params.dk + batch * params.dk_batch_stride + head_kv * params.dk_head_stride;
+    Element* dv = params.dv + batch * params.dv_batch_stride + head_kv * params.dv_head_stride;
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < size(tdKrdK) / 2; ++j) {
+      const int r = get<0>(tdKcdK(2 * j)), c = get<1>(tdKcdK(2 * j));
+      const int row = col0 + r;
+      if (row >= params.seqlen_k) continue;
+      using Pair = cutlass::Array<Element, 2>;
+      cutlass::NumericArrayConverter<Element, float, 2> cvt;
+      cutlass::Array<float, 2> k2, v2;
+      k2[0] = tdKrdK(2 * j) * params.softmax_scale;
+      k2[1] = tdKrdK(2 * j + 1) * params.softmax_scale;
+      v2[0] = tdVrdV(2 * j);
+      v2[1] = tdVrdV(2 * j + 1);
+      *reinterpret_cast<Pair*>(dk + row * params.dk_row_stride + c) = cvt(k2);
+      *reinterpret_cast<Pair*>(dv + row * params.dv_row_stride + c) = cvt(v2);
+    }
+  } else {
+    float* dk = params.dk_accum + bh * params.seqlen_k_pad * kHeadDim;
+    float* dv = params.dv_accum + bh * params.seqlen_k_pad * kHeadDim;
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < size(tdKrdK) / 2; ++j) {
+      const int r = get<0>(tdKcdK(2 * j)), c = get<1>(tdKcdK(2 * j));
+      const int64_t at = int64_t(col0 + r) * kHeadDim + c;
+      *reinterpret_cast<float2*>(dk + at) = make_float2(tdKrdK(2 * j), tdKrdK(2 * j + 1));
+      *reinterpret_cast<float2*>(dv + at) = make_float2(tdVrdV(2 * j), tdVrdV(2 * j + 1));
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// Pre- and post-processing. One block of 256 threads per (query tile, head, batch).
+struct BwdAuxParams {
+  const void* out;
+  const void* dout;
+  const float* lse;
+  void* dq;
+  int64_t out_row, out_head, out_batch;
+  int64_t dout_row, dout_head, dout_batch;
+  int64_t lse_head, lse_batch;
+  int64_t dq_row, dq_head, dq_batch;
+  float* lse_log2;
+  float* dpsum;
+  float* dq_accum;
+  int* dq_sem;
+  int batch, seqlen_q, nheads, head_dim, m_blocks;
+  int64_t seqlen_q_pad;
+  float softmax_scale;
+};
+
+__device__ __forceinline__ void aux_block_coords(int m_blocks, int nheads, int& m, int& head, int& batch) {
+  m = blockIdx.x % m_blocks;
+  head = (blockIdx.x / m_blocks) % nheads;
+  batch = (blockIdx.x / m_blocks) / nheads;
+}
+
+template <class Element, int kBlockM, int kHeadDim>
+__global__ void __launch_bounds__(256) bwd_preprocess(const BwdAuxParams p) {
+  int m, head, batch;
+  aux_block_coords(p.m_blocks, p.nheads, m, head, batch);
+  const int64_t bh = int64_t(batch) * p.nheads + head;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const Element* out = static_cast<const Element*>(p.out) + batch * p.out_batch + head * p.out_head;
+  const Element* dout = static_cast<const Element*>(p.dout) + batch * p.dout_batch + head * p.dout_head;
+  for (int r = warp; r < kBlockM; r += 8) {
+    const int row = m * kBlockM + r;
+    float d = 0.0f;
+    if (row < p.seqlen_q) {
+      const Element* o_row = out + row * p.out_row;
+      const Element* do_row = dout + row * p.dout_row;
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = lane * 2; c < kHeadDim; c += 64) {
+        d += float(o_row[c]) * float(do_row[c]) + float(o_row[c + 1]) * float(do_row[c + 1]);
+      }
+    }
+    d = quad_sum(d);
+    d += __shfl_xor_sync(0xffffffffu, d, 4);
+    d += __shfl_xor_sync(0xffffffffu, d, 8);
+    d += __shfl_xor_sync(0xffffffffu, d, 16);
+    if (lane == 0) {
+      const int64_t at = bh * p.seqlen_q_pad + row;
+      p.dpsum[at] = d;
+      // Padding rows get +inf, so that P = exp2(S - lse) = 0 there; rows that saw no key in the
+      // forward pass already have lse = +inf.
+      p.lse_log2[at] = row < p.seqlen_q
+                           ? p.lse[batch * p.lse_batch + head * p.lse_head + row] * float(M_LOG2E)
+                           : INFINITY;
+    }
+  }
+  float4* acc = reinterpret_cast<float4*>(p.dq_accum + (bh * p.m_blocks + m) * kBlockM * kHeadDim);
+  for (int i = threadIdx.x; i < kBlockM * kHeadDim / 4; i += 256) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (p.dq_sem != nullptr && threadIdx.x == 0) p.dq_sem[bh * p.m_blocks + m] = 0;
+}
+
+// dQ = scale * accumulator, from the register order the main kernel stored it in.
+template <class Traits>
+__global__ void __launch_bounds__(256) bwd_postprocess_dq(const BwdAuxParams p) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim;
+  int m, head, batch;
+  aux_block_coords(p.m_blocks, p.nheads, m, head, batch);
+  const int64_t bh = int64_t(batch) * p.nheads + head;
+  typename Traits::TiledMmadQ mma;
+  auto thr = mma.get_thread_slice(threadIdx.x);
+  Tensor coords = thr.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  const float2* tile = reinterpret_cast<const float2*>(p.dq_accum + (bh * p.m_blocks + m) * kBlockM * kHeadDim);
+  Element* dq = static_cast<Element*>(p.dq) + batch * p.dq_batch + head * p.dq_head;
+  cutlass::NumericArrayConverter<Element, float, 2> cvt;
+  CUTLASS_PRAGMA_UNROLL
+  for (int j = 0; j < size(coords) / 2; ++j) {
+    const int row = m * kBlockM + get<0>(coords(2 * j)), c = get<1>(coords(2 * j));
+    if (row >= p.seqlen_q) continue;
+    const float2 v = tile[j * 256 + threadIdx.x];
+    cutlass::Array<float, 2> x;
+    x[0] = v.x * p.softmax_scale;
+    x[1] = v.y * p.softmax_scale;
+    *reinterpret_cast<cutlass::Array<Element, 2>*>(dq + row * p.dq_row + c) = cvt(x);
+  }
+}
+
+// GQA/MQA: dK = scale * sum over the query heads of a kv head, dV likewise, in head order.
+// One thread per pair of adjacent elements of (batch, seqlen_k, nheads_kv, head_dim).
+template <class Element>
+__global__ void bwd_postprocess_dkv(const float* dk_accum, const float* dv_accum, Element* dk,
+                                    Element* dv, int64_t dk_row, int64_t dk_head, int64_t dk_batch,
+                                    int64_t dv_row, int64_t dv_head, int64_t dv_batch, int batch,
+                                    int seqlen_k, int nheads_kv, int group, int head_dim,
+                                    int64_t seqlen_k_pad, float softmax_scale) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  const int pairs = head_dim / 2;
+  const int64_t total = int64_t(batch) * seqlen_k * nheads_kv * pairs;
+  if (i >= total) return;
+  const int c = int(i % pairs) * 2;
+  const int hk = int((i / pairs) % nheads_kv);
+  const int row = int((i / pairs / nheads_kv) % seqlen_k);
+  const int b = int(i / pairs / nheads_kv / seqlen_k);
+  float k0 = 0.f, k1 = 0.f, v0 = 0.f, v1 = 0.f;
+  for (int g = 0; g < group; ++g) {
+    const int64_t h = int64_t(b) * nheads_kv * group + int64_t(hk) * group + g;
+    const int64_t at = (h * seqlen_k_pad + row) * head_dim + c;
+    const float2 kk = *reinterpret_cast<const float2*>(dk_accum + at);
+    const float2 vv = *reinterpret_cast<const float2*>(dv_accum + at);
+    k0 += kk.x;
+    k1 += kk.y;
+    v0 += vv.x;
+    v1 += vv.y;
+  }
+  cutlass::NumericArrayConverter<Element, float, 2> cvt;
+  cutlass::Array<float, 2> x;
+  x[0] = k0 * softmax_scale;
+  x[1] = k1 * softmax_scale;
+  *reinterpret_cast<cutlass::Array<Element, 2>*>(dk + b * dk_batch + row * dk_row + hk * dk_head + c) = cvt(x);
+  x[0] = v0;
+  x[1] = v1;
+  *reinterpret_cast<cutlass::Array<Element, 2>*>(dv + b * dv_batch + row * dv_row + hk * dv_head + c) = cvt(x);
+}
+
+}  // namespace flash3::detail

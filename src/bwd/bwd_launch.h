@@ -1,0 +1,98 @@
+// flash3: host-side launch of the backward pass for one (dtype, head dim): preprocess, the main
+// kernel (causal or not), postprocess.
+#pragma once
+
+#include <cmath>
+#include <string>
+
+#include "bwd/bwd_dispatch.h"
+#include "bwd/bwd_kernel.h"
+#include "fwd/fwd_dispatch.h"
+
+namespace flash3::detail {
+
+template <class Traits>
+void launch_bwd_main(const BwdProblem& p, const BwdArgs& args, const BwdWorkspaceLayout& ws, char* base) {
+  using Element = typename Traits::Element;
+  using Params = typename Traits::Params;
+  auto qkv_layout = [](const TensorRef& t) {
+    // (seqlen, head_dim, heads, batch) view of a (batch, seqlen, heads, head_dim) tensor.
+    return make_layout(make_shape(int32_t(t.shape[1]), int32_t(t.shape[3]), int32_t(t.shape[2]),
+                                  int32_t(t.shape[0])),
+                       make_stride(t.stride[1], _1{}, t.stride[2], t.stride[0]));
+  };
+  const bool gqa = p.nheads != p.nheads_kv;
+  Params params{
+      Traits::make_tma_q(static_cast<const Element*>(args.q.data), qkv_layout(args.q)),
+      Traits::make_tma_q(static_cast<const Element*>(args.dout.data), qkv_layout(args.dout)),
+      Traits::make_tma_kv(static_cast<const Element*>(args.k.data), qkv_layout(args.k)),
+      Traits::make_tma_kv(static_cast<const Element*>(args.v.data), qkv_layout(args.v)),
+      qkv_layout(args.q),
+      qkv_layout(args.k),
+      reinterpret_cast<const float*>(base + ws.lse_log2),
+      reinterpret_cast<const float*>(base + ws.dpsum),
+      reinterpret_cast<float*>(base + ws.dq_accum),
+      p.deterministic ? reinterpret_cast<int*>(base + ws.dq_sem) : nullptr,
+      gqa ? reinterpret_cast<float*>(base + ws.dk_accum) : nullptr,
+      gqa ? reinterpret_cast<float*>(base + ws.dv_accum) : nullptr,
+      static_cast<Element*>(args.dk.data),
+      static_cast<Element*>(args.dv.data),
+      args.dk.stride[1], args.dk.stride[2], args.dk.stride[0],
+      args.dv.stride[1], args.dv.stride[2], args.dv.stride[0],
+      p.batch, p.seqlen_q, p.seqlen_k, p.nheads, p.nheads / p.nheads_kv,
+      ws.m_blocks, ws.n_blocks,
+      ws.seqlen_q_pad, ws.seqlen_k_pad,
+      p.softmax_scale,
+      float(p.softmax_scale * M_LOG2E),
+  };
+  auto kernel = &bwd_kernel<Traits>;
+  constexpr int kSmem = Traits::kSmemBytes;
+  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
+             "cudaFuncSetAttribute(max dynamic shared memory)");
+  const int64_t blocks = int64_t(ws.n_blocks) * p.nheads * p.batch;
+  kernel<<<dim3(unsigned(blocks)), Traits::kNumThreads, kSmem, args.stream>>>(params);
+  check_cuda(cudaGetLastError(), "backward kernel launch");
+}
+
+template <class Element, int kHeadDim>
+void run_bwd(const BwdProblem& p, const BwdArgs& args, const BwdWorkspaceLayout& ws, char* base) {
+  using Traits = BwdTraits<Element, kHeadDim, false>;
+  constexpr int kBlockM = Traits::kBlockM;
+  BwdAuxParams aux{
+      args.out.data, args.dout.data, static_cast<const float*>(args.lse.data), args.dq.data,
+      args.out.stride[1], args.out.stride[2], args.out.stride[0],
+      args.dout.stride[1], args.dout.stride[2], args.dout.stride[0],
+      args.lse.stride[1], args.lse.stride[0],
+      args.dq.stride[1], args.dq.stride[2], args.dq.stride[0],
+      reinterpret_cast<float*>(base + ws.lse_log2),
+      reinterpret_cast<float*>(base + ws.dpsum),
+      reinterpret_cast<float*>(base + ws.dq_accum),
+      p.deterministic ? reinterpret_cast<int*>(base + ws.dq_sem) : nullptr,
+      p.batch, p.seqlen_q, p.nheads, p.head_dim, ws.m_blocks, ws.seqlen_q_pad, p.softmax_scale,
+  };
+  const int64_t aux_blocks = int64_t(ws.m_blocks) * p.nheads * p.batch;
+  bwd_preprocess<Element, kBlockM, kHeadDim><<<dim3(unsigned(aux_blocks)), 256, 0, args.stream>>>(aux);
+  check_cuda(cudaGetLastError(), "backward preprocess launch");
+  if (p.seqlen_k > 0) {
+    if (p.causal) {
+      launch_bwd_main<BwdTraits<Element, kHeadDim, true>>(p, args, ws, base);
+    } else {
+      launch_bwd_main<Traits>(p, args, ws, base);
+    }
+  }
+  bwd_postprocess_dq<Traits><<<dim3(unsigned(aux_blocks)), 256, 0, args.stream>>>(aux);
+  check_cuda(cudaGetLastError(), "backward postprocess (dq) launch");
+  if (p.nheads != p.nheads_kv && p.seqlen_k > 0) {
+    const int64_t total = int64_t(p.batch) * p.seqlen_k * p.nheads_kv * (p.head_dim / 2);
+    const int threads = 256;
+    bwd_postprocess_dkv<Element><<<dim3(unsigned((total + threads - 1) / threads)), threads, 0, args.stream>>>(
+        reinterpret_cast<const float*>(base + ws.dk_accum), reinterpret_cast<const float*>(base + ws.dv_accum),
+        static_cast<Element*>(args.dk.data), static_cast<Element*>(args.dv.data), args.dk.stride[1],
+        args.dk.stride[2], args.dk.stride[0], args.dv.stride[1], args.dv.stride[2], args.dv.stride[0],
+        p.batch, p.seqlen_k, p.nheads_kv, p.nheads / p.nheads_kv, p.head_dim, ws.seqlen_k_pad,
+        p.softmax_scale);
+    check_cuda(cudaGetLastError(), "backward postprocess (dk, dv) launch");
+  }
+}
+
+}  // namespace flash3::detail
