@@ -1,11 +1,13 @@
-// validate_fwd: every precondition of flash3::fwd, checked on the host before any launch.
-// Each failure throws flash3::Error naming the argument, the value it got and what is allowed.
+// validate_fwd and validate_bwd: every precondition of flash3::fwd and flash3::bwd, checked on
+// the host before any launch. Each failure throws flash3::Error whose message starts with the
+// operation ("flash3::fwd: " or "flash3::bwd: ") and names the argument, the value it got and
+// what is allowed.
 #include "flash3/flash3.h"
 
 #include <cmath>
 #include <cstdint>
-#include <limits>
 #include <cstdio>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -20,6 +22,7 @@ struct Dim;
 struct Layout;
 struct Name;
 std::string text(const char* s) { return s; }
+std::string text(const std::string& s) { return s; }
 std::string text(int v) { return std::to_string(v); }
 std::string text(long v) { return std::to_string(v); }
 std::string text(double v) {
@@ -36,14 +39,6 @@ std::string text(const void* p) {
 std::string text(const Dim& x);
 std::string text(const Layout& x);
 std::string text(const Name& x);
-
-// The one place error messages are formatted: "flash3::fwd: " + the pieces.
-template <class... Parts>
-[[noreturn]] void fail(const Parts&... parts) {
-  std::string msg = "flash3::fwd: ";
-  ((msg += text(parts)), ...);
-  throw Error(msg);
-}
 
 // An argument, the names of its dims, and the rank it must have.
 struct Arg {
@@ -82,12 +77,6 @@ std::string text(const Name& x) {
   return dtype_name(x.dtype);
 }
 
-void check_same(const Arg& a, int da, const Arg& b, int db, const char* rule) {
-  if (a.t.shape[da] != b.t.shape[db]) {
-    fail(Dim{a, da}, " is ", a.t.shape[da], " but ", Dim{b, db}, " is ", b.t.shape[db], "; ", rule);
-  }
-}
-
 bool is_empty(const Arg& a) {
   for (int d = 0; d < a.rank; ++d) {
     if (a.t.shape[d] == 0) return true;
@@ -95,129 +84,242 @@ bool is_empty(const Arg& a) {
   return false;
 }
 
-void check_pointer(const Arg& a, int align, PointerInspector inspect) {
-  const void* p = a.t.data;
-  if (p == nullptr) fail(a.name, ".data is null; a non-empty ", a.name, " needs a device pointer");
-  if (reinterpret_cast<uintptr_t>(p) % align != 0) {
-    fail(a.name, ".data is ", p, ", not ", align, "-byte aligned; flash3 needs ", align,
-         "-byte aligned data pointers");
+using Args = std::vector<const Arg*>;
+
+// The checks validate_fwd and validate_bwd share. `op` ("flash3::fwd: ") starts every message.
+class Checker {
+ public:
+  explicit Checker(const char* op) : op_(op) {}
+
+  // The one place error messages are formatted: op + the pieces.
+  template <class... Parts>
+  [[noreturn]] void fail(const Parts&... parts) const {
+    std::string msg = op_;
+    ((msg += text(parts)), ...);
+    throw Error(msg);
   }
-  const char* needs = "; flash3 needs device memory (cudaMalloc or a CUDA tensor)";
-  switch (inspect(p)) {
-    case PointerKind::kDevice: return;
-    case PointerKind::kHost: fail(a.name, ".data points to host memory", needs);
-    case PointerKind::kUnknown:
-      fail(a.name, ".data (", p, ") is not a pointer the CUDA runtime knows", needs);
+
+  void ranks(const Args& all) const {
+    for (const Arg* a : all) {
+      if (a->t.rank != a->rank) {
+        fail(a->name, ".rank is ", a->t.rank, "; ", a->name, " must have rank ", a->rank, " ", Layout{*a});
+      }
+    }
   }
+
+  // q is float16 or bfloat16, each of `same` has q's dtype (else `rule`), lse (if any) float32.
+  DType dtypes(const Arg& q, const Args& same, const Arg* lse, const char* rule) const {
+    const DType dtype = q.t.dtype;
+    if (dtype != DType::kFloat16 && dtype != DType::kBFloat16) {
+      fail("q.dtype is ", Name{dtype}, "; supported dtypes are float16, bfloat16");
+    }
+    for (const Arg* a : same) {
+      if (a->t.dtype != dtype) {
+        fail(a->name, ".dtype is ", Name{a->t.dtype}, " but q.dtype is ", Name{dtype}, "; ", rule);
+      }
+    }
+    if (lse != nullptr && lse->t.dtype != DType::kFloat32) {
+      fail("lse.dtype is ", Name{lse->t.dtype}, "; lse must be float32");
+    }
+    return dtype;
+  }
+
+  void sizes(const Args& all) const {
+    for (const Arg* a : all) {
+      for (int d = 0; d < a->rank; ++d) {
+        const int64_t s = a->t.shape[d];
+        if (s < 0) fail(Dim{*a, d}, " is ", s, "; sizes must be >= 0");
+        if (s > std::numeric_limits<int32_t>::max()) {
+          fail(Dim{*a, d}, " is ", s, "; sizes must fit in int32 (at most 2147483647)");
+        }
+      }
+    }
+  }
+
+  void same(const Arg& a, int da, const Arg& b, int db, const char* rule) const {
+    if (a.t.shape[da] != b.t.shape[db]) {
+      fail(Dim{a, da}, " is ", a.t.shape[da], " but ", Dim{b, db}, " is ", b.t.shape[db], "; ", rule);
+    }
+  }
+  void same_shape(const Arg& a, const Arg& b, const char* rule) const {
+    for (int d = 0; d < 4; ++d) same(a, d, b, d, rule);
+  }
+
+  void qk_shapes(const Arg& q, const Arg& k) const {
+    same(k, 0, q, 0, "q and k must have the same batch");
+    same(k, 3, q, 3, "q and k must have the same head_dim");
+  }
+  void lse_shape(const Arg& lse, const Arg& q) const {
+    const char* rule = "lse must be (batch, nheads, seqlen_q)";
+    same(lse, 0, q, 0, rule);
+    same(lse, 1, q, 2, rule);
+    same(lse, 2, q, 1, rule);
+  }
+
+  void heads(const Arg& q, const Arg& k) const {
+    const int64_t head_dim = q.t.shape[3], nheads = q.t.shape[2], nheads_kv = k.t.shape[2];
+    if (!is_supported_head_dim(static_cast<int>(head_dim))) {
+      fail(Dim{q, 3}, " is ", head_dim, "; supported head dims are 64, 128, 256");
+    }
+    if (nheads_kv < 1) fail(Dim{k, 2}, " is ", nheads_kv, "; k and v need at least one head");
+    if (nheads < 1 || nheads % nheads_kv != 0) {
+      fail(Dim{q, 2}, " is ", nheads, " and ", Dim{k, 2}, " is ", nheads_kv,
+           "; nheads must be a positive multiple of nheads_kv");
+    }
+  }
+
+  // Only the last dim is contiguous; the others are used as strides of 16-byte (TMA) copies,
+  // except lse's (float32, read and written element by element), which need only be positive.
+  void strides(const Args& all, const Arg* lse, DType dtype) const {
+    const int esize = dtype_size(dtype), align_elems = 16 / esize;
+    for (const Arg* a : all) {
+      const int last = a->rank - 1;
+      if (a->t.stride[last] != 1) {
+        fail(a->name, ".stride[", last, "] is ", a->t.stride[last],
+             "; the last dim must be contiguous (stride 1)");
+      }
+      for (int d = 0; d < last && !is_empty(*a); ++d) {  // an empty tensor's strides are never used
+        if (a->t.shape[d] == 1) continue;                    // nor the stride of a dim of size 1
+        const int64_t st = a->t.stride[d];
+        if (st <= 0) {
+          fail(a->name, ".stride[", d, "] (", a->dims[d], ") is ", st,
+               "; strides must be positive for dims of size > 1");
+        }
+        if (a != lse && st % align_elems != 0) {
+          fail(a->name, ".stride[", d, "] (", a->dims[d], ") is ", st, " elements (", st * esize,
+               " bytes); strides other than the last must be multiples of ", align_elems,
+               " elements (16 bytes)");
+        }
+      }
+    }
+  }
+
+  float scale(float s, int64_t head_dim) const {
+    if (std::isinf(s)) {
+      fail("softmax_scale is ", s, "; it must be finite (or <= 0 for the default 1/sqrt(head_dim))");
+    }
+    return s > 0.0f ? s : static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
+  }
+
+  // `align`-byte aligned device memory; `what` names the pointer ("q.data"), `kind` says what
+  // it is in the alignment rule ("data pointers").
+  void pointer(const std::string& what, const void* p, int align, PointerInspector inspect,
+               const char* kind) const {
+    if (reinterpret_cast<uintptr_t>(p) % align != 0) {
+      fail(what, " is ", p, ", not ", align, "-byte aligned; flash3 needs ", align, "-byte aligned ", kind);
+    }
+    const char* needs = "; flash3 needs device memory (cudaMalloc or a CUDA tensor)";
+    switch ((inspect ? inspect : &cuda_pointer_kind)(p)) {
+      case PointerKind::kDevice: return;
+      case PointerKind::kHost: fail(what, " points to host memory", needs);
+      case PointerKind::kUnknown: fail(what, " (", p, ") is not a pointer the CUDA runtime knows", needs);
+    }
+  }
+  // The data of every non-empty one of `args`: non-null, lse's 4-byte aligned, the others'
+  // 16-byte, device memory.
+  void pointers(const Args& args, const Arg* lse, PointerInspector inspect) const {
+    for (const Arg* a : args) {
+      if (is_empty(*a)) continue;
+      if (a->t.data == nullptr) fail(a->name, ".data is null; a non-empty ", a->name, " needs a device pointer");
+      pointer(std::string(a->name) + ".data", a->t.data, a == lse ? 4 : 16, inspect, "data pointers");
+    }
+  }
+
+ private:
+  const char* op_;
+};
+
+// The fields FwdProblem and BwdProblem share, from q's and k's shapes.
+template <class Problem>
+Problem problem(DType dtype, const TensorRef& q, const TensorRef& k, float scale, bool causal) {
+  Problem p;
+  p.dtype = dtype;
+  p.batch = static_cast<int>(q.shape[0]);
+  p.seqlen_q = static_cast<int>(q.shape[1]);
+  p.seqlen_k = static_cast<int>(k.shape[1]);
+  p.nheads = static_cast<int>(q.shape[2]);
+  p.nheads_kv = static_cast<int>(k.shape[2]);
+  p.head_dim = static_cast<int>(q.shape[3]);
+  p.softmax_scale = scale;
+  p.causal = causal;
+  return p;
 }
 
 }  // namespace
 
 FwdProblem validate_fwd(const FwdArgs& args, PointerInspector inspect) {
+  const Checker c("flash3::fwd: ");
   const Arg q{"q", args.q, kQDims, 4}, k{"k", args.k, kKDims, 4}, v{"v", args.v, kKDims, 4},
       out{"out", args.out, kQDims, 4}, lse{"lse", args.lse, kLseDims, 3};
   const bool write_lse = args.lse.data != nullptr;
-  std::vector<const Arg*> all = {&q, &k, &v, &out};
+  const Arg* lse_if = write_lse ? &lse : nullptr;
+  Args all = {&q, &k, &v, &out};
   if (write_lse) all.push_back(&lse);
 
-  for (const Arg* a : all) {
-    if (a->t.rank != a->rank) {
-      fail(a->name, ".rank is ", a->t.rank, "; ", a->name, " must have rank ", a->rank, " ", Layout{*a});
-    }
-  }
-
-  const DType dtype = args.q.dtype;
-  if (dtype != DType::kFloat16 && dtype != DType::kBFloat16) {
-    fail("q.dtype is ", Name{dtype}, "; supported dtypes are float16, bfloat16");
-  }
-  for (const Arg* a : {&k, &v, &out}) {
-    if (a->t.dtype != dtype) {
-      fail(a->name, ".dtype is ", Name{a->t.dtype}, " but q.dtype is ", Name{dtype},
-           "; q, k, v and out must have the same dtype");
-    }
-  }
-  if (write_lse && args.lse.dtype != DType::kFloat32) {
-    fail("lse.dtype is ", Name{args.lse.dtype}, "; lse must be float32");
-  }
-
-  for (const Arg* a : all) {
-    for (int d = 0; d < a->rank; ++d) {
-      const int64_t s = a->t.shape[d];
-      if (s < 0) fail(Dim{*a, d}, " is ", s, "; sizes must be >= 0");
-      if (s > std::numeric_limits<int32_t>::max()) {
-        fail(Dim{*a, d}, " is ", s, "; sizes must fit in int32 (at most 2147483647)");
-      }
-    }
-  }
-
-  check_same(k, 0, q, 0, "q and k must have the same batch");
-  check_same(k, 3, q, 3, "q and k must have the same head_dim");
-  for (int d = 0; d < 4; ++d) check_same(v, d, k, d, "k and v must have the same shape");
-  for (int d = 0; d < 4; ++d) check_same(out, d, q, d, "out must have the same shape as q");
-  if (write_lse) {
-    const char* rule = "lse must be (batch, nheads, seqlen_q)";
-    check_same(lse, 0, q, 0, rule);
-    check_same(lse, 1, q, 2, rule);
-    check_same(lse, 2, q, 1, rule);
-  }
-
-  const int64_t head_dim = args.q.shape[3], nheads = args.q.shape[2], nheads_kv = args.k.shape[2];
-  if (!is_supported_head_dim(static_cast<int>(head_dim))) {
-    fail(Dim{q, 3}, " is ", head_dim, "; supported head dims are 64, 128, 256");
-  }
-  if (nheads_kv < 1) fail(Dim{k, 2}, " is ", nheads_kv, "; k and v need at least one head");
-  if (nheads < 1 || nheads % nheads_kv != 0) {
-    fail(Dim{q, 2}, " is ", nheads, " and ", Dim{k, 2}, " is ", nheads_kv,
-         "; nheads must be a positive multiple of nheads_kv");
-  }
-
-  // Only the last dim is contiguous; the others are used as strides of 16-byte (TMA) copies.
-  const int esize = dtype_size(dtype), align_elems = 16 / esize;
-  for (const Arg* a : all) {
-    const int last = a->rank - 1;
-    if (a->t.stride[last] != 1) {
-      fail(a->name, ".stride[", last, "] is ", a->t.stride[last],
-           "; the last dim must be contiguous (stride 1)");
-    }
-    for (int d = 0; d < last && !is_empty(*a); ++d) {  // an empty tensor's strides are never used
-      if (a->t.shape[d] == 1) continue;                    // nor the stride of a dim of size 1
-      const int64_t st = a->t.stride[d];
-      if (st <= 0) {
-        fail(a->name, ".stride[", d, "] (", a->dims[d], ") is ", st,
-             "; strides must be positive for dims of size > 1");
-      }
-      if (a != &lse && st % align_elems != 0) {
-        fail(a->name, ".stride[", d, "] (", a->dims[d], ") is ", st, " elements (", st * esize,
-             " bytes); strides other than the last must be multiples of ", align_elems,
-             " elements (16 bytes)");
-      }
-    }
-  }
-
-  float scale = args.softmax_scale;
-  if (std::isinf(scale)) {
-    fail("softmax_scale is ", scale, "; it must be finite (or <= 0 for the default 1/sqrt(head_dim))");
-  }
-  if (!(scale > 0.0f)) scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
+  c.ranks(all);
+  const DType dtype = c.dtypes(q, {&k, &v, &out}, lse_if, "q, k, v and out must have the same dtype");
+  c.sizes(all);
+  c.qk_shapes(q, k);
+  c.same_shape(v, k, "k and v must have the same shape");
+  c.same_shape(out, q, "out must have the same shape as q");
+  if (write_lse) c.lse_shape(lse, q);
+  c.heads(q, k);
+  c.strides(all, lse_if, dtype);
+  const float scale = c.scale(args.softmax_scale, args.q.shape[3]);
 
   // Pointers last, and only when there is something to compute.
-  if (args.q.shape[0] > 0 && args.q.shape[1] > 0) {
+  if (args.q.shape[0] > 0 && args.q.shape[1] > 0) c.pointers(all, lse_if, inspect);
+
+  FwdProblem p = problem<FwdProblem>(dtype, args.q, args.k, scale, args.causal);
+  p.write_lse = write_lse;
+  return p;
+}
+
+BwdProblem validate_bwd(const BwdArgs& args, PointerInspector inspect) {
+  const Checker c("flash3::bwd: ");
+  const Arg q{"q", args.q, kQDims, 4}, k{"k", args.k, kKDims, 4}, v{"v", args.v, kKDims, 4},
+      out{"out", args.out, kQDims, 4}, dout{"dout", args.dout, kQDims, 4},
+      lse{"lse", args.lse, kLseDims, 3}, dq{"dq", args.dq, kQDims, 4}, dk{"dk", args.dk, kKDims, 4},
+      dv{"dv", args.dv, kKDims, 4};
+  const Args all = {&q, &k, &v, &out, &dout, &lse, &dq, &dk, &dv};
+
+  c.ranks(all);
+  const DType dtype = c.dtypes(q, {&k, &v, &out, &dout, &dq, &dk, &dv}, &lse,
+                               "q, k, v, out, dout, dq, dk and dv must have the same dtype");
+  c.sizes(all);
+  c.qk_shapes(q, k);
+  c.same_shape(v, k, "k and v must have the same shape");
+  c.same_shape(out, q, "out must have the same shape as q");
+  c.same_shape(dout, q, "dout must have the same shape as q");
+  c.same_shape(dq, q, "dq must have the same shape as q");
+  c.same_shape(dk, k, "dk must have the same shape as k");
+  c.same_shape(dv, k, "dv must have the same shape as k");
+  c.lse_shape(lse, q);
+  c.heads(q, k);
+  c.strides(all, &lse, dtype);
+  const float scale = c.scale(args.softmax_scale, args.q.shape[3]);
+
+  // The gradients are written while the inputs are read (and dq's partial sums are added in
+  // place), so an output may share its data pointer with no other argument. Overlap other than
+  // at the first element (e.g. interleaved heads of one buffer, as a packed dqkv) is allowed:
+  // disjoint element sets are what matters, and that is the caller's to keep.
+  for (const Arg* o : {&dq, &dk, &dv}) {
     for (const Arg* a : all) {
-      if (!is_empty(*a)) check_pointer(*a, a == &lse ? 4 : 16, inspect ? inspect : &cuda_pointer_kind);
+      if (a == o || is_empty(*a) || is_empty(*o) || a->t.data != o->t.data || a->t.data == nullptr) continue;
+      c.fail(o->name, ".data is ", o->t.data, ", the same as ", a->name,
+             ".data; dq, dk and dv must not alias each other or q, k, v, out, dout, lse");
     }
   }
 
-  FwdProblem p;
-  p.dtype = dtype;
-  p.batch = static_cast<int>(args.q.shape[0]);
-  p.seqlen_q = static_cast<int>(args.q.shape[1]);
-  p.seqlen_k = static_cast<int>(args.k.shape[1]);
-  p.nheads = static_cast<int>(nheads);
-  p.nheads_kv = static_cast<int>(nheads_kv);
-  p.head_dim = static_cast<int>(head_dim);
-  p.softmax_scale = scale;
-  p.causal = args.causal;
-  p.write_lse = write_lse;
+  // Pointers last. Every non-empty tensor is checked, k, v, dk and dv also when seqlen_q == 0
+  // (then dk = dv = 0 are the gradients), q, out, dout, lse and dq also when seqlen_k == 0.
+  c.pointers(all, &lse, inspect);
+  if (args.workspace != nullptr) {
+    c.pointer("workspace", args.workspace, 256, inspect, "workspace (cudaMalloc gives 256)");
+  }
+
+  BwdProblem p = problem<BwdProblem>(dtype, args.q, args.k, scale, args.causal);
+  p.deterministic = args.deterministic;
   return p;
 }
 
