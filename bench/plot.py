@@ -36,6 +36,8 @@ SERIES = [
 
 
 def implied_fa3(row, pss):
+    if row.get("fa3_implied_tflops"):  # backward runs: the anchor ratio times cuDNN timed the anchors' way
+        return row["fa3_implied_tflops"]
     cudnn = row.get("cudnn_tflops")
     ratio = row.get(f"fa3_over_cudnn_{pss}", row.get("fa3_over_cudnn"))
     return cudnn * ratio if cudnn and ratio else None
@@ -143,7 +145,8 @@ def main():
     sub = []
     for key, lab in (("flash3_over_cudnn", "flash3/cuDNN"), ("flash3_det_over_cudnn", "deterministic/cuDNN"),
                      ("flash3_det_over_flash3", "deterministic/default"), ("flash3_over_fa2", "flash3/FA2"),
-                     ("flash3_over_fa3_implied", "flash3/FA3 (implied)")):
+                     ("flash3_over_fa3_implied", "flash3/FA3 (implied)"),
+                     ("flash3_over_fa3_implied_same_method", "same, both without spin")):
         g = (geomean_for(data, a.pss) or {}).get(key)
         if isinstance(g, (int, float)):
             sub.append(f"{lab} {g:.3f}")

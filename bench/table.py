@@ -69,7 +69,9 @@ def main():
     table(rows, tf_and_ratio("flash3_det_tflops", "flash3_det_over_cudnn", "flash3_det_over_flash3"))
     print()
     names = (("flash3_over_cudnn", "cuDNN"), ("flash3_over_fa2", "FlashAttention-2"),
-             ("flash3_over_fa3_implied", "FA3 (implied)"), ("flash3_det_over_cudnn", "deterministic/cuDNN"),
+             ("flash3_over_fa3_implied", "FA3 (implied)"),
+             ("flash3_over_fa3_implied_same_method", "FA3 (implied, both without spin)"),
+             ("flash3_det_over_cudnn", "deterministic/cuDNN"),
              ("flash3_det_over_flash3", "deterministic/default"))
     parts = [f"{geomean(rows, k):.2f}x {lab}" for k, lab in names if geomean(rows, k)]
     print("geomean: " + (", ".join(parts) if parts else "-"))

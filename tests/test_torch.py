@@ -405,3 +405,40 @@ def test_cpu_kernel_layout_rule_for_incoming_gradients():
     assert not flash3._kernel_layout(torch.zeros(1, 1, 4, 128, dtype=torch.bfloat16).expand(2, 32, 4, 128))
     one = torch.zeros(32 * 4 * 128, dtype=torch.bfloat16).as_strided((1, 32, 4, 128), (3, 512, 128, 1))
     assert flash3._kernel_layout(one)  # the stride of a dim of size 1 is never used
+
+
+def test_cpu_autograd_wiring(monkeypatch):
+    """loss.backward() reaches backward_into with the forward's saved tensors and options and a
+    kernel-readable dout; the library calls are stood in for by the math on the CPU."""
+    calls = []
+
+    def fake_forward(q, k, v, softmax_scale, causal, want_lse):
+        out, lse = attention(q, k, v, softmax_scale or 1 / math.sqrt(q.shape[-1]), causal, upcast=False)
+        return out.contiguous(), lse.float()
+
+    def fake_backward_into(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, deterministic):
+        calls.append(dict(dout=dout, out=out, lse=lse, scale=softmax_scale, causal=causal, det=deterministic))
+        with torch.enable_grad():  # a backward runs with grad mode off
+            xs = [t.detach().requires_grad_() for t in (q, k, v)]
+            got = torch.autograd.grad(attention(*xs, softmax_scale, causal, upcast=False)[0], xs, dout)
+        for buf, g in zip((dq, dk, dv), got):
+            buf.copy_(g)
+        return dq, dk, dv
+
+    monkeypatch.setattr(flash3, "_forward", fake_forward)
+    monkeypatch.setattr(flash3, "backward_into", fake_backward_into)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 9, 4, 8, generator=gen).requires_grad_()
+    k, v = (torch.randn(2, 12, 2, 8, generator=gen).requires_grad_() for _ in range(2))
+    out, lse = flash3.flash_attn_func(q, k, v, softmax_scale=0.5, causal=True, deterministic=True,
+                                      return_attn_probs=True)
+    assert not lse.requires_grad
+    out.sum().backward()  # a stride-0 dout: handed over as a contiguous copy
+    (c,) = calls
+    assert (c["scale"], c["causal"], c["det"]) == (0.5, True, True)
+    assert c["dout"].is_contiguous() and torch.equal(c["dout"], torch.ones_like(out))
+    assert c["out"] is not None and c["lse"].shape == (2, 4, 9)
+    xs = [t.detach().requires_grad_() for t in (q, k, v)]
+    ref = torch.autograd.grad(attention(*xs, 0.5, True, upcast=False)[0].sum(), xs)
+    for got, r in zip((q.grad, k.grad, v.grad), ref):
+        assert torch.allclose(got, r)
