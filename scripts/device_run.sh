@@ -4,7 +4,7 @@
 # and the benchmarks. Logs and JSON go to $OUT (default ./out). The CUTLASS headers and the
 # GoogleTest sources must already be in third_party/ (run scripts/setup.sh here, then carry
 # third_party: the GPU machine has no network).
-#   usage: bash scripts/device_run.sh [all|build|test|sanitize|profile|bench|quick]...
+#   usage: bash scripts/device_run.sh [all|build|bwdcheck|test|sanitize|profile|bench|quick]...
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -27,6 +27,10 @@ log "SASS: HGMMA $(grep -c HGMMA "$OUT/sass.txt"), local-memory LDL/STL $(grep -
 python3 tools/check_overlap.py < "$OUT/sass.txt" | tee -a "$OUT/summary.txt"
 gzip -f "$OUT/sass.txt"
 
+if has bwdcheck; then
+  FLASH3_LIB="$root/build/libflash3.so" timeout 300 python3 tools/bwd_check.py 2>&1 | tee "$OUT/bwd_check.log"
+  log "bwd_check: $(tail -1 "$OUT/bwd_check.log")"
+fi
 if has test || has quick; then
   filter='*'; has quick && ! has test && filter='FwdGpuSmall.*:*bf16_d128*'
   t0=$(date +%s)
