@@ -4,7 +4,7 @@
 # and the benchmarks. Logs and JSON go to $OUT (default ./out). The CUTLASS headers and the
 # GoogleTest sources must already be in third_party/ (run scripts/setup.sh here, then carry
 # third_party: the GPU machine has no network).
-#   usage: bash scripts/device_run.sh [all|build|bwdcheck|test|sanitize|profile|bench|quick]...
+#   usage: bash scripts/device_run.sh [all|build|bwdcheck|test|sanitize|profile|bench|bwdbench|quick]...
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -42,7 +42,7 @@ if has test || has quick; then
 fi
 if has sanitize; then
   for tool in memcheck racecheck; do
-    timeout 120 compute-sanitizer --tool $tool --error-exitcode 9 ./build/flash3_tests --gtest_filter='FwdGpuSmall.*' --gtest_brief=1 > "$OUT/sanitize_$tool.log" 2>&1
+    timeout 180 compute-sanitizer --tool $tool --error-exitcode 9 ./build/flash3_tests --gtest_filter='FwdGpuSmall.*:BwdGpuSmall.*' --gtest_brief=1 > "$OUT/sanitize_$tool.log" 2>&1
     log "compute-sanitizer $tool rc=$?: $(grep -E 'ERROR SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"
   done
 fi
@@ -65,8 +65,14 @@ if has bench; then
     timeout ${BENCH_TIMEOUT:-240} python3 bench/bench_torch.py ${BENCH_ARGS:-} --json "$OUT/bench_torch.json" 2>&1 | tee "$OUT/bench_torch.log"
   python3 bench/plot.py "$OUT/bench_torch.json" "$OUT/fwd_chart.png" || true
 fi
+if has bwdbench; then
+  FLASH3_LIB="$root/build/libflash3.so" PYTHONPATH="$root/python" PYTHONUNBUFFERED=1 \
+    timeout ${BENCH_TIMEOUT:-300} python3 bench/bench_torch.py --pass bwd ${BWD_BENCH_ARGS:-} --json "$OUT/bench_torch_bwd.json" 2>&1 | tee "$OUT/bench_torch_bwd.log"
+  python3 bench/plot.py "$OUT/bench_torch_bwd.json" "$OUT/bwd_chart.png" || true
+  python3 bench/table.py "$OUT/bench_torch_bwd.json" | tee -a "$OUT/summary.txt" || true
+fi
 # At most 8 files come back from the GPU machine: keep the key ones, pack the rest.
-keep="summary.txt bench_torch.json fwd_chart.png bench_cpp.json ablation.json"
+keep="summary.txt bench_torch.json fwd_chart.png bench_cpp.json ablation.json bench_torch_bwd.json bwd_chart.png"
 (cd "$OUT" && rest=$(ls | grep -vxF -f <(tr ' ' '\n' <<< "$keep")) && [ -n "$rest" ] && \
    tar czf /tmp/logs.tar.gz $rest && rm -f $rest && mv /tmp/logs.tar.gz .)
 cat "$OUT/summary.txt"

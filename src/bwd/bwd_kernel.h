@@ -110,6 +110,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   pipe_params.num_consumers = Traits::kNumConsumerThreads;
   if (threadIdx.x == 0) {
     shared.barrier_kv.init(1);
+    cutlass::arch::fence_barrier_init();
     cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_do.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
@@ -241,19 +242,19 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
 
   const int row_shift = params.seqlen_k - params.seqlen_q;  // causal: key j visible iff j <= i + shift
   const int col0 = n_block * kBlockN;
-  shared.barrier_kv.wait(0);
-  PipelineState read_q, read_do;
-  for (int m = m_begin; m < m_end; ++m) {
-    const int row0 = m * kBlockM;
-    pipeline_q.consumer_wait(read_q);
-    warpgroup_gemm</*zero_init=*/true, /*wait=*/-1>(mma_sdp, tSrQ(_, _, _, read_q.index()), tSrK, tSrS);
-    pipeline_do.consumer_wait(read_do);
-    warpgroup_gemm</*zero_init=*/true, /*wait=*/-1>(mma_sdp, tdPrdO(_, _, _, read_do.index()), tdPrV, tdPrdP);
-    warpgroup_wait<1>();  // S is ready
 
-    // P = exp(scale * S - lse), 0 where masked (keys past seqlen_k, or in the causal future).
-    // Query rows past seqlen_q have lse = +inf (and dO = 0), so they give P = 0, dS = 0.
-    const float* lse = shared.smem_lse + read_q.index() * kBlockM;
+  // S = Q_m K^T and dP = dO_m V^T (two commit groups).
+  auto issue_sdp = [&](PipelineState const& rq, PipelineState const& rdo) {
+    pipeline_q.consumer_wait(rq);
+    warpgroup_gemm</*zero_init=*/true, /*wait=*/-1>(mma_sdp, tSrQ(_, _, _, rq.index()), tSrK, tSrS);
+    pipeline_do.consumer_wait(rdo);
+    warpgroup_gemm</*zero_init=*/true, /*wait=*/-1>(mma_sdp, tdPrdO(_, _, _, rdo.index()), tdPrV, tdPrdP);
+  };
+  // P = exp(scale * S - lse) in place of S, 0 where masked (keys past seqlen_k, or in the causal
+  // future). Query rows past seqlen_q have lse = +inf (and dO = 0): P = 0, dS = 0 there.
+  auto compute_p = [&](int m, int stage) {
+    const int row0 = m * kBlockM;
+    const float* lse = shared.smem_lse + stage * kBlockM;
     bool need_mask = col0 + kBlockN > params.seqlen_k;
     if constexpr (Traits::kCausal) need_mask |= col0 + kBlockN - 1 > row0 + row_shift;
     if (need_mask) {
@@ -270,34 +271,34 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         tSrS(i) = fast_exp2(tSrS(i) * params.scale_log2 - lse[get<0>(tScS(i))]);
       }
     }
-    warpgroup_wait<0>();  // dP is ready
-    const float* dpsum = shared.smem_dpsum + read_do.index() * kBlockM;
+  };
+  // dS = P * (dP - D) in place of dP.
+  auto compute_ds = [&](int stage) {
+    const float* dpsum = shared.smem_dpsum + stage * kBlockM;
     CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < size(tSrS); ++i) {
-      tdPrdP(i) = tSrS(i) * (tdPrdP(i) - dpsum[get<0>(tScS(i))]);
-    }
+    for (int i = 0; i < size(tSrS); ++i) tdPrdP(i) = tSrS(i) * (tdPrdP(i) - dpsum[get<0>(tScS(i))]);
+  };
+  // P and dS to shared memory for the second-stage GEMMs of both warpgroups.
+  auto write_p_ds = [&](bool wait_free) {
     convert_into<Element>(tSrS, tPrP);
     convert_into<Element>(tdPrdP, tPrdS);
-
     // Both warpgroups' GEMMs of the previous query block have read P and dS: overwrite them.
-    if (m > m_begin) named_barrier_sync(Traits::kNumConsumerThreads, kBwdBarPFree);
+    if (wait_free) named_barrier_sync(Traits::kNumConsumerThreads, kBwdBarPFree);
     copy(smem_copy_p, thr_copy_p.retile_S(tPrP), tPsP);
     copy(smem_copy_p, thr_copy_p.retile_S(tPrdS), tPsdS);
     cutlass::arch::fence_view_async_shared();  // st.shared / stmatrix -> WGMMA (async proxy)
     named_barrier_sync(Traits::kNumConsumerThreads, kBwdBarPReady);
-
-    warpgroup_gemm</*zero_init=*/false, /*wait=*/-1>(mma_dkv, tdVrPt, tdVrdOt(_, _, _, read_do.index()), tdVrdV);
-    warpgroup_gemm</*zero_init=*/false, /*wait=*/-1>(mma_dkv, tdKrdSt, tdKrQt(_, _, _, read_q.index()), tdKrdK);
+  };
+  // dV += P^T dO_m, dK += dS^T Q_m, dQ_m = dS K (three commit groups).
+  auto issue_grads = [&](int stage_q, int stage_do) {
+    warpgroup_gemm</*zero_init=*/false, /*wait=*/-1>(mma_dkv, tdVrPt, tdVrdOt(_, _, _, stage_do), tdVrdV);
+    warpgroup_gemm</*zero_init=*/false, /*wait=*/-1>(mma_dkv, tdKrdSt, tdKrQt(_, _, _, stage_q), tdKrdK);
     warpgroup_gemm</*zero_init=*/true, /*wait=*/-1>(mma_dq, tdQrdS, tdQrKt, tdQrdQ);
-    warpgroup_wait<0>();
-    pipeline_q.consumer_release(read_q);
-    ++read_q;
-    pipeline_do.consumer_release(read_do);
-    ++read_do;
-
-    // dQ_i to shared memory for the dQ writer, in register order: value pair j of consumer
-    // thread t at float2 index j * 256 + t (conflict-free; bwd_postprocess undoes the order).
-    if (m > m_begin) named_barrier_sync(kBwdDQBarThreads, kBwdBarDQEmpty);
+  };
+  // dQ_m to shared memory for the dQ writer, in register order: value pair j of consumer thread
+  // t at float2 index j * 256 + t (conflict-free; bwd_postprocess_dq undoes the order).
+  auto store_dq = [&](bool first) {
+    if (!first) named_barrier_sync(kBwdDQBarThreads, kBwdBarDQEmpty);
     float2* dq_tile = reinterpret_cast<float2*>(shared.smem_dq);
     CUTLASS_PRAGMA_UNROLL
     for (int j = 0; j < size(tdQrdQ) / 2; ++j) {
@@ -305,6 +306,58 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     }
     cutlass::arch::fence_view_async_shared();  // st.shared -> bulk reduce (async proxy)
     named_barrier_arrive(kBwdDQBarThreads, kBwdBarDQFull);
+  };
+
+  // NOTES: software pipelined across query blocks, so the tensor cores have work while the
+  // exponentials run: in iteration m the GEMMs S, dP of block m+1 are issued first, then the
+  // gradient GEMMs of block m; P and dS of block m+1 are computed as soon as S, dP are done,
+  // while the gradient GEMMs of block m still run.
+  shared.barrier_kv.wait(0);
+  PipelineState read_q, read_do;
+  if (m_begin < m_end) {
+    issue_sdp(read_q, read_do);
+    warpgroup_wait<1>();
+    compute_p(m_begin, read_q.index());
+    warpgroup_wait<0>();
+    compute_ds(read_do.index());
+    write_p_ds(false);
+  }
+  for (int m = m_begin; m < m_end; ++m) {
+    const bool has_next = m + 1 < m_end;
+    PipelineState next_q = read_q, next_do = read_do;
+    ++next_q;
+    ++next_do;
+    if constexpr (Traits::kOverlap) {
+      if (has_next) issue_sdp(next_q, next_do);
+      issue_grads(read_q.index(), read_do.index());
+      if (has_next) {
+        warpgroup_wait<4>();  // S of block m+1
+        compute_p(m + 1, next_q.index());
+        warpgroup_wait<3>();  // dP of block m+1
+        compute_ds(next_do.index());
+      }
+      warpgroup_wait<0>();  // the gradient GEMMs of block m
+      pipeline_q.consumer_release(read_q);
+      pipeline_do.consumer_release(read_do);
+      store_dq(m == m_begin);
+    } else {
+      // In order: block m's gradients, then block m+1's S, dP.
+      issue_grads(read_q.index(), read_do.index());
+      warpgroup_wait<0>();
+      pipeline_q.consumer_release(read_q);
+      pipeline_do.consumer_release(read_do);
+      store_dq(m == m_begin);
+      if (has_next) {
+        issue_sdp(next_q, next_do);
+        warpgroup_wait<1>();
+        compute_p(m + 1, next_q.index());
+        warpgroup_wait<0>();
+        compute_ds(next_do.index());
+      }
+    }
+    read_q = next_q;
+    read_do = next_do;
+    if (has_next) write_p_ds(true);
   }
 
   // ---- epilogue: dK (scaled), dV: straight to the outputs (MHA) or per query head (GQA) -------

@@ -21,12 +21,18 @@ struct BwdTraits {
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kStages = Config::kStages;
   static constexpr bool kCausal = kCausal_;
+  static constexpr bool kOverlap = Config::kOverlap;
+  static_assert(!kOverlap || kStages >= 2, "the overlap loads block m+1 while block m is in use");
 
   // Warpgroup 0: warp 0 is the producer (TMA), warp 1 the dQ writer; warpgroups 1 and 2 are the
   // consumers, which split every GEMM between them.
   static constexpr int kNumConsumerThreads = 256;
   static constexpr int kNumThreads = 128 + kNumConsumerThreads;
-  static constexpr int kProducerRegs = 48, kConsumerRegs = 232;  // 48 x 128 + 232 x 256 = 64K
+  // NOTES: setmaxnreg moves registers within the pool the block got at launch, 168 x 384 =
+  // 64512 (ptxas's per-thread cap for 384 threads); an increase past what the decreases freed
+  // waits forever. 40 x 128 + 232 x 256 = 64512. (The producer spilled at 32.)
+  static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
+  static_assert(kProducerRegs * 128 + kConsumerRegs * kNumConsumerThreads <= 168 * kNumThreads);
 
   // ---- WGMMA tilings (two warpgroups each; a warpgroup's atom is 64 rows) -------------------
   // NOTES: a 128-row GEMM is split along M (one 64-row atom per warpgroup); a 64-row GEMM is
