@@ -39,6 +39,26 @@ double round_format(double x, int mbits, int emin, int emax) {
 float round_half(float x) { return half_bits_to_float(float_to_half_bits(x)); }
 float round_bf16(float x) { return bf16_bits_to_float(float_to_bf16_bits(x)); }
 
+// Runs fn(i) once for every i in [0, n), spread over all hardware threads.
+template <class Fn>
+void parallel_for(int64_t n, Fn fn) {
+  std::atomic<int64_t> next{0};
+  auto worker = [&] {
+    for (int64_t i; (i = next++) < n;) fn(i);
+  };
+  const int64_t nthreads = std::min<int64_t>(std::max(1u, std::thread::hardware_concurrency()), n);
+  std::vector<std::thread> threads;
+  for (int64_t t = 1; t < nthreads; ++t) threads.emplace_back(worker);
+  worker();
+  for (auto& t : threads) t.join();
+}
+
+// The last key query row i sees (-1: none); the causal mask is aligned bottom-right.
+int64_t last_key(const Problem& p, int64_t i) {
+  const int64_t sk = p.seqlen_k;
+  return p.causal ? std::max<int64_t>(-1, std::min(sk - 1, i + sk - p.seqlen_q)) : sk - 1;
+}
+
 // Query rows are processed in blocks of kRows (per batch and head): each K and V row is loaded
 // once per block, and the q.k dot products of a block vectorize across its rows while each one
 // is still summed in order over the head dim.
@@ -63,68 +83,173 @@ void attention(const Problem& p, const double* q, const double* k, const double*
   const int64_t group = p.nheads / p.nheads_kv, nblocks = (nrows + kRows - 1) / kRows;
   const int64_t ntasks = int64_t{p.batch} * p.nheads * nblocks;
   const T scale = static_cast<T>(p.scale);
-  std::atomic<int64_t> next{0};
 
-  auto worker = [&] {
+  parallel_for(ntasks, [&](int64_t task) {
     std::vector<T> qt(d * kRows), s(sk * kRows), o(d * kRows);  // qt is [d][kRows]; s, o by row
-    for (int64_t task; (task = next++) < ntasks;) {
-      const int64_t b = task / nblocks / p.nheads, h = task / nblocks % p.nheads;
-      const int64_t r0 = task % nblocks * kRows;
-      const int64_t nr = std::min<int64_t>(kRows, nrows - r0);
-      const double* kbase = k + (b * sk * p.nheads_kv + h / group) * d;
-      const double* vbase = v + (b * sk * p.nheads_kv + h / group) * d;
-      const int64_t kv_row = p.nheads_kv * d;
-      int64_t last[kRows];  // row r of the block sees keys [0, last[r]]
-      int64_t max_last = -1;
-      for (int r = 0; r < kRows; ++r) {
-        const int64_t i = r < nr ? (*rows)[r0 + r] : 0;
-        last[r] = r >= nr ? -1 : p.causal ? std::min(sk - 1, i + sk - sq) : sk - 1;
-        max_last = std::max(max_last, last[r]);
-        for (int64_t c = 0; c < d; ++c) {
-          const T qc = r < nr ? static_cast<T>(q[((b * sq + i) * p.nheads + h) * d + c]) : T(0);
-          qt[c * kRows + r] = rnd(qc * scale);
-        }
-      }
-      for (int64_t j = 0; j <= max_last; ++j) {
-        T acc[kRows] = {};
-        for (int64_t c = 0; c < d; ++c) {
-          const T kc = static_cast<T>(kbase[j * kv_row + c]);
-          for (int r = 0; r < kRows; ++r) acc[r] += qt[c * kRows + r] * kc;
-        }
-        for (int r = 0; r < kRows; ++r) s[r * sk + j] = rnd(acc[r]);
-      }
-      std::fill(o.begin(), o.end(), T(0));
-      T row_lse[kRows];
-      for (int r = 0; r < nr; ++r) {
-        T* sr = s.data() + r * sk;
-        T m = -std::numeric_limits<T>::infinity(), sum = 0;
-        for (int64_t j = 0; j <= last[r]; ++j) m = std::max(m, sr[j]);
-        for (int64_t j = 0; j <= last[r]; ++j) sum += (sr[j] = std::exp(sr[j] - m));
-        for (int64_t j = 0; j <= last[r]; ++j) sr[j] = rnd(sr[j] / sum);
-        row_lse[r] = last[r] < 0 ? std::numeric_limits<T>::infinity() : m + std::log(sum);
-      }
-      for (int64_t j = 0; j <= max_last; ++j) {
-        const double* vj = vbase + j * kv_row;
-        for (int r = 0; r < nr; ++r) {
-          if (j > last[r]) continue;
-          const T pj = s[r * sk + j];
-          T* orow = o.data() + r * d;
-          for (int64_t c = 0; c < d; ++c) orow[c] += pj * static_cast<T>(vj[c]);
-        }
-      }
-      for (int r = 0; r < nr; ++r) {
-        const int64_t i = (*rows)[r0 + r];
-        for (int64_t c = 0; c < d; ++c) out[((b * sq + i) * p.nheads + h) * d + c] = rnd(o[r * d + c]);
-        if (lse != nullptr) lse[(b * p.nheads + h) * sq + i] = row_lse[r];
+    const int64_t b = task / nblocks / p.nheads, h = task / nblocks % p.nheads;
+    const int64_t r0 = task % nblocks * kRows;
+    const int64_t nr = std::min<int64_t>(kRows, nrows - r0);
+    const double* kbase = k + (b * sk * p.nheads_kv + h / group) * d;
+    const double* vbase = v + (b * sk * p.nheads_kv + h / group) * d;
+    const int64_t kv_row = p.nheads_kv * d;
+    int64_t last[kRows];  // row r of the block sees keys [0, last[r]]
+    int64_t max_last = -1;
+    for (int r = 0; r < kRows; ++r) {
+      const int64_t i = r < nr ? (*rows)[r0 + r] : 0;
+      last[r] = r < nr ? last_key(p, i) : -1;
+      max_last = std::max(max_last, last[r]);
+      for (int64_t c = 0; c < d; ++c) {
+        const T qc = r < nr ? static_cast<T>(q[((b * sq + i) * p.nheads + h) * d + c]) : T(0);
+        qt[c * kRows + r] = rnd(qc * scale);
       }
     }
-  };
+    for (int64_t j = 0; j <= max_last; ++j) {
+      T acc[kRows] = {};
+      for (int64_t c = 0; c < d; ++c) {
+        const T kc = static_cast<T>(kbase[j * kv_row + c]);
+        for (int r = 0; r < kRows; ++r) acc[r] += qt[c * kRows + r] * kc;
+      }
+      for (int r = 0; r < kRows; ++r) s[r * sk + j] = rnd(acc[r]);
+    }
+    std::fill(o.begin(), o.end(), T(0));
+    T row_lse[kRows];
+    for (int r = 0; r < nr; ++r) {
+      T* sr = s.data() + r * sk;
+      T m = -std::numeric_limits<T>::infinity(), sum = 0;
+      for (int64_t j = 0; j <= last[r]; ++j) m = std::max(m, sr[j]);
+      for (int64_t j = 0; j <= last[r]; ++j) sum += (sr[j] = std::exp(sr[j] - m));
+      for (int64_t j = 0; j <= last[r]; ++j) sr[j] = rnd(sr[j] / sum);
+      row_lse[r] = last[r] < 0 ? std::numeric_limits<T>::infinity() : m + std::log(sum);
+    }
+    for (int64_t j = 0; j <= max_last; ++j) {
+      const double* vj = vbase + j * kv_row;
+      for (int r = 0; r < nr; ++r) {
+        if (j > last[r]) continue;
+        const T pj = s[r * sk + j];
+        T* orow = o.data() + r * d;
+        for (int64_t c = 0; c < d; ++c) orow[c] += pj * static_cast<T>(vj[c]);
+      }
+    }
+    for (int r = 0; r < nr; ++r) {
+      const int64_t i = (*rows)[r0 + r];
+      for (int64_t c = 0; c < d; ++c) out[((b * sq + i) * p.nheads + h) * d + c] = rnd(o[r * d + c]);
+      if (lse != nullptr) lse[(b * p.nheads + h) * sq + i] = row_lse[r];
+    }
+  });
+}
 
-  const int64_t nthreads = std::min<int64_t>(std::max(1u, std::thread::hardware_concurrency()), ntasks);
-  std::vector<std::thread> threads;
-  for (int64_t t = 1; t < nthreads; ++t) threads.emplace_back(worker);
-  worker();
-  for (auto& t : threads) t.join();
+// The backward in precision T, with rnd() applied where attention_bwd_lowp says (the identity
+// for double). One (batch, query head) at a time, in head order: a pass over blocks of query rows
+// computes qs, P and dS (kept as seqlen_q x seqlen_k matrices) and dq; then a pass over blocks
+// of keys reads P and dS column-wise for this head's dK, dV and adds them, rounded, to the sums
+// of its kv head. Each pass splits its blocks over the threads; no two blocks write the same
+// element. Every sum runs in order (over the head dim, keys or rows) and vectorizes across the
+// rows, keys or head-dim entries of a block instead.
+template <class T, class Rnd>
+void attention_backward(const Problem& p, const double* q, const double* k, const double* v,
+                        const double* dout, double* dq, double* dk, double* dv, Rnd rnd) {
+  const int64_t d = p.head_dim, sq = p.seqlen_q, sk = p.seqlen_k, hk = p.nheads_kv;
+  const int64_t group = p.nheads / hk, q_row = p.nheads * d, kv_row = hk * d;  // seqlen row strides
+  const int64_t qblocks = (sq + kRows - 1) / kRows, kblocks = (sk + kRows - 1) / kRows;
+  const T scale = static_cast<T>(p.scale);
+  std::vector<T> dk_sum(size_t(p.batch) * sk * kv_row, T(0)), dv_sum(dk_sum.size(), T(0));
+  std::vector<T> qs(size_t(sq) * d), P(size_t(sq) * sk), dS(size_t(sq) * sk);  // of one head
+
+  for (int64_t b = 0; b < p.batch; ++b) {
+    for (int64_t h = 0; h < p.nheads; ++h) {
+      // Row i of q, dout, dq at [i * q_row]; row j of k, v and of the sums at [j * kv_row].
+      const double *qh = q + b * sq * q_row + h * d, *doh = dout + b * sq * q_row + h * d;
+      const double *kh = k + (b * sk * hk + h / group) * d, *vh = v + (b * sk * hk + h / group) * d;
+      double* dqh = dq + b * sq * q_row + h * d;
+      T *dk_h = dk_sum.data() + (b * sk * hk + h / group) * d, *dv_h = dv_sum.data() + (b * sk * hk + h / group) * d;
+
+      parallel_for(qblocks, [&](int64_t blk) {
+        const int64_t i0 = blk * kRows, nr = std::min<int64_t>(kRows, sq - i0);
+        std::vector<T> qt(d * kRows, T(0)), dot(d * kRows, T(0));  // qs and dO of the block, [d][kRows]
+        int64_t last[kRows];  // row i0 + r sees keys [0, last[r]]
+        int64_t max_last = -1;
+        for (int64_t r = 0; r < kRows; ++r) {
+          last[r] = r < nr ? last_key(p, i0 + r) : -1;
+          max_last = std::max(max_last, last[r]);
+          for (int64_t c = 0; c < d && r < nr; ++c) {
+            const int64_t i = i0 + r;
+            qt[c * kRows + r] = qs[i * d + c] = rnd(static_cast<T>(qh[i * q_row + c]) * scale);
+            dot[c * kRows + r] = static_cast<T>(doh[i * q_row + c]);
+          }
+        }
+        // S = qs k^T and dP = dO v^T, parked in P and dS.
+        for (int64_t j = 0; j <= max_last; ++j) {
+          T s_acc[kRows] = {}, dp_acc[kRows] = {};
+          for (int64_t c = 0; c < d; ++c) {
+            const T kc = static_cast<T>(kh[j * kv_row + c]), vc = static_cast<T>(vh[j * kv_row + c]);
+            for (int r = 0; r < kRows; ++r) {
+              s_acc[r] += qt[c * kRows + r] * kc;
+              dp_acc[r] += dot[c * kRows + r] * vc;
+            }
+          }
+          for (int64_t r = 0; r < nr; ++r) {
+            P[(i0 + r) * sk + j] = rnd(s_acc[r]);
+            dS[(i0 + r) * sk + j] = rnd(dp_acc[r]);
+          }
+        }
+        // P = softmax(S) as attention_fwd_lowp computes it, D, dS; 0 where masked.
+        for (int64_t r = 0; r < nr; ++r) {
+          T *pr = P.data() + (i0 + r) * sk, *dsr = dS.data() + (i0 + r) * sk;
+          T m = -std::numeric_limits<T>::infinity(), sum = 0, dsum = 0;
+          for (int64_t j = 0; j <= last[r]; ++j) m = std::max(m, pr[j]);
+          for (int64_t j = 0; j <= last[r]; ++j) sum += (pr[j] = std::exp(pr[j] - m));
+          for (int64_t j = 0; j <= last[r]; ++j) pr[j] = rnd(pr[j] / sum);
+          for (int64_t j = 0; j <= last[r]; ++j) dsum += pr[j] * dsr[j];
+          for (int64_t j = 0; j <= last[r]; ++j) dsr[j] = rnd(pr[j] * (dsr[j] - dsum));
+          std::fill(pr + last[r] + 1, pr + sk, T(0));
+          std::fill(dsr + last[r] + 1, dsr + sk, T(0));
+        }
+        // dq = scale * (dS k).
+        std::vector<T> acc(nr * d, T(0)), kj(d);
+        for (int64_t j = 0; j <= max_last; ++j) {
+          for (int64_t c = 0; c < d; ++c) kj[c] = static_cast<T>(kh[j * kv_row + c]);
+          for (int64_t r = 0; r < nr; ++r) {
+            if (j > last[r]) continue;
+            const T ds = dS[(i0 + r) * sk + j];
+            T* ar = acc.data() + r * d;
+            for (int64_t c = 0; c < d; ++c) ar[c] += ds * kj[c];
+          }
+        }
+        for (int64_t r = 0; r < nr; ++r) {
+          for (int64_t c = 0; c < d; ++c) dqh[(i0 + r) * q_row + c] = rnd(rnd(acc[r * d + c]) * scale);
+        }
+      });
+
+      parallel_for(kblocks, [&](int64_t blk) {
+        const int64_t j0 = blk * kRows, nk = std::min<int64_t>(kRows, sk - j0);
+        std::vector<T> dk_acc(nk * d, T(0)), dv_acc(nk * d, T(0)), doi(d);
+        for (int64_t i = 0; i < sq; ++i) {
+          const int64_t li = last_key(p, i);
+          if (li < j0) continue;  // row i sees no key of this block
+          for (int64_t c = 0; c < d; ++c) doi[c] = static_cast<T>(doh[i * q_row + c]);
+          const T* qsi = qs.data() + i * d;
+          for (int64_t r = 0; r < nk && j0 + r <= li; ++r) {
+            const T pij = P[i * sk + j0 + r], dsij = dS[i * sk + j0 + r];
+            T *dkr = dk_acc.data() + r * d, *dvr = dv_acc.data() + r * d;
+            for (int64_t c = 0; c < d; ++c) {
+              dvr[c] += pij * doi[c];
+              dkr[c] += dsij * qsi[c];
+            }
+          }
+        }
+        for (int64_t r = 0; r < nk; ++r) {
+          for (int64_t c = 0; c < d; ++c) {
+            dk_h[(j0 + r) * kv_row + c] += rnd(dk_acc[r * d + c]);
+            dv_h[(j0 + r) * kv_row + c] += rnd(dv_acc[r * d + c]);
+          }
+        }
+      });
+    }
+  }
+  for (size_t x = 0; x < dk_sum.size(); ++x) {
+    dk[x] = rnd(dk_sum[x]);
+    dv[x] = rnd(dv_sum[x]);
+  }
 }
 
 }  // namespace
@@ -141,6 +266,20 @@ void attention_fwd_lowp(const Problem& p, DType dtype, const double* q, const do
     case FLASH3_BFLOAT16: return attention<float>(p, q, k, v, out, lse, rows, round_bf16);
   }
   throw std::invalid_argument("flash3::ref::attention_fwd_lowp: dtype must be float16 or bfloat16");
+}
+
+void attention_bwd_fp64(const Problem& p, const double* q, const double* k, const double* v,
+                        const double* dout, double* dq, double* dk, double* dv) {
+  attention_backward<double>(p, q, k, v, dout, dq, dk, dv, [](double x) { return x; });
+}
+
+void attention_bwd_lowp(const Problem& p, DType dtype, const double* q, const double* k,
+                        const double* v, const double* dout, double* dq, double* dk, double* dv) {
+  switch (static_cast<int>(dtype)) {
+    case FLASH3_FLOAT16: return attention_backward<float>(p, q, k, v, dout, dq, dk, dv, round_half);
+    case FLASH3_BFLOAT16: return attention_backward<float>(p, q, k, v, dout, dq, dk, dv, round_bf16);
+  }
+  throw std::invalid_argument("flash3::ref::attention_bwd_lowp: dtype must be float16 or bfloat16");
 }
 
 uint16_t float_to_half_bits(float f) {

@@ -34,6 +34,36 @@ void attention_fwd_lowp(const Problem& p, DType dtype, const double* q, const do
                         const double* v, double* out, double* lse,
                         const std::vector<int>* rows = nullptr);
 
+// Backward of attention_fwd_fp64 for the loss sum(dout * out), in double:
+//   P = softmax(scale q k^T, masked), dV = P^T dO, dP = dO V^T, D = rowsum(dO o O) (computed as
+//   rowsum(P o dP), the same number in exact arithmetic), dS = P o (dP - D),
+//   dQ = scale dS K, dK = scale dS^T Q.
+// q, dout, dq: [b][sq][h][d]; k, v, dk, dv: [b][sk][hk][d], contiguous. GQA/MQA: dk, dv of a
+// kv head are summed over the query heads that read it. Rows that see no key contribute
+// nothing and get dq = 0; with seqlen_q == 0, dk = dv = 0. Every element of dq, dk, dv is
+// written. Runs on all hardware threads; holds two seqlen_q x seqlen_k matrices (P and dS of
+// one head) at a time.
+void attention_bwd_fp64(const Problem& p, const double* q, const double* k, const double* v,
+                        const double* dout, double* dq, double* dk, double* dv);
+
+// The same backward "done plainly in the input precision", as PyTorch autograd computes it
+// through the math attention of attention_fwd_lowp with tensors of dtype (float16 or bfloat16):
+// every GEMM accumulates in float32 and rounds its output to dtype once (rnd), elementwise ops
+// run in float32 on dtype operands and round their output:
+//   forward, as attention_fwd_lowp:  qs = rnd(q * scale); S = rnd(qs k^T); P = rnd(softmax(S))
+//   dV_h  = rnd(P^T dO)                       (per query head h)
+//   dP    = rnd(dO V^T)
+//   D     = rowsum(P o dP) in float32          (softmax backward, not rounded)
+//   dS    = rnd(P o (dP - D)) in float32       (masked entries: 0)
+//   dqs   = rnd(dS K);  dq = rnd(dqs * scale)  (backward of qs = q * scale)
+//   dK_h  = rnd(dS^T qs)
+//   dk, dv = rnd(sum over the query heads h of a kv head of dK_h, dV_h), the sum in float32 in
+//   head order (the backward of repeating k, v over the group); for MHA simply dK_h, dV_h.
+// Rows that see no key give dq = 0 and contribute nothing (PyTorch would give NaN there).
+// Its error against attention_bwd_fp64 sizes the tolerance of the GPU tests.
+void attention_bwd_lowp(const Problem& p, DType dtype, const double* q, const double* k,
+                        const double* v, const double* dout, double* dq, double* dk, double* dv);
+
 // Round to nearest even; NaN and infinities are kept, float16 subnormals handled.
 uint16_t float_to_half_bits(float f);
 float half_bits_to_float(uint16_t h);

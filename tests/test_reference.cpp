@@ -20,7 +20,7 @@ using flash3::ref::Problem;
 const double kInf = std::numeric_limits<double>::infinity();
 
 struct Data {
-  std::vector<double> q, k, v;
+  std::vector<double> q, k, v, dout;  // dout: [b][sq][h][d], the gradient of a loss w.r.t. out
 };
 
 Data random_data(const Problem& p, unsigned seed, DType dtype = DType::kFloat32) {
@@ -33,7 +33,12 @@ Data random_data(const Problem& p, unsigned seed, DType dtype = DType::kFloat32)
   };
   const size_t nq = size_t(p.batch) * p.seqlen_q * p.nheads * p.head_dim;
   const size_t nk = size_t(p.batch) * p.seqlen_k * p.nheads_kv * p.head_dim;
-  return {fill(nq), fill(nk), fill(nk)};
+  Data x;
+  x.q = fill(nq);  // drawn in this order: the forward tests' q, k, v do not depend on dout
+  x.k = fill(nk);
+  x.v = fill(nk);
+  x.dout = fill(nq);
+  return x;
 }
 
 // The textbook formula, straight from the definition: exp of the masked scores, no max trick.
@@ -176,6 +181,238 @@ TEST(LowpReference, RejectsOtherDtypes) {
   const Problem p{1, 1, 1, 1, 1, 1, 1.0, false};
   double x = 1, out, lse;
   EXPECT_THROW(flash3::ref::attention_fwd_lowp(p, DType::kFloat32, &x, &x, &x, &out, &lse),
+               std::invalid_argument);
+}
+
+// ---- backward ------------------------------------------------------------------------------
+
+struct Grads {
+  std::vector<double> dq, dk, dv;
+};
+
+// The reference backward, fp64 (dtype float32) or plain lowp (float16, bfloat16), into buffers
+// pre-filled with NaN so that an element left unwritten shows.
+Grads backward(const Problem& p, const Data& x, DType dtype = DType::kFloat32) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  Grads g{std::vector<double>(x.q.size(), nan), std::vector<double>(x.k.size(), nan),
+          std::vector<double>(x.v.size(), nan)};
+  if (dtype == DType::kFloat32) {
+    flash3::ref::attention_bwd_fp64(p, x.q.data(), x.k.data(), x.v.data(), x.dout.data(), g.dq.data(),
+                                    g.dk.data(), g.dv.data());
+  } else {
+    flash3::ref::attention_bwd_lowp(p, dtype, x.q.data(), x.k.data(), x.v.data(), x.dout.data(),
+                                    g.dq.data(), g.dk.data(), g.dv.data());
+  }
+  return g;
+}
+
+// The loss sum(dout * out) of the fp64 forward.
+double loss(const Problem& p, const Data& x) {
+  std::vector<double> out(x.q.size());
+  flash3::ref::attention_fwd_fp64(p, x.q.data(), x.k.data(), x.v.data(), out.data(), nullptr);
+  double l = 0;
+  for (size_t i = 0; i < out.size(); ++i) l += x.dout[i] * out[i];
+  return l;
+}
+
+class Fp64Backward : public ::testing::TestWithParam<Problem> {};
+
+// Every gradient element against a central difference of the loss (error ~ eps^2 + 1e-16 / eps).
+TEST_P(Fp64Backward, MatchesFiniteDifferences) {
+  const Problem p = GetParam();
+  Data x = random_data(p, 7);
+  const Grads g = backward(p, x);
+  const double eps = 1e-5;
+  auto check = [&](std::vector<double> Data::*input, const std::vector<double>& grad, const char* name) {
+    std::vector<double>& t = x.*input;
+    for (size_t i = 0; i < t.size(); ++i) {
+      const double saved = t[i];
+      t[i] = saved + eps;
+      const double up = loss(p, x);
+      t[i] = saved - eps;
+      const double down = loss(p, x);
+      t[i] = saved;
+      EXPECT_NEAR(grad[i], (up - down) / (2 * eps), 1e-7) << name << " at " << i;
+    }
+  };
+  check(&Data::q, g.dq, "dq");
+  check(&Data::k, g.dk, "dk");
+  check(&Data::v, g.dv, "dv");
+}
+
+// batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, scale, causal
+INSTANTIATE_TEST_SUITE_P(Shapes, Fp64Backward,
+                         ::testing::Values(Problem{1, 5, 7, 2, 2, 4, 0.5, false},
+                                           Problem{1, 5, 7, 2, 2, 4, 0.5, true},    // sq < sk
+                                           Problem{1, 7, 3, 1, 1, 4, 0.6, true},    // sq > sk: empty rows
+                                           Problem{2, 6, 6, 4, 2, 4, 0.4, true},    // GQA
+                                           Problem{1, 4, 19, 3, 1, 8, 0.3, false},  // MQA, > 1 key block
+                                           Problem{1, 18, 5, 2, 1, 4, 0.5, true})); // > 1 row block
+
+TEST(Fp64Backward, NoKeysGivesZeroDq) {
+  const Problem p{2, 3, 0, 2, 1, 4, 0.5, false};
+  const Grads g = backward(p, random_data(p, 8));
+  for (double x : g.dq) EXPECT_EQ(x, 0.0);
+}
+
+TEST(Fp64Backward, NoQueriesGivesZeroDkDv) {
+  const Problem p{2, 0, 5, 2, 1, 4, 0.5, false};
+  const Grads g = backward(p, random_data(p, 9));
+  for (double x : g.dk) EXPECT_EQ(x, 0.0);
+  for (double x : g.dv) EXPECT_EQ(x, 0.0);
+}
+
+// Causal with seqlen_q > seqlen_k: the first seqlen_q - seqlen_k rows see no key. They get
+// dq = 0 and add nothing to dk, dv: the other rows give what the problem without them gives.
+TEST(Fp64Backward, RowsWithoutKeysContributeNothing) {
+  const Problem p{1, 23, 17, 2, 1, 8, 0.4, true}, trimmed{1, 17, 17, 2, 1, 8, 0.4, true};
+  const Data x = random_data(p, 10);
+  const size_t skip = size_t(6) * 2 * 8;  // 6 rows of 2 heads
+  const Data y{{x.q.begin() + skip, x.q.end()}, x.k, x.v, {x.dout.begin() + skip, x.dout.end()}};
+  const Grads g = backward(p, x), want = backward(trimmed, y);
+  for (size_t i = 0; i < skip; ++i) EXPECT_EQ(g.dq[i], 0.0) << i;
+  for (size_t i = skip; i < g.dq.size(); ++i) EXPECT_DOUBLE_EQ(g.dq[i], want.dq[i - skip]) << i;
+  for (size_t i = 0; i < g.dk.size(); ++i) EXPECT_DOUBLE_EQ(g.dk[i], want.dk[i]) << i;
+  for (size_t i = 0; i < g.dv.size(); ++i) EXPECT_DOUBLE_EQ(g.dv[i], want.dv[i]) << i;
+}
+
+// GQA is MHA with k and v repeated over each group of query heads: dq is the same, dk and dv are
+// the MHA ones summed over the group (in the lowp reference: the rounded per-head values summed
+// in float32 in head order, then rounded, as reference.h says).
+TEST(Backward, GqaIsMhaWithRepeatedKvSummedOverTheGroup) {
+  const Problem gqa{2, 19, 21, 6, 2, 8, 0.35, true}, mha{2, 19, 21, 6, 6, 8, 0.35, true};
+  const int group = 3, d = 8;
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    const Data x = random_data(gqa, 11, dtype);
+    Data rep{x.q, {}, {}, x.dout};
+    for (const std::vector<double>* t : {&x.k, &x.v}) {  // [b][s][hk][d] -> [b][s][h][d]
+      std::vector<double>& r = t == &x.k ? rep.k : rep.v;
+      for (size_t row = 0; row < t->size() / (2 * d); ++row)
+        for (int h = 0; h < 6; ++h) r.insert(r.end(), t->begin() + (row * 2 + h / group) * d,
+                                             t->begin() + (row * 2 + h / group + 1) * d);
+    }
+    const Grads g = backward(gqa, x, dtype), m = backward(mha, rep, dtype);
+    EXPECT_EQ(g.dq, m.dq) << flash3::dtype_name(dtype);
+    for (size_t row = 0; row < g.dk.size() / (2 * d); ++row)
+      for (int hk = 0; hk < 2; ++hk)
+        for (int c = 0; c < d; ++c) {
+          float sk = 0, sv = 0;
+          for (int h = hk * group; h < (hk + 1) * group; ++h) {
+            sk += static_cast<float>(m.dk[(row * 6 + h) * d + c]);
+            sv += static_cast<float>(m.dv[(row * 6 + h) * d + c]);
+          }
+          const size_t i = (row * 2 + hk) * d + c;
+          if (dtype == DType::kFloat32) {  // fp64: the same sums in double
+            double dk = 0, dv = 0;
+            for (int h = hk * group; h < (hk + 1) * group; ++h) {
+              dk += m.dk[(row * 6 + h) * d + c];
+              dv += m.dv[(row * 6 + h) * d + c];
+            }
+            EXPECT_NEAR(g.dk[i], dk, 1e-13) << i;
+            EXPECT_NEAR(g.dv[i], dv, 1e-13) << i;
+          } else {
+            EXPECT_EQ(g.dk[i], flash3::ref::round_to(dtype, sk)) << flash3::dtype_name(dtype) << " " << i;
+            EXPECT_EQ(g.dv[i], flash3::ref::round_to(dtype, sv)) << flash3::dtype_name(dtype) << " " << i;
+          }
+        }
+  }
+}
+
+// The plain backward of reference.h written out directly, one scalar at a time: float32
+// arithmetic, rnd() where reference.h says, every sum in index order. The reference must
+// agree exactly.
+Grads textbook_lowp_backward(const Problem& p, const Data& x, DType dtype) {
+  auto rnd = [dtype](float f) { return static_cast<float>(flash3::ref::round_to(dtype, f)); };
+  const int d = p.head_dim, sq = p.seqlen_q, sk = p.seqlen_k, h = p.nheads, hk = p.nheads_kv;
+  auto qi = [&](int b, int i, int hh) { return ((size_t(b) * sq + i) * h + hh) * d; };  // row starts
+  auto kj = [&](int b, int j, int hh) { return ((size_t(b) * sk + j) * hk + hh) * d; };
+  const float scale = static_cast<float>(p.scale);
+  Grads g{std::vector<double>(x.q.size()), std::vector<double>(x.k.size()), std::vector<double>(x.v.size())};
+  std::vector<float> dk_sum(x.k.size(), 0.0f), dv_sum(x.v.size(), 0.0f);
+  for (int b = 0; b < p.batch; ++b)
+    for (int hh = 0; hh < h; ++hh) {
+      const int kvh = hh / (h / hk);
+      std::vector<std::vector<float>> qs(sq, std::vector<float>(d)), P(sq, std::vector<float>(sk, 0.0f)),
+          dS(sq, std::vector<float>(sk, 0.0f));
+      std::vector<int> last(sq);
+      for (int i = 0; i < sq; ++i) {
+        last[i] = p.causal ? std::min(sk - 1, i + sk - sq) : sk - 1;
+        for (int c = 0; c < d; ++c) qs[i][c] = rnd(float(x.q[qi(b, i, hh) + c]) * scale);
+        std::vector<float> S(sk), dP(sk);
+        float m = -INFINITY, sum = 0, D = 0;
+        for (int j = 0; j <= last[i]; ++j) {
+          float s = 0, dp = 0;
+          for (int c = 0; c < d; ++c) s += qs[i][c] * float(x.k[kj(b, j, kvh) + c]);
+          for (int c = 0; c < d; ++c) dp += float(x.dout[qi(b, i, hh) + c]) * float(x.v[kj(b, j, kvh) + c]);
+          S[j] = rnd(s);
+          dP[j] = rnd(dp);
+          m = std::max(m, S[j]);
+        }
+        for (int j = 0; j <= last[i]; ++j) sum += (S[j] = std::exp(S[j] - m));
+        for (int j = 0; j <= last[i]; ++j) P[i][j] = rnd(S[j] / sum);
+        for (int j = 0; j <= last[i]; ++j) D += P[i][j] * dP[j];
+        for (int j = 0; j <= last[i]; ++j) dS[i][j] = rnd(P[i][j] * (dP[j] - D));
+        for (int c = 0; c < d; ++c) {
+          float dqs = 0;
+          for (int j = 0; j <= last[i]; ++j) dqs += dS[i][j] * float(x.k[kj(b, j, kvh) + c]);
+          g.dq[qi(b, i, hh) + c] = rnd(rnd(dqs) * scale);
+        }
+      }
+      for (int j = 0; j < sk; ++j)
+        for (int c = 0; c < d; ++c) {
+          float dk = 0, dv = 0;
+          for (int i = 0; i < sq; ++i) {
+            if (j > last[i]) continue;
+            dk += dS[i][j] * qs[i][c];
+            dv += P[i][j] * float(x.dout[qi(b, i, hh) + c]);
+          }
+          dk_sum[kj(b, j, kvh) + c] += rnd(dk);
+          dv_sum[kj(b, j, kvh) + c] += rnd(dv);
+        }
+    }
+  for (size_t e = 0; e < dk_sum.size(); ++e) {
+    g.dk[e] = rnd(dk_sum[e]);
+    g.dv[e] = rnd(dv_sum[e]);
+  }
+  return g;
+}
+
+TEST(LowpBackward, RoundsWhereTheHeaderSays) {
+  for (const Problem& p : {Problem{2, 5, 7, 4, 2, 8, 0.35, true}, Problem{1, 21, 18, 3, 1, 16, 0.25, false},
+                           Problem{1, 9, 4, 2, 2, 8, 0.5, true}}) {
+    for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
+      const Data x = random_data(p, 13, dtype);
+      const Grads g = backward(p, x, dtype), want = textbook_lowp_backward(p, x, dtype);
+      EXPECT_EQ(g.dq, want.dq) << flash3::dtype_name(dtype) << " sq=" << p.seqlen_q;
+      EXPECT_EQ(g.dk, want.dk) << flash3::dtype_name(dtype) << " sq=" << p.seqlen_q;
+      EXPECT_EQ(g.dv, want.dv) << flash3::dtype_name(dtype) << " sq=" << p.seqlen_q;
+    }
+  }
+}
+
+TEST(LowpBackward, CloseToFp64ButNotIdentical) {
+  const Problem p{1, 64, 96, 4, 2, 64, 0.125, true};
+  double err[2][3];
+  for (DType dtype : {DType::kFloat16, DType::kBFloat16}) {
+    const Data x = random_data(p, 12, dtype);
+    const Grads g = backward(p, x, dtype), want = backward(p, x);
+    const std::vector<double>* got[3] = {&g.dq, &g.dk, &g.dv};
+    const std::vector<double>* ref[3] = {&want.dq, &want.dk, &want.dv};
+    for (int t = 0; t < 3; ++t) {
+      const char* name = t == 0 ? "dq" : t == 1 ? "dk" : "dv";
+      for (double e : *got[t]) ASSERT_EQ(e, flash3::ref::round_to(dtype, e)) << name << " is rounded to the dtype";
+      const double e = err[dtype == DType::kBFloat16][t] = rel_error(*got[t], *ref[t]);
+      EXPECT_GT(e, 1e-4) << flash3::dtype_name(dtype) << " " << name;
+      EXPECT_LT(e, 3e-2) << flash3::dtype_name(dtype) << " " << name;
+    }
+  }
+  for (int t = 0; t < 3; ++t) EXPECT_LT(err[0][t], err[1][t]) << "float16 is more precise than bfloat16";
+}
+
+TEST(LowpBackward, RejectsOtherDtypes) {
+  const Problem p{1, 1, 1, 1, 1, 1, 1.0, false};
+  double x = 1, dq, dk, dv;
+  EXPECT_THROW(flash3::ref::attention_bwd_lowp(p, DType::kFloat32, &x, &x, &x, &x, &dq, &dk, &dv),
                std::invalid_argument);
 }
 

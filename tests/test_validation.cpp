@@ -1,18 +1,25 @@
-// validate_fwd on the CPU: a fake PointerInspector stands in for the CUDA runtime, so every rule
-// is checked without a GPU. Each rule has one test that checks the message names the argument
-// and the value it got.
+// validate_fwd and validate_bwd on the CPU: a fake PointerInspector stands in for the CUDA
+// runtime, so every rule is checked without a GPU. Each rule has one test that checks the
+// message names the argument and the value it got. Also the C ABI's error reporting.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdint>
 #include <initializer_list>
 #include <limits>
 #include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "flash3/flash3.h"
+#include "flash3/flash3_c.h"
 
 namespace {
 
+using flash3::BwdArgs;
 using flash3::DType;
 using flash3::FwdArgs;
 using flash3::PointerKind;
@@ -44,14 +51,19 @@ FwdArgs make_args(int64_t b, int64_t sq, int64_t sk, int64_t h, int64_t hk, int6
   return a;
 }
 
-// validate_fwd throws flash3::Error and its message starts with "flash3::fwd: " and contains
-// every one of parts.
-::testing::AssertionResult fails_with(const FwdArgs& a, std::initializer_list<std::string> parts) {
+void validate(const FwdArgs& a) { flash3::validate_fwd(a, &fake_inspect); }
+void validate(const BwdArgs& a) { flash3::validate_bwd(a, &fake_inspect); }
+
+// validate_fwd (validate_bwd) throws flash3::Error and its message starts with "flash3::fwd: "
+// ("flash3::bwd: ") and contains every one of parts.
+template <class Args>
+::testing::AssertionResult fails_with(const Args& a, std::initializer_list<std::string> parts) {
+  const std::string prefix = std::is_same_v<Args, FwdArgs> ? "flash3::fwd: " : "flash3::bwd: ";
   try {
-    flash3::validate_fwd(a, &fake_inspect);
+    validate(a);
   } catch (const flash3::Error& e) {
     const std::string msg = e.what();
-    if (msg.rfind("flash3::fwd: ", 0) != 0) return ::testing::AssertionFailure() << "bad prefix: " << msg;
+    if (msg.rfind(prefix, 0) != 0) return ::testing::AssertionFailure() << "bad prefix: " << msg;
     for (const std::string& part : parts) {
       if (msg.find(part) == std::string::npos) {
         return ::testing::AssertionFailure() << "message \"" << msg << "\" lacks \"" << part << "\"";
@@ -59,7 +71,7 @@ FwdArgs make_args(int64_t b, int64_t sq, int64_t sk, int64_t h, int64_t hk, int6
     }
     return ::testing::AssertionSuccess() << msg;
   }
-  return ::testing::AssertionFailure() << "validate_fwd did not throw";
+  return ::testing::AssertionFailure() << "validation did not throw";
 }
 
 class Validate : public ::testing::Test {
@@ -293,6 +305,391 @@ TEST_F(Validate, PointerChecksComeLast) {
   a.k.stride[2] = 4;
   EXPECT_TRUE(fails_with(a, {"k.stride[2] (nheads_kv) is 4"}));
   EXPECT_EQ(g_calls, 0);
+}
+
+// ---- validate_bwd ----------------------------------------------------------------------------
+
+// Contiguous q, k, v, out, dout, lse, dq, dk, dv at distinct aligned fake addresses (all null
+// when with_data is false).
+BwdArgs make_bwd_args(int64_t b, int64_t sq, int64_t sk, int64_t h, int64_t hk, int64_t d,
+                      bool with_data = true) {
+  BwdArgs a;
+  auto ptr = [&](uintptr_t address) { return with_data ? fake_ptr(address) : nullptr; };
+  a.q = TensorRef::contiguous(ptr(0x100000), DType::kBFloat16, {b, sq, h, d});
+  a.k = TensorRef::contiguous(ptr(0x200000), DType::kBFloat16, {b, sk, hk, d});
+  a.v = TensorRef::contiguous(ptr(0x300000), DType::kBFloat16, {b, sk, hk, d});
+  a.out = TensorRef::contiguous(ptr(0x400000), DType::kBFloat16, {b, sq, h, d});
+  a.dout = TensorRef::contiguous(ptr(0x500000), DType::kBFloat16, {b, sq, h, d});
+  a.lse = TensorRef::contiguous(ptr(0x600000), DType::kFloat32, {b, h, sq});
+  a.dq = TensorRef::contiguous(ptr(0x700000), DType::kBFloat16, {b, sq, h, d});
+  a.dk = TensorRef::contiguous(ptr(0x800000), DType::kBFloat16, {b, sk, hk, d});
+  a.dv = TensorRef::contiguous(ptr(0x900000), DType::kBFloat16, {b, sk, hk, d});
+  a.causal = true;
+  return a;
+}
+
+// The tensors of a BwdArgs by name; `layout` is the dims a message lists for it.
+struct Named {
+  std::string name;
+  TensorRef BwdArgs::*member;
+  std::string layout;
+};
+const char* const kQLayout = "(batch, seqlen_q, nheads, head_dim)";
+const char* const kKLayout = "(batch, seqlen_k, nheads_kv, head_dim)";
+const std::vector<Named> kBwdTensors = {
+    {"q", &BwdArgs::q, kQLayout},     {"k", &BwdArgs::k, kKLayout},
+    {"v", &BwdArgs::v, kKLayout},     {"out", &BwdArgs::out, kQLayout},
+    {"dout", &BwdArgs::dout, kQLayout}, {"lse", &BwdArgs::lse, "(batch, nheads, seqlen_q)"},
+    {"dq", &BwdArgs::dq, kQLayout},   {"dk", &BwdArgs::dk, kKLayout},
+    {"dv", &BwdArgs::dv, kKLayout},
+};
+// The 16-bit ones (all but lse).
+std::vector<Named> bwd_16bit_tensors() {
+  std::vector<Named> t;
+  for (const Named& n : kBwdTensors) {
+    if (n.name != "lse") t.push_back(n);
+  }
+  return t;
+}
+
+class ValidateBwd : public Validate {
+ protected:
+  BwdArgs a = make_bwd_args(2, 128, 256, 8, 2, 128);  // a valid GQA baseline
+  BwdArgs fresh() const { return make_bwd_args(2, 128, 256, 8, 2, 128); }
+};
+
+TEST_F(ValidateBwd, BaselinePassesAndFillsTheProblem) {
+  a.deterministic = true;
+  const flash3::BwdProblem p = flash3::validate_bwd(a, &fake_inspect);
+  EXPECT_EQ(p.dtype, DType::kBFloat16);
+  EXPECT_EQ(p.batch, 2);
+  EXPECT_EQ(p.seqlen_q, 128);
+  EXPECT_EQ(p.seqlen_k, 256);
+  EXPECT_EQ(p.nheads, 8);
+  EXPECT_EQ(p.nheads_kv, 2);
+  EXPECT_EQ(p.head_dim, 128);
+  EXPECT_FLOAT_EQ(p.softmax_scale, 1.0f / std::sqrt(128.0f));
+  EXPECT_TRUE(p.causal);
+  EXPECT_TRUE(p.deterministic);
+  EXPECT_EQ(g_calls, 9);  // every tensor; no workspace
+  a.deterministic = a.causal = false;
+  EXPECT_FALSE(flash3::validate_bwd(a, &fake_inspect).deterministic);
+  EXPECT_FALSE(flash3::validate_bwd(a, &fake_inspect).causal);
+}
+
+TEST_F(ValidateBwd, Float16AndEveryHeadDimPass) {
+  for (int64_t d : {64, 128, 256}) {
+    BwdArgs b = make_bwd_args(1, 8, 8, 4, 1, d);
+    for (const Named& n : bwd_16bit_tensors()) (b.*n.member).dtype = DType::kFloat16;
+    const flash3::BwdProblem p = flash3::validate_bwd(b, &fake_inspect);
+    EXPECT_EQ(p.dtype, DType::kFloat16);
+    EXPECT_EQ(p.head_dim, d);
+  }
+}
+
+TEST_F(ValidateBwd, ScaleIsKeptOrDefaulted) {
+  a.softmax_scale = 0.5f;
+  EXPECT_EQ(flash3::validate_bwd(a, &fake_inspect).softmax_scale, 0.5f);
+  for (float s : {0.0f, -1.0f, std::numeric_limits<float>::quiet_NaN()}) {
+    a.softmax_scale = s;
+    EXPECT_FLOAT_EQ(flash3::validate_bwd(a, &fake_inspect).softmax_scale, 1.0f / std::sqrt(128.0f)) << s;
+  }
+}
+
+// Gradients written into a packed (batch, seqlen, 3, nheads, head_dim) buffer, as a qkv-packed
+// caller does: dq, dk, dv interleave (distinct first elements), and so do q, k, v.
+TEST_F(ValidateBwd, InterleavedPackedTensorsPass) {
+  a = make_bwd_args(2, 128, 128, 4, 4, 64);
+  for (auto [base, fields] : {std::pair<uintptr_t, std::vector<TensorRef*>>{0x100000, {&a.q, &a.k, &a.v}},
+                              {0x800000, {&a.dq, &a.dk, &a.dv}}}) {
+    for (int i = 0; i < 3; ++i) {
+      TensorRef& t = *fields[i];
+      t.data = fake_ptr(base + uintptr_t(i) * 4 * 64 * 2);
+      t.stride[2] = 64;
+      t.stride[1] = 3 * 4 * 64;
+      t.stride[0] = 128 * t.stride[1];
+    }
+  }
+  a.lse.stride[1] = 131;  // lse strides need only be positive
+  a.lse.stride[0] = 4 * 131;
+  EXPECT_NO_THROW(flash3::validate_bwd(a, &fake_inspect));
+}
+
+TEST_F(ValidateBwd, StridesOfSizeOneDimsAreIgnored) {
+  a = make_bwd_args(1, 128, 256, 1, 1, 64);
+  a.dq.stride[0] = 0;
+  a.dk.stride[2] = 3;
+  a.lse.stride[1] = -7;
+  EXPECT_NO_THROW(flash3::validate_bwd(a, &fake_inspect));
+}
+
+TEST_F(ValidateBwd, EmptyBatchSkipsPointerChecks) {
+  a = make_bwd_args(0, 128, 256, 8, 2, 128, /*with_data=*/false);
+  EXPECT_EQ(flash3::validate_bwd(a, &fake_inspect).batch, 0);
+  EXPECT_EQ(g_calls, 0);
+}
+
+TEST_F(ValidateBwd, EmptyKeysNeedNoKvPointers) {  // dq = 0 is all there is to compute
+  a = make_bwd_args(2, 128, 0, 8, 2, 128);
+  a.k.data = a.v.data = a.dk.data = a.dv.data = nullptr;
+  EXPECT_EQ(flash3::validate_bwd(a, &fake_inspect).seqlen_k, 0);
+  EXPECT_EQ(g_calls, 5);  // q, out, dout, lse, dq
+}
+
+TEST_F(ValidateBwd, EmptyQueriesNeedOnlyKvPointers) {  // dk = dv = 0 is all there is to compute
+  a = make_bwd_args(2, 0, 256, 8, 2, 128);
+  a.q.data = a.out.data = a.dout.data = a.lse.data = a.dq.data = nullptr;
+  EXPECT_EQ(flash3::validate_bwd(a, &fake_inspect).seqlen_q, 0);
+  EXPECT_EQ(g_calls, 4);  // k, v, dk, dv
+}
+
+TEST_F(ValidateBwd, RankOfEachTensor) {
+  for (const Named& n : kBwdTensors) {
+    a = fresh();
+    TensorRef& t = a.*n.member;
+    t.rank = t.rank == 3 ? 4 : 3;
+    EXPECT_TRUE(fails_with(a, {n.name + ".rank is " + std::to_string(t.rank),
+                               n.name + " must have rank " + std::to_string(7 - t.rank) + " " + n.layout}));
+  }
+}
+
+TEST_F(ValidateBwd, LseIsRequired) {
+  a.lse = TensorRef{};
+  EXPECT_TRUE(fails_with(a, {"lse.rank is 0", "lse must have rank 3 (batch, nheads, seqlen_q)"}));
+  a = fresh();
+  a.lse.data = nullptr;
+  EXPECT_TRUE(fails_with(a, {"lse.data is null", "a non-empty lse needs a device pointer"}));
+}
+
+TEST_F(ValidateBwd, UnsupportedDtype) {
+  for (const Named& n : bwd_16bit_tensors()) (a.*n.member).dtype = DType::kFloat32;
+  EXPECT_TRUE(fails_with(a, {"q.dtype is float32", "supported dtypes are float16, bfloat16"}));
+}
+
+TEST_F(ValidateBwd, DtypeMismatch) {
+  for (const Named& n : bwd_16bit_tensors()) {
+    if (n.name == "q") continue;
+    a = fresh();
+    (a.*n.member).dtype = DType::kFloat16;
+    EXPECT_TRUE(fails_with(a, {n.name + ".dtype is float16 but q.dtype is bfloat16",
+                               "q, k, v, out, dout, dq, dk and dv must have the same dtype"}));
+  }
+}
+
+TEST_F(ValidateBwd, LseDtype) {
+  a.lse.dtype = DType::kFloat16;
+  EXPECT_TRUE(fails_with(a, {"lse.dtype is float16", "lse must be float32"}));
+}
+
+TEST_F(ValidateBwd, NegativeSize) {
+  a.dout.shape[1] = -1;
+  EXPECT_TRUE(fails_with(a, {"dout.shape[1] (seqlen_q) is -1", "sizes must be >= 0"}));
+}
+
+TEST_F(ValidateBwd, SizeBeyondInt32) {
+  a.dv.shape[1] = int64_t{1} << 31;
+  EXPECT_TRUE(fails_with(a, {"dv.shape[1] (seqlen_k) is 2147483648", "int32"}));
+}
+
+TEST_F(ValidateBwd, BatchAndHeadDimMismatch) {
+  a.k.shape[0] = 3;
+  EXPECT_TRUE(fails_with(a, {"k.shape[0] (batch) is 3 but q.shape[0] (batch) is 2"}));
+  a = fresh();
+  a.k.shape[3] = 64;
+  EXPECT_TRUE(fails_with(a, {"k.shape[3] (head_dim) is 64 but q.shape[3] (head_dim) is 128"}));
+}
+
+// out, dout, dq have q's shape; v, dk, dv have k's. Each differs in one dim in turn.
+TEST_F(ValidateBwd, ShapesFollowQOrK) {
+  for (const Named& n : bwd_16bit_tensors()) {
+    if (n.name == "q" || n.name == "k") continue;
+    const bool like_q = n.layout == kQLayout;
+    const std::string ref = like_q ? "q" : "k", dim = like_q ? "(nheads) is " : "(nheads_kv) is ";
+    for (int d : {1, 2}) {
+      a = fresh();
+      TensorRef& t = a.*n.member;
+      const int64_t want = t.shape[d];
+      t.shape[d] = want + 1;
+      const std::string dname = d == 1 ? (like_q ? "(seqlen_q) is " : "(seqlen_k) is ") : dim;
+      EXPECT_TRUE(fails_with(a, {n.name + ".shape[" + std::to_string(d) + "] " + dname + std::to_string(want + 1) +
+                                     " but " + ref + ".shape[" + std::to_string(d) + "] " + dname +
+                                     std::to_string(want),
+                                 n.name == "v" ? "k and v must have the same shape"
+                                               : n.name + " must have the same shape as " + ref}));
+    }
+  }
+}
+
+TEST_F(ValidateBwd, LseShape) {
+  a.lse.shape[1] = 4;
+  EXPECT_TRUE(fails_with(a, {"lse.shape[1] (nheads) is 4 but q.shape[2] (nheads) is 8",
+                             "lse must be (batch, nheads, seqlen_q)"}));
+}
+
+TEST_F(ValidateBwd, UnsupportedHeadDim) {
+  a = make_bwd_args(2, 128, 256, 8, 2, 32);
+  EXPECT_TRUE(fails_with(a, {"q.shape[3] (head_dim) is 32; supported head dims are 64, 128, 256"}));
+}
+
+TEST_F(ValidateBwd, KvHeads) {
+  a = make_bwd_args(2, 128, 256, 8, 0, 128);
+  EXPECT_TRUE(fails_with(a, {"k.shape[2] (nheads_kv) is 0"}));
+  a = make_bwd_args(2, 128, 256, 8, 3, 128);
+  EXPECT_TRUE(fails_with(a, {"q.shape[2] (nheads) is 8 and k.shape[2] (nheads_kv) is 3", "multiple"}));
+}
+
+TEST_F(ValidateBwd, LastDimNotContiguous) {
+  for (const Named& n : kBwdTensors) {
+    a = fresh();
+    TensorRef& t = a.*n.member;
+    t.stride[t.rank - 1] = 2;
+    EXPECT_TRUE(fails_with(a, {n.name + ".stride[" + std::to_string(t.rank - 1) + "] is 2", "stride 1"}));
+  }
+}
+
+TEST_F(ValidateBwd, StrideNotAMultipleOf16Bytes) {
+  for (const Named& n : bwd_16bit_tensors()) {
+    a = fresh();
+    TensorRef& t = a.*n.member;
+    t.stride[1] += 4;
+    const std::string st = std::to_string(t.stride[1]), dim = n.layout == kQLayout ? "seqlen_q" : "seqlen_k";
+    EXPECT_TRUE(fails_with(a, {n.name + ".stride[1] (" + dim + ") is " + st + " elements (" +
+                                   std::to_string(2 * t.stride[1]) + " bytes)",
+                               "multiples of 8 elements (16 bytes)"}));
+  }
+}
+
+TEST_F(ValidateBwd, NonPositiveStride) {
+  a.dk.stride[0] = 0;
+  EXPECT_TRUE(fails_with(a, {"dk.stride[0] (batch) is 0", "positive"}));
+  a = fresh();
+  a.lse.stride[1] = -128;
+  EXPECT_TRUE(fails_with(a, {"lse.stride[1] (nheads) is -128", "positive"}));
+}
+
+TEST_F(ValidateBwd, InfiniteScale) {
+  a.softmax_scale = -std::numeric_limits<float>::infinity();
+  EXPECT_TRUE(fails_with(a, {"softmax_scale is -inf", "finite"}));
+}
+
+// An output that starts where another argument starts is rejected, whichever pair it is.
+TEST_F(ValidateBwd, OutputsMustNotAlias) {
+  for (const char* out : {"dq", "dk", "dv"}) {
+    for (const Named& n : kBwdTensors) {
+      if (n.name == out) continue;
+      a = fresh();
+      const Named& o = *std::find_if(kBwdTensors.begin(), kBwdTensors.end(), [&](const Named& x) { return x.name == out; });
+      (a.*o.member).data = (a.*n.member).data;
+      // Outputs are checked in the order dq, dk, dv: an output pair is named by the earlier one.
+      const std::vector<std::string> outs = {"dq", "dk", "dv"};
+      const auto n_at = std::find(outs.begin(), outs.end(), n.name);  // outs.end() for an input
+      const bool n_first = n_at < std::find(outs.begin(), outs.end(), out);
+      const std::string first = n_first ? n.name : out, second = n_first ? out : n.name;
+      char addr[32];
+      std::snprintf(addr, sizeof addr, "%p", (a.*n.member).data);
+      EXPECT_TRUE(fails_with(a, {first + ".data is " + addr + ", the same as " + second + ".data",
+                                 "must not alias"}));
+    }
+  }
+}
+
+TEST_F(ValidateBwd, NullPointer) {
+  a.dout.data = nullptr;
+  EXPECT_TRUE(fails_with(a, {"dout.data is null"}));
+}
+
+TEST_F(ValidateBwd, MisalignedPointer) {
+  a.dk.data = fake_ptr(0x800008);
+  EXPECT_TRUE(fails_with(a, {"dk.data is 0x800008", "16-byte aligned"}));
+  a = fresh();
+  a.lse.data = fake_ptr(0x600002);
+  EXPECT_TRUE(fails_with(a, {"lse.data is 0x600002", "4-byte aligned"}));
+  a = fresh();
+  a.lse.data = fake_ptr(0x600004);  // 4 bytes is enough for lse
+  EXPECT_NO_THROW(flash3::validate_bwd(a, &fake_inspect));
+}
+
+TEST_F(ValidateBwd, HostPointer) {
+  g_host = a.dv.data;
+  EXPECT_TRUE(fails_with(a, {"dv.data points to host memory; flash3 needs device memory"}));
+}
+
+TEST_F(ValidateBwd, UnknownPointer) {
+  g_unknown = a.dq.data;
+  EXPECT_TRUE(fails_with(a, {"dq.data (0x700000) is not a pointer the CUDA runtime knows"}));
+}
+
+TEST_F(ValidateBwd, WorkspaceIsOptionalAndChecked) {
+  a.workspace = fake_ptr(0xA00000);
+  a.workspace_bytes = 1;  // the size is bwd()'s to check, against bwd_workspace_size()
+  EXPECT_NO_THROW(flash3::validate_bwd(a, &fake_inspect));
+  EXPECT_EQ(g_calls, 10);
+  a.workspace = fake_ptr(0xA00080);
+  EXPECT_TRUE(fails_with(a, {"workspace is 0xa00080, not 256-byte aligned"}));
+  a.workspace = fake_ptr(0xA00000);
+  g_host = a.workspace;
+  EXPECT_TRUE(fails_with(a, {"workspace points to host memory"}));
+  g_host = nullptr;
+  g_unknown = a.workspace;
+  EXPECT_TRUE(fails_with(a, {"workspace (0xa00000) is not a pointer the CUDA runtime knows"}));
+}
+
+TEST_F(ValidateBwd, PointerChecksComeLast) {
+  g_host = a.q.data;
+  a.dq.stride[2] = 4;
+  EXPECT_TRUE(fails_with(a, {"dq.stride[2] (nheads) is 4"}));
+  EXPECT_EQ(g_calls, 0);
+}
+
+// ---- the C ABI -------------------------------------------------------------------------------
+// Failures found before any pointer is inspected, so these run without a GPU too.
+
+// flash3_tensor has TensorRef's layout (static_assert in src/c_api.cpp).
+const flash3_tensor* c_tensor(const TensorRef& t) { return reinterpret_cast<const flash3_tensor*>(&t); }
+
+int c_bwd(const BwdArgs& a, char* err, int err_len) {
+  return flash3_bwd(c_tensor(a.q), c_tensor(a.k), c_tensor(a.v), c_tensor(a.out), c_tensor(a.dout),
+                    c_tensor(a.lse), c_tensor(a.dq), c_tensor(a.dk), c_tensor(a.dv), a.softmax_scale,
+                    a.causal, a.deterministic, a.workspace, a.workspace_bytes, nullptr, err, err_len);
+}
+int c_bwd_workspace_size(const BwdArgs& a, uint64_t* bytes, char* err, int err_len) {
+  return flash3_bwd_workspace_size(c_tensor(a.q), c_tensor(a.k), c_tensor(a.v), c_tensor(a.out),
+                                   c_tensor(a.dout), c_tensor(a.lse), c_tensor(a.dq), c_tensor(a.dk),
+                                   c_tensor(a.dv), a.softmax_scale, a.causal, a.deterministic, bytes,
+                                   err, err_len);
+}
+
+TEST(CApi, BwdReportsInvalidArguments) {
+  BwdArgs a = make_bwd_args(2, 128, 256, 8, 2, 128);
+  a.dv.shape[3] = 64;
+  char err[256];
+  EXPECT_EQ(c_bwd(a, err, sizeof err), FLASH3_INVALID_ARGUMENT);
+  EXPECT_STREQ(err, "flash3::bwd: dv.shape[3] (head_dim) is 64 but k.shape[3] (head_dim) is 128; dv must "
+                    "have the same shape as k");
+  uint64_t bytes = 7;
+  EXPECT_EQ(c_bwd_workspace_size(a, &bytes, err, sizeof err), FLASH3_INVALID_ARGUMENT);
+  EXPECT_EQ(bytes, 7u);
+  EXPECT_EQ(std::string(err).rfind("flash3::bwd: dv.shape[3]", 0), 0u) << err;
+  char small[12];  // truncated, NUL-terminated
+  EXPECT_EQ(c_bwd(a, small, sizeof small), FLASH3_INVALID_ARGUMENT);
+  EXPECT_STREQ(small, "flash3::bwd");
+  EXPECT_EQ(c_bwd(a, nullptr, 0), FLASH3_INVALID_ARGUMENT);
+  EXPECT_EQ(flash3_bwd(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0.0f,
+                       0, 0, nullptr, 0, nullptr, err, sizeof err),
+            FLASH3_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(err).rfind("flash3::bwd: q.rank is 0", 0), 0u) << err;
+}
+
+TEST(CApi, BwdOfAnEmptyBatchIsANoOp) {  // validation passes with no pointer to inspect
+  const BwdArgs a = make_bwd_args(0, 128, 256, 8, 2, 128, /*with_data=*/false);
+  char err[64] = "unchanged";
+  uint64_t bytes = 7;
+  EXPECT_EQ(c_bwd_workspace_size(a, &bytes, err, sizeof err), FLASH3_OK) << err;
+  EXPECT_EQ(bytes, 0u);
+  EXPECT_STREQ(err, "");
+  EXPECT_EQ(c_bwd(a, err, sizeof err), FLASH3_OK) << err;
+  EXPECT_EQ(c_bwd_workspace_size(a, nullptr, err, sizeof err), FLASH3_INVALID_ARGUMENT);
+  EXPECT_STREQ(err, "flash3::bwd: bytes is null; it must point to a uint64_t");
 }
 
 }  // namespace
