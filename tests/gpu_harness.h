@@ -67,4 +67,49 @@ inline void random_tensor(DType dtype, size_t n, std::mt19937_64& rng, std::vect
 // NaN in both fp16 (0x7E00 family) and bf16 (0x7FC0 family): 0x7FFF is NaN in both.
 constexpr uint16_t kPoison16 = 0x7FFF;
 
+// The name of one case of a (dtype, head dim, causal, heads) test matrix: "bf16_d128_causal_gqa".
+inline std::string matrix_case_name(DType dtype, int head_dim, bool causal, int nheads, int nheads_kv) {
+  const char* heads = nheads_kv == nheads ? "mha" : nheads_kv == 1 ? "mqa" : "gqa";
+  return std::string(dtype == DType::kBFloat16 ? "bf16" : "fp16") + "_d" + std::to_string(head_dim) +
+         (causal ? "_causal_" : "_full_") + heads;
+}
+
+// A (batch, seqlen, heads, head_dim) tensor laid out with padding: each head's head_dim elements
+// are followed by head_pad unused ones, and each seqlen row by row_pad more. Offsets are in
+// elements; "dense" is the contiguous [batch][seqlen][heads][head_dim] order of the references.
+struct PaddedLayout {
+  int64_t batch, seqlen, heads, head_dim;
+  int64_t head_pad = 0, row_pad = 0;
+
+  int64_t head_stride() const { return head_dim + head_pad; }
+  int64_t row_stride() const { return heads * head_stride() + row_pad; }
+  size_t size() const { return size_t(batch * seqlen * row_stride()); }  // padding included
+  size_t dense_size() const { return size_t(batch * seqlen * heads * head_dim); }
+  // The padded offset of the element at dense index i.
+  size_t offset(size_t i) const {
+    const int64_t c = int64_t(i) % head_dim, h = int64_t(i) / head_dim % heads, row = int64_t(i) / head_dim / heads;
+    return size_t(row * row_stride() + h * head_stride() + c);
+  }
+  bool is_padding(size_t offset) const {
+    const int64_t in_row = int64_t(offset) % row_stride();
+    return in_row >= heads * head_stride() || in_row % head_stride() >= head_dim;
+  }
+  TensorRef view(void* data, DType dtype) const {
+    TensorRef t;
+    t.data = data;
+    t.dtype = dtype;
+    t.rank = 4;
+    const int64_t shape[4] = {batch, seqlen, heads, head_dim};
+    const int64_t stride[4] = {seqlen * row_stride(), row_stride(), head_stride(), 1};
+    std::memcpy(t.shape, shape, sizeof shape);
+    std::memcpy(t.stride, stride, sizeof stride);
+    return t;
+  }
+  template <class T> std::vector<T> dense(const std::vector<T>& padded) const {
+    std::vector<T> out(dense_size());
+    for (size_t i = 0; i < out.size(); ++i) out[i] = padded[offset(i)];
+    return out;
+  }
+};
+
 }  // namespace flash3::testing
