@@ -9,11 +9,11 @@
 // 16-bit copies + dK + dV exceed 232 registers.) Shared memory (bf16): K, V (kBlockN x d each), kStages x
 // (Q, dO) (kBlockM x d each), P and dS (kBlockM x kBlockN each), dQ in FP32 (kBlockM x d).
 //
-//   head dim | kBlockM | kBlockN | stages | registers (dK+dV, S+dP, dQ) | smem   | overlap
-//   ---------+---------+---------+--------+-----------------------------+--------+--------
-//        64  |    64   |   128   |   2    |   64,  64, 16               | 112 KB | yes
-//       128  |    64   |   128   |   2    |  128,  64, 32               | 192 KB | no
-//       256  |    64   |    64   |   1    |  128,  32, 64               | 208 KB | no
+//   head dim | kBlockM | kBlockN | stages | registers (dK+dV, S+dP, dQ) | smem
+//   ---------+---------+---------+--------+-----------------------------+--------
+//        64  |    64   |   128   |   2    |   64,  64, 16               | 112 KB
+//       128  |    64   |   128   |   2    |  128,  64, 32               | 192 KB
+//       256  |    64   |    64   |   1    |  128,  32, 64               | 208 KB
 #pragma once
 
 #include <cstddef>
@@ -23,20 +23,14 @@ namespace flash3 {
 
 template <int kHeadDim>
 struct BwdTileConfig;
-// kOverlap: the S, dP GEMMs of query block m+1 are issued before the gradient GEMMs of block m,
-// and P, dS of block m+1 computed while those run (bwd_kernel.h). It keeps S, dP of one block
-// and dQ of the other live at once: at head dim 128 that spilled (832 bytes), so it is off there.
 template <> struct BwdTileConfig<64> {
   static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2;
-  static constexpr bool kOverlap = true;
 };
 template <> struct BwdTileConfig<128> {
   static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2;
-  static constexpr bool kOverlap = false;
 };
 template <> struct BwdTileConfig<256> {
   static constexpr int kBlockM = 64, kBlockN = 64, kStages = 1;
-  static constexpr bool kOverlap = false;  // needs two stages
 };
 
 inline int bwd_block_m(int head_dim) {

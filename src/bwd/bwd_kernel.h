@@ -243,32 +243,55 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   const int row_shift = params.seqlen_k - params.seqlen_q;  // causal: key j visible iff j <= i + shift
   const int col0 = n_block * kBlockN;
 
+  // One tile GEMM, committed as one group and not waited for. The overlapped schedule fences
+  // the accumulators after the waits (warpgroup_gemm_async); the in-order one right after the
+  // commit (warpgroup_gemm), which measured without spills there.
+  auto fence_after_wait = [&](auto& t) {
+    if constexpr (Traits::kOverlapBlocks) warpgroup_fence_operand(t);
+  };
+  auto gemm = [&](auto zero_init, auto& mma, auto const& tA, auto const& tB, auto& tC) {
+    if constexpr (Traits::kOverlapBlocks) {
+      warpgroup_gemm_async<decltype(zero_init)::value>(mma, tA, tB, tC);
+    } else {
+      warpgroup_gemm<decltype(zero_init)::value, -1>(mma, tA, tB, tC);
+    }
+  };
   // S = Q_m K^T and dP = dO_m V^T (two commit groups).
   auto issue_sdp = [&](PipelineState const& rq, PipelineState const& rdo) {
     pipeline_q.consumer_wait(rq);
-    warpgroup_gemm</*zero_init=*/true, /*wait=*/-1>(mma_sdp, tSrQ(_, _, _, rq.index()), tSrK, tSrS);
+    gemm(cute::true_type{}, mma_sdp, tSrQ(_, _, _, rq.index()), tSrK, tSrS);
     pipeline_do.consumer_wait(rdo);
-    warpgroup_gemm</*zero_init=*/true, /*wait=*/-1>(mma_sdp, tdPrdO(_, _, _, rdo.index()), tdPrV, tdPrdP);
+    gemm(cute::true_type{}, mma_sdp, tdPrdO(_, _, _, rdo.index()), tdPrV, tdPrdP);
   };
   // P = exp(scale * S - lse) in place of S, 0 where masked (keys past seqlen_k, or in the causal
   // future). Query rows past seqlen_q have lse = +inf (and dO = 0): P = 0, dS = 0 there.
+  // NOTES: (row, col) views, so that each thread loads the lse and D of its few rows once.
+  Tensor tSrS_rc = make_tensor(tSrS.data(), acc_layout_rowcol(tSrS.layout()));
+  Tensor tdPrdP_rc = make_tensor(tdPrdP.data(), acc_layout_rowcol(tdPrdP.layout()));
+  Tensor tScS_rc = make_tensor(tScS.data(), acc_layout_rowcol(tScS.layout()));
+  constexpr int kRows = decltype(size<0>(tSrS_rc))::value;
+  constexpr int kCols = decltype(size<1>(tSrS_rc))::value;
   auto compute_p = [&](int m, int stage) {
     const int row0 = m * kBlockM;
     const float* lse = shared.smem_lse + stage * kBlockM;
     bool need_mask = col0 + kBlockN > params.seqlen_k;
     if constexpr (Traits::kCausal) need_mask |= col0 + kBlockN - 1 > row0 + row_shift;
-    if (need_mask) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(tSrS); ++i) {
-        const int r = get<0>(tScS(i)), c = get<1>(tScS(i));
-        bool masked = col0 + c >= params.seqlen_k;
-        if constexpr (Traits::kCausal) masked |= col0 + c > row0 + r + row_shift;
-        tSrS(i) = masked ? 0.0f : fast_exp2(tSrS(i) * params.scale_log2 - lse[r]);
-      }
-    } else {
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(tSrS); ++i) {
-        tSrS(i) = fast_exp2(tSrS(i) * params.scale_log2 - lse[get<0>(tScS(i))]);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      const int r = get<0>(tScS_rc(i, 0));
+      const float row_lse = lse[r];
+      if (need_mask) {
+        // Key columns visible to this row: [0, limit) relative to col0.
+        int limit = params.seqlen_k - col0;
+        if constexpr (Traits::kCausal) limit = min(limit, row0 + r + row_shift + 1 - col0);
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < kCols; ++j) {
+          const bool masked = get<1>(tScS_rc(0, j)) >= limit;
+          tSrS_rc(i, j) = masked ? 0.0f : fast_exp2(tSrS_rc(i, j) * params.scale_log2 - row_lse);
+        }
+      } else {
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < kCols; ++j) tSrS_rc(i, j) = fast_exp2(tSrS_rc(i, j) * params.scale_log2 - row_lse);
       }
     }
   };
@@ -276,7 +299,11 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   auto compute_ds = [&](int stage) {
     const float* dpsum = shared.smem_dpsum + stage * kBlockM;
     CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < size(tSrS); ++i) tdPrdP(i) = tSrS(i) * (tdPrdP(i) - dpsum[get<0>(tScS(i))]);
+    for (int i = 0; i < kRows; ++i) {
+      const float row_d = dpsum[get<0>(tScS_rc(i, 0))];
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < kCols; ++j) tdPrdP_rc(i, j) = tSrS_rc(i, j) * (tdPrdP_rc(i, j) - row_d);
+    }
   };
   // P and dS to shared memory for the second-stage GEMMs of both warpgroups.
   auto write_p_ds = [&](bool wait_free) {
@@ -289,11 +316,13 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     cutlass::arch::fence_view_async_shared();  // st.shared / stmatrix -> WGMMA (async proxy)
     named_barrier_sync(Traits::kNumConsumerThreads, kBwdBarPReady);
   };
-  // dV += P^T dO_m, dK += dS^T Q_m, dQ_m = dS K (three commit groups).
+  // dQ_m = dS K, dV += P^T dO_m, dK += dS^T Q_m (three commit groups; dQ first where the GEMMs
+  // stay in flight, else last: that order spills less).
   auto issue_grads = [&](int stage_q, int stage_do) {
-    warpgroup_gemm</*zero_init=*/false, /*wait=*/-1>(mma_dkv, tdVrPt, tdVrdOt(_, _, _, stage_do), tdVrdV);
-    warpgroup_gemm</*zero_init=*/false, /*wait=*/-1>(mma_dkv, tdKrdSt, tdKrQt(_, _, _, stage_q), tdKrdK);
-    warpgroup_gemm</*zero_init=*/true, /*wait=*/-1>(mma_dq, tdQrdS, tdQrKt, tdQrdQ);
+    if constexpr (Traits::kOverlapBlocks) gemm(cute::true_type{}, mma_dq, tdQrdS, tdQrKt, tdQrdQ);
+    gemm(cute::false_type{}, mma_dkv, tdVrPt, tdVrdOt(_, _, _, stage_do), tdVrdV);
+    gemm(cute::false_type{}, mma_dkv, tdKrdSt, tdKrQt(_, _, _, stage_q), tdKrdK);
+    if constexpr (!Traits::kOverlapBlocks) gemm(cute::true_type{}, mma_dq, tdQrdS, tdQrKt, tdQrdQ);
   };
   // dQ_m to shared memory for the dQ writer, in register order: value pair j of consumer thread
   // t at float2 index j * 256 + t (conflict-free; bwd_postprocess_dq undoes the order).
@@ -308,59 +337,68 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     named_barrier_arrive(kBwdDQBarThreads, kBwdBarDQFull);
   };
 
-  // NOTES: software pipelined across query blocks, so the tensor cores have work while the
-  // exponentials run: in iteration m the GEMMs S, dP of block m+1 are issued first, then the
-  // gradient GEMMs of block m; P and dS of block m+1 are computed as soon as S, dP are done,
-  // while the gradient GEMMs of block m still run.
+  // NOTES: two loop schedules.
+  // In order (head dims 128, 256): per query block, S and dP, then P and dS, then dV, dK, dQ.
+  // Overlapped (head dim 64): dQ_m, dV, dK of block m are issued (dQ first); dQ_m goes to shared
+  // memory while dV, dK run; the S, dP GEMMs of block m+1 are issued behind them, and P of block
+  // m+1 is computed while its dP GEMM runs. At head dim 128 the overlapped schedule spilled 770+
+  // bytes and ptxas serialized every WGMMA (C7512, then C7514): dK + dV are 128 accumulator
+  // registers per thread there. The in-order loop, with one copy of each step, keeps the WGMMAs
+  // of each step in flight and spills nothing.
   shared.barrier_kv.wait(0);
   PipelineState read_q, read_do;
-  if (m_begin < m_end) {
-    issue_sdp(read_q, read_do);
-    warpgroup_wait<1>();
-    compute_p(m_begin, read_q.index());
-    warpgroup_wait<0>();
-    compute_ds(read_do.index());
-    write_p_ds(false);
-  }
-  for (int m = m_begin; m < m_end; ++m) {
-    const bool has_next = m + 1 < m_end;
-    PipelineState next_q = read_q, next_do = read_do;
-    ++next_q;
-    ++next_do;
-    if constexpr (Traits::kOverlap) {
-      if (has_next) issue_sdp(next_q, next_do);
-      issue_grads(read_q.index(), read_do.index());
-      if (has_next) {
-        warpgroup_wait<4>();  // S of block m+1
-        compute_p(m + 1, next_q.index());
-        warpgroup_wait<3>();  // dP of block m+1
-        compute_ds(next_do.index());
-      }
-      warpgroup_wait<0>();  // the gradient GEMMs of block m
-      pipeline_q.consumer_release(read_q);
-      pipeline_do.consumer_release(read_do);
-      store_dq(m == m_begin);
-    } else {
-      // In order: block m's gradients, then block m+1's S, dP.
+  auto sdp_and_ds = [&](int m, PipelineState const& rq, PipelineState const& rdo) {
+    issue_sdp(rq, rdo);
+    warpgroup_wait<1>();  // S (and everything issued before it)
+    fence_after_wait(tSrS);
+    compute_p(m, rq.index());
+    warpgroup_wait<0>();  // dP
+    fence_after_wait(tdPrdP);
+    compute_ds(rdo.index());
+  };
+  if constexpr (!Traits::kOverlapBlocks) {
+    // Serialized GEMMs: plainly in order, one query block at a time.
+    for (int m = m_begin; m < m_end; ++m) {
+      sdp_and_ds(m, read_q, read_do);
+      write_p_ds(m > m_begin);
       issue_grads(read_q.index(), read_do.index());
       warpgroup_wait<0>();
       pipeline_q.consumer_release(read_q);
       pipeline_do.consumer_release(read_do);
+      ++read_q;
+      ++read_do;
+      store_dq(m == m_begin);
+    }
+  } else {
+    if (m_begin < m_end) {
+      sdp_and_ds(m_begin, read_q, read_do);
+      write_p_ds(false);
+    }
+    for (int m = m_begin; m < m_end; ++m) {
+      const bool has_next = m + 1 < m_end;
+      PipelineState next_q = read_q, next_do = read_do;
+      ++next_q;
+      ++next_do;
+      issue_grads(read_q.index(), read_do.index());
+      warpgroup_wait<2>();  // dQ_m
+      fence_after_wait(tdQrdQ);
       store_dq(m == m_begin);
       if (has_next) {
-        issue_sdp(next_q, next_do);
-        warpgroup_wait<1>();
-        compute_p(m + 1, next_q.index());
+        sdp_and_ds(m + 1, next_q, next_do);  // dV, dK of block m complete on the way
+      } else {
         warpgroup_wait<0>();
-        compute_ds(next_do.index());
       }
+      pipeline_q.consumer_release(read_q);
+      pipeline_do.consumer_release(read_do);
+      read_q = next_q;
+      read_do = next_do;
+      if (has_next) write_p_ds(true);
     }
-    read_q = next_q;
-    read_do = next_do;
-    if (has_next) write_p_ds(true);
   }
 
   // ---- epilogue: dK (scaled), dV: straight to the outputs (MHA) or per query head (GQA) -------
+  fence_after_wait(tdKrdK);
+  fence_after_wait(tdVrdV);
   Tensor tdKcdK = thr_dkv.partition_C(make_identity_tensor(TileKV{}));
   if (params.dk_accum == nullptr) {
     Element* dk = params.dk + batch * params.dk_batch_stride + head_kv * params.dk_head_stride;

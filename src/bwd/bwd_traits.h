@@ -21,8 +21,9 @@ struct BwdTraits {
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kStages = Config::kStages;
   static constexpr bool kCausal = kCausal_;
-  static constexpr bool kOverlap = Config::kOverlap;
-  static_assert(!kOverlap || kStages >= 2, "the overlap loads block m+1 while block m is in use");
+  // The overlapped loop schedule (bwd_kernel.h); needs two stages.
+  static constexpr bool kOverlapBlocks = kHeadDim == 64;
+  static_assert(!kOverlapBlocks || kStages >= 2);
 
   // Warpgroup 0: warp 0 is the producer (TMA), warp 1 the dQ writer; warpgroups 1 and 2 are the
   // consumers, which split every GEMM between them.

@@ -32,6 +32,24 @@ __device__ __forceinline__ void warpgroup_gemm(TiledMma& mma, TA const& tA, TB c
   if constexpr (kAFromRegisters) warpgroup_fence_operand(const_cast<TA&>(tA));
 }
 
+// As warpgroup_gemm<kZeroInit, -1>, both operands from shared memory, without the operand fences
+// after the commit: the caller fences C after the wait that completes it. NOTES: in the
+// backward kernel's overlapped schedule, a fence on an accumulator still in flight made ptxas
+// serialize every WGMMA of the kernel (C7514: "non wgmma instructions reading accumulator
+// registers ... between start and end of the pipeline stage").
+template <bool kZeroInit, class TiledMma, class TA, class TB, class TC>
+__device__ __forceinline__ void warpgroup_gemm_async(TiledMma& mma, TA const& tA, TB const& tB, TC& tC) {
+  warpgroup_fence_operand(tC);
+  warpgroup_arrive();
+  if constexpr (kZeroInit) mma.accumulate_ = GMMA::ScaleOut::Zero;
+  CUTLASS_PRAGMA_UNROLL
+  for (int k = 0; k < size<2>(tA); ++k) {
+    cute::gemm(mma, tA(_, _, k), tB(_, _, k), tC);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+}
+
 // NOTES: an SM90 WGMMA accumulator fragment has layout ((2, 2, N/8), MMA_M, MMA_N): value mode
 // 0 is a pair of adjacent columns, mode 1 the row 8 below, mode 2 the next 8-column group. The
 // (row, col) view groups the row modes and the column modes so softmax can loop over rows.
