@@ -148,8 +148,8 @@ BwdProblem validate_bwd(const BwdArgs& args, PointerInspector inspect = nullptr)
 size_t bwd_workspace_size(const BwdProblem& p);
 
 // Throws flash3::Error on invalid arguments (including a too-small workspace) and
-// flash3::CudaError on CUDA failures. batch == 0 or seqlen_q == 0 returns without a launch;
-// seqlen_k == 0 writes dq = 0.
+// flash3::CudaError on CUDA failures. batch == 0 returns without a launch; seqlen_q == 0
+// writes dk = dv = 0 and seqlen_k == 0 writes dq = 0.
 void bwd(const BwdArgs& args);
 
 }  // namespace flash3

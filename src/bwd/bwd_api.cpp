@@ -22,7 +22,15 @@ size_t bwd_workspace_size(const BwdProblem& p) {
 
 void bwd(const BwdArgs& args) {
   const BwdProblem p = validate_bwd(args);
-  if (p.batch == 0 || p.seqlen_q == 0 || p.nheads == 0) return;
+  if (p.batch == 0 || p.nheads == 0) return;
+  if (p.seqlen_q == 0) {  // no query: dk = dv = 0
+    if (p.seqlen_k > 0) {
+      detail::require_hopper("flash3::bwd");
+      detail::zero_16bit(args.dk, args.stream);
+      detail::zero_16bit(args.dv, args.stream);
+    }
+    return;
+  }
   const BwdWorkspaceLayout ws = workspace_layout(p);
   if (args.workspace != nullptr && args.workspace_bytes < ws.bytes) {
     throw Error("flash3::bwd: workspace_bytes is " + std::to_string(args.workspace_bytes) +

@@ -7,13 +7,14 @@
 //   dK + dV: 2 x kBlockN x d / 256,  S + dP: 2 x kBlockM x kBlockN / 256,  dQ: kBlockM x d / 256
 // and S, dP are dead before dQ is live. (Head dim 64 with kBlockM = 128 spilled: S + dP + their
 // 16-bit copies + dK + dV exceed 232 registers.) Shared memory (bf16): K, V (kBlockN x d each), kStages x
-// (Q, dO) (kBlockM x d each), P and dS (kBlockM x kBlockN each), dQ in FP32 (kBlockM x d).
+// (Q, dO) (kBlockM x d each), P and dS (kBlockM x kBlockN each), kDQStages x dQ in FP32
+// (kBlockM x d).
 //
-//   head dim | kBlockM | kBlockN | stages | registers (dK+dV, S+dP, dQ) | smem
-//   ---------+---------+---------+--------+-----------------------------+--------
-//        64  |    64   |   128   |   2    |   64,  64, 16               | 112 KB
-//       128  |    64   |   128   |   2    |  128,  64, 32               | 192 KB
-//       256  |    64   |    64   |   1    |  128,  32, 64               | 208 KB
+//   head dim | kBlockM | kBlockN | stages | dQ stages | registers (dK+dV, S+dP, dQ) | smem
+//   ---------+---------+---------+--------+-----------+-----------------------------+--------
+//        64  |    64   |   128   |   2    |     2     |   64,  64, 16               | 128 KB
+//       128  |    64   |   128   |   2    |     2     |  128,  64, 32               | 224 KB
+//       256  |    64   |    64   |   1    |     1     |  128,  32, 64               | 208 KB
 #pragma once
 
 #include <cstddef>
@@ -24,13 +25,13 @@ namespace flash3 {
 template <int kHeadDim>
 struct BwdTileConfig;
 template <> struct BwdTileConfig<64> {
-  static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2;
+  static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2, kDQStages = 2;
 };
 template <> struct BwdTileConfig<128> {
-  static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2;
+  static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2, kDQStages = 2;
 };
 template <> struct BwdTileConfig<256> {
-  static constexpr int kBlockM = 64, kBlockN = 64, kStages = 1;
+  static constexpr int kBlockM = 64, kBlockN = 64, kStages = 1, kDQStages = 1;
 };
 
 inline int bwd_block_m(int head_dim) {

@@ -25,7 +25,8 @@
 namespace flash3::detail {
 
 // Named barriers of the backward kernel (id 0 is __syncthreads).
-enum : int { kBwdBarPReady = 1, kBwdBarPFree = 2, kBwdBarDQFull = 3, kBwdBarDQEmpty = 4 };
+// dQ buffer b uses kBwdBarDQFull + b and kBwdBarDQEmpty + b.
+enum : int { kBwdBarPReady = 1, kBwdBarPFree = 2, kBwdBarDQFull = 3, kBwdBarDQEmpty = 5 };
 constexpr int kBwdDQBarThreads = 256 + 32;  // consumers + the dQ writer warp
 
 // The query blocks [m_begin, m_end) that key block n_block must visit: causal skips the query
@@ -175,7 +176,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       float* dq_accum = params.dq_accum + bh * params.seqlen_q_pad * kHeadDim;
       int* sem = params.dq_sem != nullptr ? params.dq_sem + bh * params.m_blocks : nullptr;
       for (int m = m_begin; m < m_end; ++m) {
-        named_barrier_sync(kBwdDQBarThreads, kBwdBarDQFull);
+        const int buf = (m - m_begin) % Traits::kDQStages;
+        named_barrier_sync(kBwdDQBarThreads, kBwdBarDQFull + buf);
         if (lane == 0) {
           if (sem != nullptr) {
             // Deterministic: key blocks add into query tile m in the order 0, 1, 2, ...
@@ -184,7 +186,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
               asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(sem + m) : "memory");
             } while (seen != n_block);
           }
-          bulk_reduce_add_f32(dq_accum + int64_t(m) * Traits::kDQElems, shared.smem_dq,
+          bulk_reduce_add_f32(dq_accum + int64_t(m) * Traits::kDQElems, shared.smem_dq + buf * Traits::kDQElems,
                               Traits::kDQElems * sizeof(float));
           if (sem != nullptr) {
             asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // the adds are done
@@ -196,7 +198,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
           }
         }
         __syncwarp();
-        if (m + 1 < m_end) named_barrier_arrive(kBwdDQBarThreads, kBwdBarDQEmpty);
+        if (m + Traits::kDQStages < m_end) named_barrier_arrive(kBwdDQBarThreads, kBwdBarDQEmpty + buf);
       }
     }
     return;
@@ -326,15 +328,16 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   };
   // dQ_m to shared memory for the dQ writer, in register order: value pair j of consumer thread
   // t at float2 index j * 256 + t (conflict-free; bwd_postprocess_dq undoes the order).
-  auto store_dq = [&](bool first) {
-    if (!first) named_barrier_sync(kBwdDQBarThreads, kBwdBarDQEmpty);
-    float2* dq_tile = reinterpret_cast<float2*>(shared.smem_dq);
+  auto store_dq = [&](int m) {
+    const int buf = (m - m_begin) % Traits::kDQStages;
+    if (m - m_begin >= Traits::kDQStages) named_barrier_sync(kBwdDQBarThreads, kBwdBarDQEmpty + buf);
+    float2* dq_tile = reinterpret_cast<float2*>(shared.smem_dq + buf * Traits::kDQElems);
     CUTLASS_PRAGMA_UNROLL
     for (int j = 0; j < size(tdQrdQ) / 2; ++j) {
       dq_tile[j * Traits::kNumConsumerThreads + tidx] = make_float2(tdQrdQ(2 * j), tdQrdQ(2 * j + 1));
     }
     cutlass::arch::fence_view_async_shared();  // st.shared -> bulk reduce (async proxy)
-    named_barrier_arrive(kBwdDQBarThreads, kBwdBarDQFull);
+    named_barrier_arrive(kBwdDQBarThreads, kBwdBarDQFull + buf);
   };
 
   // NOTES: two loop schedules.
@@ -367,7 +370,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       pipeline_do.consumer_release(read_do);
       ++read_q;
       ++read_do;
-      store_dq(m == m_begin);
+      store_dq(m);
     }
   } else {
     if (m_begin < m_end) {
@@ -382,7 +385,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       issue_grads(read_q.index(), read_do.index());
       warpgroup_wait<2>();  // dQ_m
       fence_after_wait(tdQrdQ);
-      store_dq(m == m_begin);
+      store_dq(m);
       if (has_next) {
         sdp_and_ds(m + 1, next_q, next_do);  // dV, dK of block m complete on the way
       } else {

@@ -99,6 +99,9 @@ struct BwdTraits {
   static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element) + kBlockM * sizeof(float);
   static constexpr uint32_t kTmaBytesKV = 2 * kBlockN * kHeadDim * sizeof(Element);
   static constexpr int kDQElems = kBlockM * kHeadDim;  // one FP32 dQ tile
+  // dQ tiles in shared memory: two where they fit, so the consumers rarely wait for the writer
+  // (in deterministic mode the writer waits for the previous key block's adds).
+  static constexpr int kDQStages = Config::kDQStages;
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = typename cutlass::PipelineState<kStages>;
@@ -130,7 +133,7 @@ struct BwdTraits {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> smem_v;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutP>, 1024> smem_p;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdS>, 1024> smem_ds;
-    alignas(128) float smem_dq[kDQElems];
+    alignas(128) float smem_dq[kDQStages * kDQElems];
     alignas(16) float smem_lse[kStages * kBlockM];
     alignas(16) float smem_dpsum[kStages * kBlockM];
     cutlass::arch::ClusterTransactionBarrier barrier_kv;

@@ -18,6 +18,9 @@ FLASH3_DECLARE_FWD(run_fwd_fp16_hdim256)
 // seqlen_k == 0: out = 0 and lse = +inf, without the main kernel.
 void fill_no_keys(const FwdProblem& problem, const FwdArgs& args);
 
+// Sets a rank-4 tensor of 2-byte elements (last dim contiguous) to +0.
+void zero_16bit(const TensorRef& t, cudaStream_t stream);
+
 // Throws flash3::CudaError naming `what` when `err` is not cudaSuccess.
 void check_cuda(cudaError_t err, const char* what);
 

@@ -1,5 +1,6 @@
 // flash3: the forward result when there are no keys (seqlen_k == 0): out = 0, lse = +inf,
-// the same values the main kernel writes for query rows that can see no key.
+// the same values the main kernel writes for query rows that can see no key; and a zero fill
+// for the backward's dk, dv when there are no queries.
 #include "fwd/fwd_dispatch.h"
 
 #include <cuda_bf16.h>
@@ -21,7 +22,27 @@ __global__ void fill_no_keys_kernel(uint16_t* out, int64_t sb, int64_t ss, int64
   for (int d = 0; d < head_dim; ++d) row[d] = 0;  // +0.0 in both fp16 and bf16
   if (lse != nullptr) lse[b * lb + h * lh + s] = INFINITY;
 }
+// One thread per (batch, row, head) of a rank-4 tensor with 2-byte elements: the row of
+// head_dim elements set to +0.
+__global__ void zero_rows_kernel(uint16_t* t, int64_t sb, int64_t ss, int64_t sh, int seqlen,
+                                 int nheads, int head_dim, int64_t total) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i >= total) return;
+  const int h = int(i % nheads), s = int((i / nheads) % seqlen), b = int(i / (int64_t(nheads) * seqlen));
+  uint16_t* row = t + b * sb + s * ss + h * sh;
+  for (int d = 0; d < head_dim; ++d) row[d] = 0;
+}
 }  // namespace
+
+void zero_16bit(const TensorRef& t, cudaStream_t stream) {
+  const int64_t total = t.shape[0] * t.shape[1] * t.shape[2];
+  if (total == 0 || t.shape[3] == 0) return;
+  const int threads = 256;
+  zero_rows_kernel<<<dim3(unsigned((total + threads - 1) / threads)), threads, 0, stream>>>(
+      static_cast<uint16_t*>(t.data), t.stride[0], t.stride[1], t.stride[2], int(t.shape[1]),
+      int(t.shape[2]), int(t.shape[3]), total);
+  check_cuda(cudaGetLastError(), "zero fill launch");
+}
 
 void fill_no_keys(const FwdProblem& p, const FwdArgs& args) {
   const int64_t total = int64_t(p.batch) * p.seqlen_q * p.nheads;
