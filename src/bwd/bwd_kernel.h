@@ -318,13 +318,18 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     cutlass::arch::fence_view_async_shared();  // st.shared / stmatrix -> WGMMA (async proxy)
     named_barrier_sync(Traits::kNumConsumerThreads, kBwdBarPReady);
   };
-  // dQ_m = dS K, dV += P^T dO_m, dK += dS^T Q_m (three commit groups; dQ first where the GEMMs
-  // stay in flight, else last: that order spills less).
+  // dQ_m = dS K, dV += P^T dO_m, dK += dS^T Q_m (three commit groups): dQ first in the
+  // overlapped schedule; dK, dV, dQ in the in-order one (Q_m, then dO_m can be released early).
   auto issue_grads = [&](int stage_q, int stage_do) {
-    if constexpr (Traits::kOverlapBlocks) gemm(cute::true_type{}, mma_dq, tdQrdS, tdQrKt, tdQrdQ);
-    gemm(cute::false_type{}, mma_dkv, tdVrPt, tdVrdOt(_, _, _, stage_do), tdVrdV);
-    gemm(cute::false_type{}, mma_dkv, tdKrdSt, tdKrQt(_, _, _, stage_q), tdKrdK);
-    if constexpr (!Traits::kOverlapBlocks) gemm(cute::true_type{}, mma_dq, tdQrdS, tdQrKt, tdQrdQ);
+    if constexpr (Traits::kOverlapBlocks) {
+      gemm(cute::true_type{}, mma_dq, tdQrdS, tdQrKt, tdQrdQ);
+      gemm(cute::false_type{}, mma_dkv, tdVrPt, tdVrdOt(_, _, _, stage_do), tdVrdV);
+      gemm(cute::false_type{}, mma_dkv, tdKrdSt, tdKrQt(_, _, _, stage_q), tdKrdK);
+    } else {
+      gemm(cute::false_type{}, mma_dkv, tdKrdSt, tdKrQt(_, _, _, stage_q), tdKrdK);  // last read of Q_m
+      gemm(cute::false_type{}, mma_dkv, tdVrPt, tdVrdOt(_, _, _, stage_do), tdVrdV);  // last read of dO_m
+      gemm(cute::true_type{}, mma_dq, tdQrdS, tdQrKt, tdQrdQ);
+    }
   };
   // dQ_m to shared memory for the dQ writer, in register order: value pair j of consumer thread
   // t at float2 index j * 256 + t (conflict-free; bwd_postprocess_dq undoes the order).
@@ -365,9 +370,13 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       sdp_and_ds(m, read_q, read_do);
       write_p_ds(m > m_begin);
       issue_grads(read_q.index(), read_do.index());
-      warpgroup_wait<0>();
+      // Each buffer is released as soon as its last GEMM is done, so that (with one stage) the
+      // next block's Q and dO load while dV and dQ still run.
+      warpgroup_wait<2>();  // dK
       pipeline_q.consumer_release(read_q);
+      warpgroup_wait<1>();  // dV
       pipeline_do.consumer_release(read_do);
+      warpgroup_wait<0>();  // dQ
       ++read_q;
       ++read_do;
       store_dq(m);
