@@ -44,23 +44,31 @@ __device__ __forceinline__ void query_block_range(int n_block, int seqlen_q, int
 }
 
 // Block index -> (n_block, head, batch). Non-causal: n_block fastest (the blocks of one head
-// run together and share its Q, dO in L2). Causal: n_block slowest, so every head's longest
-// blocks (n_block 0 visits all query blocks) go first: longest-processing-time first. Both
-// orders dispatch block (n-1, h, b) before (n, h, b), which the deterministic mode relies on.
+// run together and share its Q, dO in L2). Causal: longest-processing-time first (n_block 0
+// visits every query block, the last one the fewest), within sections of `l2_section` (head,
+// batch) pairs whose Q and dO fit in half the L2: n_block slowest inside a section. (With
+// n_block slowest over all heads, 132 blocks streamed 132 heads' Q, dO at once: at 16k, hdim
+// 256 that is ~2 GB, from DRAM.) Both orders dispatch block (n-1, h, b) before (n, h, b), which
+// the deterministic mode relies on.
 template <bool kCausal>
-__device__ __forceinline__ void bwd_block_coords(int n_blocks, int nheads, int& n_block, int& head,
-                                                 int& batch) {
+__device__ __forceinline__ void bwd_block_coords(int n_blocks, int nheads, int batches, int l2_section,
+                                                 int& n_block, int& head, int& batch) {
   const int bid = blockIdx.x;
+  int bh;
   if constexpr (kCausal) {
-    const int per_n = gridDim.x / n_blocks;  // nheads * batch
-    n_block = bid / per_n;
-    head = (bid % per_n) % nheads;
-    batch = (bid % per_n) / nheads;
+    const int per_section = l2_section * n_blocks;
+    const int section = bid / per_section;
+    const int first = section * l2_section;
+    const int count = min(l2_section, nheads * batches - first);
+    const int r = bid - section * per_section;
+    n_block = r / count;
+    bh = first + r % count;
   } else {
     n_block = bid % n_blocks;
-    head = (bid / n_blocks) % nheads;
-    batch = (bid / n_blocks) / nheads;
+    bh = bid / n_blocks;
   }
+  head = bh % nheads;
+  batch = bh / nheads;
 }
 
 __device__ __forceinline__ void bulk_load_1d(void* smem_dst, const void* gmem_src, uint32_t bytes,
@@ -93,7 +101,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   auto& shared = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
 
   int n_block, head, batch;
-  bwd_block_coords<Traits::kCausal>(params.n_blocks, params.nheads, n_block, head, batch);
+  bwd_block_coords<Traits::kCausal>(params.n_blocks, params.nheads, params.batch, params.l2_section,
+                                    n_block, head, batch);
   const int head_kv = head / params.nheads_per_kv;
   int m_begin, m_end;
   query_block_range<Traits>(n_block, params.seqlen_q, params.seqlen_k, m_begin, m_end);

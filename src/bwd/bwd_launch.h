@@ -2,6 +2,7 @@
 // kernel (causal or not), postprocess.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 
@@ -41,6 +42,9 @@ void launch_bwd_main(const BwdProblem& p, const BwdArgs& args, const BwdWorkspac
       args.dv.stride[1], args.dv.stride[2], args.dv.stride[0],
       p.batch, p.seqlen_q, p.seqlen_k, p.nheads, p.nheads / p.nheads_kv,
       ws.m_blocks, ws.n_blocks,
+      // Q and dO of one (head, batch) pair, in half the L2.
+      int(std::max<long long>(1, current_device_info().l2_bytes / 2 /
+                                    (2LL * p.seqlen_q * p.head_dim * int64_t(sizeof(Element))))),
       ws.seqlen_q_pad, ws.seqlen_k_pad,
       p.softmax_scale,
       float(p.softmax_scale * M_LOG2E),
