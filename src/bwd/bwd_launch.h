@@ -16,12 +16,6 @@ template <class Traits>
 void launch_bwd_main(const BwdProblem& p, const BwdArgs& args, const BwdWorkspaceLayout& ws, char* base) {
   using Element = typename Traits::Element;
   using Params = typename Traits::Params;
-  auto qkv_layout = [](const TensorRef& t) {
-    // (seqlen, head_dim, heads, batch) view of a (batch, seqlen, heads, head_dim) tensor.
-    return make_layout(make_shape(int32_t(t.shape[1]), int32_t(t.shape[3]), int32_t(t.shape[2]),
-                                  int32_t(t.shape[0])),
-                       make_stride(t.stride[1], _1{}, t.stride[2], t.stride[0]));
-  };
   const bool gqa = p.nheads != p.nheads_kv;
   Params params{
       Traits::make_tma_q(static_cast<const Element*>(args.q.data), qkv_layout(args.q)),

@@ -18,12 +18,6 @@ template <class Traits>
 void launch_fwd(const FwdProblem& p, const FwdArgs& args, bool persistent = true) {
   using Element = typename Traits::Element;
   using Params = typename Traits::Params;
-  auto qkv_layout = [](const TensorRef& t) {
-    // (seqlen, head_dim, heads, batch) view of a (batch, seqlen, heads, head_dim) tensor.
-    return make_layout(make_shape(int32_t(t.shape[1]), int32_t(t.shape[3]), int32_t(t.shape[2]),
-                                  int32_t(t.shape[0])),
-                       make_stride(t.stride[1], _1{}, t.stride[2], t.stride[0]));
-  };
   const auto layout_q = qkv_layout(args.q);
   const auto layout_k = qkv_layout(args.k);
   const auto layout_v = qkv_layout(args.v);

@@ -6,37 +6,25 @@
 #include <cutlass/numeric_conversion.h>
 #include <cutlass/numeric_types.h>
 
+#include "flash3/flash3.h"
+
 namespace flash3::detail {
 
 using namespace cute;
 
-// Issues one tile GEMM C (+)= A * B as a batch of WGMMAs for the calling warpgroup.
-// kZeroInit: C = A*B instead of C += A*B. kWait: wgmma.wait_group<kWait> after the commit
-// (-1: do not wait; the caller waits later, so the GEMM overlaps what follows).
-template <bool kZeroInit, int kWait, class TiledMma, class TA, class TB, class TC>
-__device__ __forceinline__ void warpgroup_gemm(TiledMma& mma, TA const& tA, TB const& tB, TC& tC) {
-  constexpr bool kAFromRegisters =
-      !is_same_v<typename TA::engine_type::iterator, GMMA::DescriptorIterator>;
-  if constexpr (kAFromRegisters) warpgroup_fence_operand(const_cast<TA&>(tA));
-  warpgroup_fence_operand(tC);
-  warpgroup_arrive();
-  if constexpr (kZeroInit) mma.accumulate_ = GMMA::ScaleOut::Zero;
-  CUTLASS_PRAGMA_UNROLL
-  for (int k = 0; k < size<2>(tA); ++k) {
-    cute::gemm(mma, tA(_, _, k), tB(_, _, k), tC);
-    mma.accumulate_ = GMMA::ScaleOut::One;
-  }
-  warpgroup_commit_batch();
-  if constexpr (kWait >= 0) warpgroup_wait<kWait>();
-  warpgroup_fence_operand(tC);
-  if constexpr (kAFromRegisters) warpgroup_fence_operand(const_cast<TA&>(tA));
+// The (seqlen, head_dim, heads, batch) CuTe view, head dim contiguous, of a (batch, seqlen,
+// heads, head_dim) tensor: what the TMA descriptors are built from (host side).
+inline auto qkv_layout(const TensorRef& t) {
+  return make_layout(make_shape(int32_t(t.shape[1]), int32_t(t.shape[3]), int32_t(t.shape[2]),
+                                int32_t(t.shape[0])),
+                     make_stride(t.stride[1], _1{}, t.stride[2], t.stride[0]));
 }
 
-// As warpgroup_gemm<kZeroInit, -1>, both operands from shared memory, without the operand fences
-// after the commit: the caller fences C after the wait that completes it. NOTES: in the
-// backward kernel's overlapped schedule, a fence on an accumulator still in flight made ptxas
-// serialize every WGMMA of the kernel (C7514: "non wgmma instructions reading accumulator
-// registers ... between start and end of the pipeline stage").
+// Issues one tile GEMM C (+)= A * B as a batch of WGMMAs for the calling warpgroup and commits
+// it, without waiting and without operand fences after the commit: the caller fences C after
+// the wait that completes it. NOTES: in the backward kernel's overlapped schedule, a fence on an
+// accumulator still in flight made ptxas serialize every WGMMA of the kernel (C7514: "non wgmma
+// instructions reading accumulator registers ... between start and end of the pipeline stage").
 template <bool kZeroInit, class TiledMma, class TA, class TB, class TC>
 __device__ __forceinline__ void warpgroup_gemm_async(TiledMma& mma, TA const& tA, TB const& tB, TC& tC) {
   warpgroup_fence_operand(tC);
@@ -48,6 +36,20 @@ __device__ __forceinline__ void warpgroup_gemm_async(TiledMma& mma, TA const& tA
     mma.accumulate_ = GMMA::ScaleOut::One;
   }
   warpgroup_commit_batch();
+}
+
+// The same with operand fences (A too when it comes from registers) after the commit.
+// kZeroInit: C = A*B instead of C += A*B. kWait: wgmma.wait_group<kWait> after the commit
+// (-1: do not wait; the caller waits later, so the GEMM overlaps what follows).
+template <bool kZeroInit, int kWait, class TiledMma, class TA, class TB, class TC>
+__device__ __forceinline__ void warpgroup_gemm(TiledMma& mma, TA const& tA, TB const& tB, TC& tC) {
+  constexpr bool kAFromRegisters =
+      !is_same_v<typename TA::engine_type::iterator, GMMA::DescriptorIterator>;
+  if constexpr (kAFromRegisters) warpgroup_fence_operand(const_cast<TA&>(tA));
+  warpgroup_gemm_async<kZeroInit>(mma, tA, tB, tC);
+  if constexpr (kWait >= 0) warpgroup_wait<kWait>();
+  warpgroup_fence_operand(tC);
+  if constexpr (kAFromRegisters) warpgroup_fence_operand(const_cast<TA&>(tA));
 }
 
 // NOTES: an SM90 WGMMA accumulator fragment has layout ((2, 2, N/8), MMA_M, MMA_N): value mode
