@@ -13,19 +13,15 @@ import sys
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "python"))
+from flash3 import _lib  # noqa: E402  (the flash3_tensor struct and dtype codes, not the autograd)
+
 lib = ctypes.CDLL(os.environ.get("FLASH3_LIB", os.path.join(ROOT, "build", "libflash3.so")))
-
-
-class T(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("dtype", ctypes.c_int32), ("rank", ctypes.c_int32),
-                ("shape", ctypes.c_int64 * 4), ("stride", ctypes.c_int64 * 4)]
-
-
-CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+CODES = {torch.float16: _lib.FLOAT16, torch.bfloat16: _lib.BFLOAT16, torch.float32: _lib.FLOAT32}
 
 
 def ref(t):
-    r = T()
+    r = _lib.Tensor()
     r.data, r.dtype, r.rank = t.data_ptr(), CODES[t.dtype], t.dim()
     for i, (n, s) in enumerate(zip(t.shape, t.stride())):
         r.shape[i], r.stride[i] = n, s

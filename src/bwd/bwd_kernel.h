@@ -374,7 +374,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     compute_ds(rdo.index());
   };
   if constexpr (!Traits::kOverlapBlocks) {
-    // Serialized GEMMs: plainly in order, one query block at a time.
+    // In order, one query block at a time (each step's GEMMs in flight together).
     for (int m = m_begin; m < m_end; ++m) {
       sdp_and_ds(m, read_q, read_do);
       write_p_ds(m > m_begin);
