@@ -4,7 +4,7 @@
 # and the benchmarks. Logs and JSON go to $OUT (default ./out). The CUTLASS headers and the
 # GoogleTest sources must already be in third_party/ (run scripts/setup.sh here, then carry
 # third_party: the GPU machine has no network).
-#   usage: bash scripts/device_run.sh [all|build|bwdcheck|test|sanitize|profile|bench|bwdbench|quick]...
+#   usage: bash scripts/device_run.sh [all|build|bwdcheck|test|sanitize|profile|prof|bench|bwdbench|quick]...
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -55,6 +55,21 @@ if has profile; then
       ./build/flash3_bench --hdims $1 --causal $2 --seqlens $3 --reps 1 > "$OUT/ncu_d$1_c$2_s$3.txt" 2>&1
     log "ncu hdim $1 causal $2 seqlen $3: rc=$?"
     grep -E "Compute \(SM\) Throughput|Memory Throughput|Duration|Issue Slots Busy|Stall|Warp Cycles Per Issued" "$OUT/ncu_d$1_c$2_s$3.txt" | head -20 | tee -a "$OUT/summary.txt"
+  done
+fi
+if has prof; then
+  # Nsight Compute over one flash3 call and one cuDNN call on the same inputs (tools/prof.py):
+  # every kernel's duration, throughput and warp stall reasons, side by side.
+  for cfg in ${PROF_CFGS:-"bwd 128 512 0" "bwd 128 8192 0" "fwd 128 2048 1"}; do
+    set -- $cfg
+    name="ncu_$1_d$2_s$3_c$4"
+    FLASH3_LIB="$root/build/libflash3.so" PYTHONPATH="$root/python" timeout 300 ncu --profile-from-start off \
+      --clock-control none --cache-control none --section SpeedOfLight --section WarpStateStats \
+      --section LaunchStats --section Occupancy --section ComputeWorkloadAnalysis \
+      python3 tools/prof.py --pass $1 --hdim $2 --seqlen $3 --causal $4 > "$OUT/$name.txt" 2>&1
+    log "ncu $cfg: rc=$?"
+    grep -E "^  [^ ].*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|Issue Slots Busy|Warp Cycles Per Issued|Registers Per|Grid Size|Dynamic Shared" \
+      "$OUT/$name.txt" | head -80 | tee -a "$OUT/summary.txt"
   done
 fi
 if has bench; then

@@ -1,0 +1,64 @@
+"""Runs one attention call of flash3 and of cuDNN (PyTorch SDPA) inside a CUDA profiler range,
+for Nsight Compute: `ncu --profile-from-start off ... python3 tools/prof.py --pass bwd ...` profiles
+exactly the kernels of one flash3 call and one cuDNN call on the same inputs (warm-ups outside).
+
+usage: FLASH3_LIB=build/libflash3.so PYTHONPATH=python python3 tools/prof.py
+           [--pass fwd|bwd] [--hdim 128] [--seqlen 2048] [--causal 0|1] [--only flash3|cudnn]
+Shapes follow the paper's sweep: batch = 16384 / seqlen, heads = 2048 / hdim.
+"""
+import argparse
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import flash3
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--pass", dest="pss", choices=("fwd", "bwd"), default="fwd")
+    p.add_argument("--hdim", type=int, default=128)
+    p.add_argument("--seqlen", type=int, default=2048)
+    p.add_argument("--causal", type=int, default=0)
+    p.add_argument("--only", choices=("flash3", "cudnn"), default=None)
+    a = p.parse_args()
+    s, d = a.seqlen, a.hdim
+    b, h = max(1, 16384 // s), max(1, 2048 // d)
+    causal = bool(a.causal)
+    torch.manual_seed(0)
+    q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    for t in (q, k, v):
+        t.requires_grad_()
+
+    def cudnn(q, k, v):
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                  is_causal=causal).transpose(1, 2)
+
+    impls = {"flash3": lambda q, k, v: flash3.flash_attn_func(q, k, v, causal=causal), "cudnn": cudnn}
+    if a.only:
+        impls = {a.only: impls[a.only]}
+    calls = {}
+    for name, fn in impls.items():
+        if a.pss == "fwd":
+            calls[name] = lambda fn=fn: fn(q, k, v)
+        else:
+            out = fn(q, k, v)
+            calls[name] = lambda out=out: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    for call in calls.values():
+        for _ in range(3):
+            call()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    for name, call in calls.items():
+        torch.cuda.nvtx.range_push(name)
+        call()
+        torch.cuda.nvtx.range_pop()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+    print(f"profiled {list(calls)}: {a.pss} hdim {d} seqlen {s} causal {causal} batch {b} heads {h}")
+
+
+if __name__ == "__main__":
+    main()
