@@ -1,5 +1,7 @@
 // flash3: the public forward entry point: validate, then dispatch on (dtype, head dim).
+#include <map>
 #include <mutex>
+#include <utility>
 #include <string>
 
 #include "flash3/flash3.h"
@@ -37,6 +39,40 @@ const DeviceInfo& current_device_info() {
   }
   std::call_once(once[device], query, device, cache[device]);
   return cache[device];
+}
+
+int* tile_counter(cudaStream_t stream) {
+  // NOTES: the dynamic tile scheduler's two counters (next tile, blocks done) must not be shared
+  // by kernels that may run at the same time, so each (device, stream) gets its own pair; the
+  // kernel sets them back to 0 when it ends, so the next launch on the stream finds them clear.
+  // Pairs come out of chunks of 256 allocated once per device and kept for the process.
+  static std::mutex mutex;
+  static std::map<std::pair<int, cudaStream_t>, int*> counters;
+  static std::map<int, std::pair<int*, int>> chunks;  // device -> (chunk, pairs used)
+  constexpr int kPairsPerChunk = 256;
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_pair(device, stream);
+  if (auto it = counters.find(key); it != counters.end()) return it->second;
+  // Allocating (and clearing) is not allowed while the stream is being captured into a graph:
+  // the caller falls back to a schedule without counters then.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess || capture != cudaStreamCaptureStatusNone) {
+    cudaGetLastError();
+    return nullptr;
+  }
+  auto& chunk = chunks[device];
+  if (chunk.first == nullptr || chunk.second == kPairsPerChunk) {
+    int* ptr = nullptr;
+    check_cuda(cudaMalloc(reinterpret_cast<void**>(&ptr), sizeof(int) * 2 * kPairsPerChunk),
+               "cudaMalloc(tile counters)");
+    chunk = {ptr, 0};
+  }
+  int* pair = chunk.first + 2 * chunk.second++;
+  check_cuda(cudaMemsetAsync(pair, 0, sizeof(int) * 2, stream), "cudaMemsetAsync(tile counters)");
+  counters.emplace(key, pair);
+  return pair;
 }
 
 void require_hopper(const char* op) {

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Checks in the SASS that the intra-warpgroup GEMM-softmax overlap (Algorithm 2) survived the
 compiler (the paper's Appendix B.2): in the mainloop, the exponentials (MUFU.EX2) of the next
-block's softmax must sit between `WARPGROUP.DEPBAR.LE gsb0, 0x1` (S is ready, PV still running)
-and `WARPGROUP.DEPBAR.LE gsb0, 0x0` (PV done).
+block's softmax must sit between `WARPGROUP.DEPBAR.LE gsb0, 0x1` (S is ready, PV still running;
+0x2 in the 3-stage pipeline, where the next S GEMM runs too) and `WARPGROUP.DEPBAR.LE gsb0, 0x0`
+(PV done).
 
 usage: cuobjdump --dump-sass build/libflash3.so | tools/check_overlap.py
 Prints one line per forward kernel; exits 1 if a kernel built with the overlap has none."""
@@ -16,7 +17,7 @@ for line in sys.stdin:
         name = m.group(1)
         kernels[name] = []
     elif name:
-        m = re.search(r"(WARPGROUP\.DEPBAR\.LE gsb0, 0x[01]|MUFU\.EX2|HGMMA)", line)
+        m = re.search(r"(WARPGROUP\.DEPBAR\.LE gsb0, 0x[012]|MUFU\.EX2|HGMMA)", line)
         if m:
             kernels[name].append(m.group(1))
 
@@ -26,7 +27,7 @@ for name, ops in kernels.items():
         continue
     inside, best = None, 0
     for op in ops:
-        if op.endswith("0x1"):
+        if op.endswith("0x1") or op.endswith("0x2"):  # 0x2: the 3-stage pipeline (S_{j-1} also in flight)
             inside = 0
         elif op.endswith("0x0"):
             if inside is not None:

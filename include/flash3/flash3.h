@@ -65,7 +65,8 @@ enum class FwdVariant : int {
   kNoPersistent = 1,  // one block per tile instead of one persistent block per SM
   kNoPingpong = 2,    // consumer warpgroups issue their GEMMs without taking turns
   kNoOverlap = 3,     // no intra-warpgroup GEMM-softmax pipelining (Algorithm 1 as written)
-  kPersistent = 4,    // persistent also for causal masks (by default causal runs one block per tile)
+  kPersistent = 4,    // persistent with the static tile order also for causal masks (by default
+                      // causal is persistent with the dynamic scheduler)
 };
 
 struct FwdArgs {

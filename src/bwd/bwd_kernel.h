@@ -478,32 +478,50 @@ __device__ __forceinline__ void aux_block_coords(int m_blocks, int nheads, int& 
   batch = (blockIdx.x / m_blocks) / nheads;
 }
 
+// 16 bytes of 16-bit elements as 8 floats, and back.
+template <class Element>
+__device__ __forceinline__ void load8(const Element* src, float (&x)[8]) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(src);
+  cutlass::NumericArrayConverter<float, Element, 8> cvt;
+  const cutlass::Array<float, 8> f = cvt(*reinterpret_cast<const cutlass::Array<Element, 8>*>(&raw));
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < 8; ++i) x[i] = f[i];
+}
+
+// NOTES: one thread per 16 bytes of a row (kHeadDim / 8 threads per row): 16-byte loads, the
+// row's dot product reduced over those threads with shuffles. (Per-lane 4-byte loads, one row
+// per warp, measured 81 us at 16k tokens x 16 heads x 128, against 71 us for cuDNN's.)
 template <class Element, int kBlockM, int kHeadDim>
 __global__ void __launch_bounds__(256) bwd_preprocess(const BwdAuxParams p) {
   int m, head, batch;
   aux_block_coords(p.m_blocks, p.nheads, m, head, batch);
   const int64_t bh = int64_t(batch) * p.nheads + head;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const Element* out = static_cast<const Element*>(p.out) + batch * p.out_batch + head * p.out_head;
-  const Element* dout = static_cast<const Element*>(p.dout) + batch * p.dout_batch + head * p.dout_head;
-  for (int r = warp; r < kBlockM; r += 8) {
-    const int row = m * kBlockM + r;
-    float d = 0.0f;
+  constexpr int kThreadsPerRow = kHeadDim / 8, kRowsPerPass = 256 / kThreadsPerRow;
+  static_assert(kBlockM % kRowsPerPass == 0);
+  const int col = (threadIdx.x % kThreadsPerRow) * 8;
+  const Element* out = static_cast<const Element*>(p.out) + batch * p.out_batch + head * p.out_head + col;
+  const Element* dout = static_cast<const Element*>(p.dout) + batch * p.dout_batch + head * p.dout_head + col;
+  float d[kBlockM / kRowsPerPass];
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < kBlockM / kRowsPerPass; ++i) {  // all loads first, then the reductions
+    const int row = m * kBlockM + i * kRowsPerPass + int(threadIdx.x) / kThreadsPerRow;
+    d[i] = 0.0f;
     if (row < p.seqlen_q) {
-      const Element* o_row = out + row * p.out_row;
-      const Element* do_row = dout + row * p.dout_row;
+      float o[8], g[8];
+      load8(out + row * p.out_row, o);
+      load8(dout + row * p.dout_row, g);
       CUTLASS_PRAGMA_UNROLL
-      for (int c = lane * 2; c < kHeadDim; c += 64) {
-        d += float(o_row[c]) * float(do_row[c]) + float(o_row[c + 1]) * float(do_row[c + 1]);
-      }
+      for (int e = 0; e < 8; ++e) d[i] = fmaf(o[e], g[e], d[i]);
     }
-    d = quad_sum(d);
-    d += __shfl_xor_sync(0xffffffffu, d, 4);
-    d += __shfl_xor_sync(0xffffffffu, d, 8);
-    d += __shfl_xor_sync(0xffffffffu, d, 16);
-    if (lane == 0) {
+  }
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < kBlockM / kRowsPerPass; ++i) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int mask = 1; mask < kThreadsPerRow; mask *= 2) d[i] += __shfl_xor_sync(0xffffffffu, d[i], mask);
+    const int row = m * kBlockM + i * kRowsPerPass + int(threadIdx.x) / kThreadsPerRow;
+    if (threadIdx.x % kThreadsPerRow == 0) {
       const int64_t at = bh * p.seqlen_q_pad + row;
-      p.dpsum[at] = d;
+      p.dpsum[at] = d[i];
       // Padding rows get +inf, so that P = exp2(S - lse) = 0 there; rows that saw no key in the
       // forward pass already have lse = +inf.
       p.lse_log2[at] = row < p.seqlen_q
@@ -512,15 +530,23 @@ __global__ void __launch_bounds__(256) bwd_preprocess(const BwdAuxParams p) {
     }
   }
   float4* acc = reinterpret_cast<float4*>(p.dq_accum + (bh * p.m_blocks + m) * kBlockM * kHeadDim);
+  CUTLASS_PRAGMA_UNROLL
   for (int i = threadIdx.x; i < kBlockM * kHeadDim / 4; i += 256) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
   if (p.dq_sem != nullptr && threadIdx.x == 0) p.dq_sem[bh * p.m_blocks + m] = 0;
 }
 
 // dQ = scale * accumulator, from the register order the main kernel stored it in.
+// NOTES: the tile goes through shared memory, row-major with rows padded by 8 floats (the
+// float2 stores of a half-warp, 4 rows x 4 threads, then hit 32 distinct banks), so that each
+// thread writes 16 contiguous bytes of dQ. (Writing 4 bytes per thread straight from the
+// register order scattered every warp store over 8 rows: 177 us where cuDNN's conversion
+// takes 57, at 16k tokens x 16 heads x 128.)
 template <class Traits>
 __global__ void __launch_bounds__(256) bwd_postprocess_dq(const BwdAuxParams p) {
   using Element = typename Traits::Element;
-  constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim;
+  constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim, kStride = kHeadDim + 8;
+  extern __shared__ float4 smem_dq_raw[];
+  float* tile_s = reinterpret_cast<float*>(smem_dq_raw);
   int m, head, batch;
   aux_block_coords(p.m_blocks, p.nheads, m, head, batch);
   const int64_t bh = int64_t(batch) * p.nheads + head;
@@ -528,18 +554,38 @@ __global__ void __launch_bounds__(256) bwd_postprocess_dq(const BwdAuxParams p) 
   auto thr = mma.get_thread_slice(threadIdx.x);
   Tensor coords = thr.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   const float2* tile = reinterpret_cast<const float2*>(p.dq_accum + (bh * p.m_blocks + m) * kBlockM * kHeadDim);
-  Element* dq = static_cast<Element*>(p.dq) + batch * p.dq_batch + head * p.dq_head;
-  cutlass::NumericArrayConverter<Element, float, 2> cvt;
+  constexpr int kPairs = decltype(size(coords))::value / 2;
+  float2 v[kPairs];
   CUTLASS_PRAGMA_UNROLL
-  for (int j = 0; j < size(coords) / 2; ++j) {
-    const int row = m * kBlockM + get<0>(coords(2 * j)), c = get<1>(coords(2 * j));
-    if (row >= p.seqlen_q) continue;
-    const float2 v = tile[j * 256 + threadIdx.x];
-    cutlass::Array<float, 2> x;
-    x[0] = v.x * p.softmax_scale;
-    x[1] = v.y * p.softmax_scale;
-    *reinterpret_cast<cutlass::Array<Element, 2>*>(dq + row * p.dq_row + c) = cvt(x);
+  for (int j = 0; j < kPairs; ++j) v[j] = tile[j * 256 + threadIdx.x];
+  CUTLASS_PRAGMA_UNROLL
+  for (int j = 0; j < kPairs; ++j) {
+    const int r = get<0>(coords(2 * j)), c = get<1>(coords(2 * j));
+    *reinterpret_cast<float2*>(tile_s + r * kStride + c) = v[j];
   }
+  __syncthreads();
+  constexpr int kThreadsPerRow = kHeadDim / 8, kRowsPerPass = 256 / kThreadsPerRow;
+  const int col = (threadIdx.x % kThreadsPerRow) * 8;
+  Element* dq = static_cast<Element*>(p.dq) + batch * p.dq_batch + head * p.dq_head + col;
+  cutlass::NumericArrayConverter<Element, float, 8> cvt;
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < kBlockM / kRowsPerPass; ++i) {
+    const int r = i * kRowsPerPass + int(threadIdx.x) / kThreadsPerRow, row = m * kBlockM + r;
+    if (row >= p.seqlen_q) continue;
+    const float4 a = *reinterpret_cast<const float4*>(tile_s + r * kStride + col);
+    const float4 b = *reinterpret_cast<const float4*>(tile_s + r * kStride + col + 4);
+    cutlass::Array<float, 8> x;
+    x[0] = a.x * p.softmax_scale; x[1] = a.y * p.softmax_scale;
+    x[2] = a.z * p.softmax_scale; x[3] = a.w * p.softmax_scale;
+    x[4] = b.x * p.softmax_scale; x[5] = b.y * p.softmax_scale;
+    x[6] = b.z * p.softmax_scale; x[7] = b.w * p.softmax_scale;
+    const cutlass::Array<Element, 8> y = cvt(x);
+    *reinterpret_cast<uint4*>(dq + row * p.dq_row) = *reinterpret_cast<const uint4*>(&y);
+  }
+}
+template <class Traits>
+constexpr int bwd_postprocess_dq_smem() {
+  return Traits::kBlockM * (Traits::kHeadDim + 8) * int(sizeof(float));
 }
 
 // GQA/MQA: dK = scale * sum over the query heads of a kv head, dV likewise, in head order.

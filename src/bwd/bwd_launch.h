@@ -78,7 +78,13 @@ void run_bwd(const BwdProblem& p, const BwdArgs& args, const BwdWorkspaceLayout&
       launch_bwd_main<Traits>(p, args, ws, base);
     }
   }
-  bwd_postprocess_dq<Traits><<<dim3(unsigned(aux_blocks)), 256, 0, args.stream>>>(aux);
+  constexpr int kPostSmem = bwd_postprocess_dq_smem<Traits>();
+  if constexpr (kPostSmem > 48 * 1024) {
+    check_cuda(cudaFuncSetAttribute(bwd_postprocess_dq<Traits>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    kPostSmem),
+               "cudaFuncSetAttribute(backward postprocess shared memory)");
+  }
+  bwd_postprocess_dq<Traits><<<dim3(unsigned(aux_blocks)), 256, kPostSmem, args.stream>>>(aux);
   check_cuda(cudaGetLastError(), "backward postprocess (dq) launch");
   if (p.nheads != p.nheads_kv && p.seqlen_k > 0) {
     const int64_t total = int64_t(p.batch) * p.seqlen_k * p.nheads_kv * (p.head_dim / 2);

@@ -31,6 +31,11 @@ struct DeviceInfo {
 };
 const DeviceInfo& current_device_info();
 
+// Two ints in device memory, zero between launches, for the dynamic tile scheduler of kernels
+// launched on `stream` of the current device (kernels that use them leave them zero); nullptr
+// while the stream is being captured into a CUDA graph and none exists yet for it.
+int* tile_counter(cudaStream_t stream);
+
 // Throws flash3::CudaError unless the current device is Hopper (compute capability 9.x);
 // `op` ("flash3::fwd") starts the message.
 void require_hopper(const char* op);

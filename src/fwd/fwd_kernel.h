@@ -84,6 +84,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   const int thread_in_wg = threadIdx.x % 128;
   const FwdTileScheduler<Traits::kCausal> scheduler(params.seqlen_q, kBlockM, params.nheads,
                                                     params.batch, params.l2_section);
+  const FwdTileStream<Traits::kDynamicTiles> tiles{params.tile_counter, scheduler.num_tiles};
 
   // Line 1: the pipeline objects over the shared-memory ring, and the two barriers of the Q
   // buffer: "Q has landed" (producer -> consumers) and "Q is free" (consumers -> producer,
@@ -98,6 +99,11 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   if (threadIdx.x == 0) {
     shared.barrier_q.init(1);
     shared.barrier_q_free.init(Traits::kQFreeArrivals);
+    for (int i = 0; i < 2; ++i) {
+      shared.tile_full[i].init(1);
+      shared.tile_empty[i].init(Traits::kNumConsumerThreads + 1);  // + the producer thread
+    }
+    cutlass::arch::fence_barrier_init();
     if constexpr (Traits::kStageOInQ) cute::prefetch_tma_descriptor(params.tma_o.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
@@ -115,14 +121,27 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   if (warpgroup == 0) {
     // ===================================== producer ======================================
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();  // line 3
+    if (tiles.dynamic() && threadIdx.x == 32) {
+      // Scheduler (one thread of warp 1): draws the tiles and hands them out through the ring.
+      // NOTES: not in the producer thread, which has no register to spare at 24 registers
+      // (ptxas spilled there when it also held the next tile's index).
+      for (int t = blockIdx.x, k = 0;; ++k) {
+        tiles.publish(k, t, shared.tile_ring, shared.tile_full, shared.tile_empty);
+        if (t >= scheduler.num_tiles) break;
+        t = tiles.next(t);
+      }
+      return;
+    }
     if (!is_producer_thread) return;
     Tensor mQ = params.tma_q.get_tma_tensor(params.layout_q.shape());
     Tensor mK = params.tma_k.get_tma_tensor(params.layout_k.shape());
     Tensor mV = params.tma_v.get_tma_tensor(params.layout_k.shape());
     PipelineState write_k = cutlass::make_producer_start_state<Pipeline>();
     PipelineState write_v = cutlass::make_producer_start_state<Pipeline>();
-    int tiles_done = 0;
-    for (int t = blockIdx.x; t < scheduler.num_tiles; t += gridDim.x, ++tiles_done) {
+    for (int tiles_done = 0;; ++tiles_done) {
+      const int t = tiles.dynamic() ? tiles.receive(tiles_done, shared.tile_ring, shared.tile_full, shared.tile_empty)
+                                    : int(blockIdx.x + tiles_done * gridDim.x);
+      if (t >= scheduler.num_tiles) break;
       const FwdTile tile = scheduler.tile(t);
       const int head_kv = tile.head / params.nheads_per_kv;  // GQA/MQA by indexing
       const int n_block_max = num_key_blocks<Traits>(tile.m_block, params.seqlen_q, params.seqlen_k);
@@ -196,8 +215,10 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
 
   PingpongScheduler<Traits> turns(warpgroup - 1);
   PipelineState read_k, read_v;
-  int tiles_done = 0;
-  for (int t = blockIdx.x; t < scheduler.num_tiles; t += gridDim.x, ++tiles_done) {
+  for (int tiles_done = 0;; ++tiles_done) {
+    const int t = tiles.dynamic() ? tiles.receive(tiles_done, shared.tile_ring, shared.tile_full, shared.tile_empty)
+                                  : int(blockIdx.x + tiles_done * gridDim.x);
+    if (t >= scheduler.num_tiles) break;
     const FwdTile tile = scheduler.tile(t);
     const int n_block_max = num_key_blocks<Traits>(tile.m_block, params.seqlen_q, params.seqlen_k);
     const int row0 = tile.m_block * kBlockM;

@@ -15,7 +15,7 @@ inline long long l2_bytes() { return current_device_info().l2_bytes; }
 inline int num_sms() { return current_device_info().sms; }
 
 template <class Traits>
-void launch_fwd(const FwdProblem& p, const FwdArgs& args, bool persistent = true) {
+void launch_fwd(const FwdProblem& p, const FwdArgs& args, bool persistent, int* tile_counter) {
   using Element = typename Traits::Element;
   using Params = typename Traits::Params;
   const auto layout_q = qkv_layout(args.q);
@@ -44,6 +44,7 @@ void launch_fwd(const FwdProblem& p, const FwdArgs& args, bool persistent = true
                                                     l2_bytes() / 2),
       p.softmax_scale,
       float(p.softmax_scale * M_LOG2E),
+      persistent ? tile_counter : nullptr,
   };
   auto kernel = &fwd_kernel<Traits>;
   constexpr int kSmem = Traits::kSmemBytes;
@@ -60,12 +61,17 @@ void launch_fwd(const FwdProblem& p, const FwdArgs& args, bool persistent = true
 
 template <class Element, int kHeadDim, bool kAblations = false>
 void run_fwd(const FwdProblem& p, const FwdArgs& args) {
-  // NOTES: non-causal tiles are all the same length: persistent (one block per SM). Causal
-  // tiles differ in length; measured side by side (docs/perf-log.md, step 6) the persistent
-  // loop wins while tiles are short (seqlen_k <= 1024) and the hardware's block dispatcher,
-  // handing out one-tile blocks in LPT order, balances long causal tiles better.
+  // NOTES: non-causal tiles are all the same length: persistent (one block per SM) with the
+  // static round-robin order. Causal tiles differ in length: persistent with the dynamic
+  // scheduler (each block draws its next tile from a counter, in LPT order), which balances them
+  // like the hardware's block dispatcher while overlapping one tile's end with the next one's
+  // start (docs/perf-log.md, step 10). Without a counter (first call on a stream inside a CUDA
+  // graph capture) the earlier rule, measured in step 6: static persistent while seqlen_k <=
+  // 1024, one block per tile beyond. FwdVariant::kPersistent forces the static persistent loop.
+  int* counter = nullptr;
+  if (p.causal && args.variant == FwdVariant::kDefault) counter = tile_counter(args.stream);
   const bool persistent =
-      args.variant == FwdVariant::kPersistent ||
+      args.variant == FwdVariant::kPersistent || counter != nullptr ||
       (args.variant != FwdVariant::kNoPersistent && (!p.causal || p.seqlen_k <= 1024));
   const bool compile_time_variant =
       args.variant == FwdVariant::kNoPingpong || args.variant == FwdVariant::kNoOverlap;
@@ -73,18 +79,18 @@ void run_fwd(const FwdProblem& p, const FwdArgs& args) {
     if constexpr (kAblations) {
       if (!p.causal) {
         if (args.variant == FwdVariant::kNoPingpong) {
-          return launch_fwd<FwdTraits<Element, kHeadDim, false, FwdNoPingpong>>(p, args, persistent);
+          return launch_fwd<FwdTraits<Element, kHeadDim, false, FwdNoPingpong>>(p, args, persistent, counter);
         }
-        return launch_fwd<FwdTraits<Element, kHeadDim, false, FwdNoOverlap>>(p, args, persistent);
+        return launch_fwd<FwdTraits<Element, kHeadDim, false, FwdNoOverlap>>(p, args, persistent, counter);
       }
     }
     throw Error("flash3::fwd: variant " + std::to_string(int(args.variant)) +
                 " (an ablation) is built for bfloat16, head_dim 128, non-causal only");
   }
   if (p.causal) {
-    launch_fwd<FwdTraits<Element, kHeadDim, true>>(p, args, persistent);
+    launch_fwd<FwdTraits<Element, kHeadDim, true>>(p, args, persistent, counter);
   } else {
-    launch_fwd<FwdTraits<Element, kHeadDim, false>>(p, args, persistent);
+    launch_fwd<FwdTraits<Element, kHeadDim, false>>(p, args, persistent, counter);
   }
 }
 

@@ -21,6 +21,8 @@ struct FwdTraits {
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kStages = Config::kStages;
   static constexpr bool kCausal = kCausal_;
+  // Causal tiles differ in length: they are handed out by the dynamic scheduler (tile_scheduler.h).
+  static constexpr bool kDynamicTiles = kCausal;
   static constexpr bool kPingpong =
       Variant::kPingpong < 0 ? Config::kPingpong : bool(Variant::kPingpong);
   static constexpr bool kIntraWGOverlap =
@@ -104,6 +106,7 @@ struct FwdTraits {
     int batch, seqlen_q, seqlen_k, nheads, nheads_per_kv;
     int l2_section;  // (head, batch) pairs per L2 section of the causal tile order
     float softmax_scale, scale_log2;
+    int* tile_counter;  // kDynamicTiles: two ints, zero at launch (null: the static order)
   };
 
   struct SharedStorage {
@@ -112,6 +115,10 @@ struct FwdTraits {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> smem_v;
     cutlass::arch::ClusterTransactionBarrier barrier_q;
     cutlass::arch::ClusterBarrier barrier_q_free;
+    // Dynamic scheduler: the producer hands each tile index to the consumers through a
+    // two-slot ring (full: producer -> consumers, empty: consumers -> producer).
+    cutlass::arch::ClusterBarrier tile_full[2], tile_empty[2];
+    int tile_ring[2];
     float softmax_pin[kNumConsumerThreads];  // see pin_before_wait
     typename Pipeline::SharedStorage pipeline_k;
     typename Pipeline::SharedStorage pipeline_v;

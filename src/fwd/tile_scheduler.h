@@ -61,4 +61,57 @@ struct FwdTileScheduler {
   }
 };
 
+// The sequence of tiles one block computes. Static: blockIdx.x, + gridDim.x, + 2 gridDim.x, ...
+// Dynamic (params.tile_counter set; causal, where tiles differ in length): the first tile is
+// blockIdx.x, each next one is drawn from a global counter by a scheduler thread (warp 1 of the
+// producer warpgroup) and handed to the producer and the consumers through a two-slot ring in
+// shared memory, so the atomic's latency is off everyone's path; a block that draws past the
+// last tile stops, and the last block to stop sets the counters back to zero for the next
+// launch on the stream.
+// kDynamic is a compile-time choice (causal kernels), so that the static kernels carry none of
+// it; a dynamic kernel launched without counters (see tile_counter) hands out the static order
+// through the same ring.
+template <bool kDynamic>
+struct FwdTileStream {
+  int* counter;  // [0]: tiles handed out beyond the first gridDim.x, [1]: blocks that stopped
+  int num_tiles;
+
+  __device__ __forceinline__ static constexpr bool dynamic() { return kDynamic; }
+
+  // Scheduler thread: the tile after `t` (returns >= num_tiles at the end; call no more then).
+  __device__ __forceinline__ int next(int t) const {
+    if (counter == nullptr) return t + gridDim.x;
+    const int n = atomicAdd(counter, 1) + int(gridDim.x);
+    if (n >= num_tiles && atomicAdd(counter + 1, 1) == int(gridDim.x) - 1) {
+      // Every block has drawn its last (failed) tile: nothing touches the counters any more.
+      counter[0] = 0;
+      counter[1] = 0;
+    }
+    return n;
+  }
+
+  // The k-th tile of this block through the ring (dynamic only).
+  template <class Barrier>
+  __device__ __forceinline__ void publish(int k, int t, int* ring, Barrier* full, Barrier* empty) const {
+    const int slot = k & 1;
+    if (k >= 2) empty[slot].wait(((k >> 1) - 1) & 1);
+    // NOTES: CUTLASS's mbarrier wrappers carry no "memory" clobber: the volatile accesses and
+    // the empty asm statements keep the ring access between the wait and the arrive.
+    asm volatile("" ::: "memory");
+    *reinterpret_cast<volatile int*>(ring + slot) = t;
+    asm volatile("" ::: "memory");
+    full[slot].arrive();
+  }
+  template <class Barrier>
+  __device__ __forceinline__ int receive(int k, const int* ring, Barrier* full, Barrier* empty) const {
+    const int slot = k & 1;
+    full[slot].wait((k >> 1) & 1);
+    asm volatile("" ::: "memory");
+    const int t = *reinterpret_cast<const volatile int*>(ring + slot);
+    asm volatile("" ::: "memory");
+    empty[slot].arrive();
+    return t;
+  }
+};
+
 }  // namespace flash3::detail
