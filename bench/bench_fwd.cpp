@@ -134,6 +134,8 @@ int main(int argc, char** argv) {
         {flash3::FwdVariant::kNoOverlap, "no GEMM-softmax pipelining"},
         {flash3::FwdVariant::kNoPingpong, "no pingpong"},
         {flash3::FwdVariant::kNoPersistent, "no persistent scheduler"},
+        {flash3::FwdVariant::kThreeStage, "3-stage pipeline (App. B.3, N=96)"},
+        {flash3::FwdVariant::kTwoStageBlockN96, "2-stage pipeline at N=96"},
     };
     std::printf("ablation (paper Table 2): batch %d, seqlen %d, %d heads, hdim %d, bf16, non-causal\n", b, s, h, d);
     FILE* json = json_path ? std::fopen(json_path, "w") : nullptr;

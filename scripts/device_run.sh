@@ -74,7 +74,9 @@ if has prof; then
 fi
 if has bench; then
   timeout 120 ./build/flash3_bench --json "$OUT/bench_cpp.json" 2>&1 | tee "$OUT/bench_cpp.log"
-  timeout 60 ./build/flash3_bench --causal 1 --variant 4 2>&1 | tee "$OUT/bench_causal_persistent.log"
+  # Causal tile schedules side by side: the default (dynamic), static persistent, one block per tile.
+  timeout 60 ./build/flash3_bench --causal 1 --variant 4 2>&1 | tee "$OUT/bench_causal_static.log"
+  timeout 60 ./build/flash3_bench --causal 1 --variant 1 2>&1 | tee "$OUT/bench_causal_noperst.log"
   timeout 60 ./build/flash3_bench --ablation 1 --json "$OUT/ablation.json" 2>&1 | tee "$OUT/ablation.log"
   FLASH3_LIB="$root/build/libflash3.so" PYTHONPATH="$root/python" PYTHONUNBUFFERED=1 \
     timeout ${BENCH_TIMEOUT:-240} python3 bench/bench_torch.py ${BENCH_ARGS:-} --json "$OUT/bench_torch.json" 2>&1 | tee "$OUT/bench_torch.log"

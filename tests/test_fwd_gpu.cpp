@@ -213,7 +213,8 @@ TEST(FwdGpuSmall, PaddedStridesAndRaggedShapes) {
 TEST(FwdGpuVariants, AblationKernelsMatchReference) {
   FLASH3_REQUIRE_HOPPER();
   uint64_t seed = 4242;
-  for (FwdVariant v : {FwdVariant::kNoPersistent, FwdVariant::kNoPingpong, FwdVariant::kNoOverlap}) {
+  for (FwdVariant v : {FwdVariant::kNoPersistent, FwdVariant::kNoPingpong, FwdVariant::kNoOverlap,
+                       FwdVariant::kThreeStage, FwdVariant::kTwoStageBlockN96}) {
     for (auto [sq, sk] : {std::pair<int, int>{129, 1000}, {1000, 1000}, {4096, 4096}}) {
       Case c{DType::kBFloat16, 128, false, 1, sq, sk, 8, 2};
       c.variant = v;

@@ -67,6 +67,8 @@ enum class FwdVariant : int {
   kNoOverlap = 3,     // no intra-warpgroup GEMM-softmax pipelining (Algorithm 1 as written)
   kPersistent = 4,    // persistent with the static tile order also for causal masks (by default
                       // causal is persistent with the dynamic scheduler)
+  kThreeStage = 5,    // the 3-stage GEMM-softmax pipeline of the paper's Appendix B.3 (kBlockN 96)
+  kTwoStageBlockN96 = 6,  // the default pipeline at the 3-stage variant's tile (comparison)
 };
 
 struct FwdArgs {

@@ -179,10 +179,19 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       shared.barrier_q.arrive_and_expect_tx(Traits::kTmaBytesQ);
       copy(params.tma_q.with(reinterpret_cast<uint64_t&>(shared.barrier_q)), get<0>(q_parts),
            get<1>(q_parts));
-      // Lines 6-10, in the order the consumers use them: K_{j+1} is needed before V_j.
-      for (int n_block = n_block_max - 2; n_block >= 0; --n_block) {
-        load_k(n_block);
-        load_v(n_block + 1);
+      // Lines 6-10, in the order the consumers use them: K_{j+1} is needed before V_j (the
+      // 3-stage pipeline: K_{j+2} before V_j).
+      if constexpr (Traits::kThreeStage) {
+        if (n_block_max > 1) load_k(n_block_max - 2);
+        for (int n_block = n_block_max - 2; n_block >= 0; --n_block) {
+          if (n_block > 0) load_k(n_block - 1);
+          load_v(n_block + 1);
+        }
+      } else {
+        for (int n_block = n_block_max - 2; n_block >= 0; --n_block) {
+          load_k(n_block);
+          load_v(n_block + 1);
+        }
       }
       if (n_block_max > 0) load_v(0);
     }
@@ -227,19 +236,26 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
 
     // S = Q K_j^T landed in tSrS: mask it where the block crosses the end of the keys or the
     // causal diagonal, then the online softmax (lines 18-19), which returns the O rescale.
-    auto softmax_step = [&](int n_block, float (&rescale)[kRows]) {
+    auto softmax_step_on = [&](decltype(tSrS_rc)& s_rc, int n_block, float (&rescale)[kRows]) {
       const int col0 = n_block * kBlockN;
       bool need_mask = col0 + kBlockN > params.seqlen_k;
       if constexpr (Traits::kCausal) {
         need_mask |= col0 + kBlockN - 1 > row0 + params.seqlen_k - params.seqlen_q;
       }
       if (need_mask) {
-        apply_mask<Traits::kCausal>(tSrS_rc, tScS_rc, row0, col0, params.seqlen_q, params.seqlen_k);
+        apply_mask<Traits::kCausal>(s_rc, tScS_rc, row0, col0, params.seqlen_q, params.seqlen_k);
       }
-      softmax.step(tSrS_rc, rescale);
+      softmax.step(s_rc, rescale);
     };
-    auto gemm_qk = [&]() {
-      warpgroup_gemm</*zero_init=*/true, /*wait=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
+    auto softmax_step = [&](int n_block, float (&rescale)[kRows]) { softmax_step_on(tSrS_rc, n_block, rescale); };
+    auto gemm_qk_into = [&](decltype(tSrS)& s) {
+      warpgroup_gemm</*zero_init=*/true, /*wait=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), s);
+    };
+    auto gemm_qk = [&]() { gemm_qk_into(tSrS); };
+    // The same without fences after the commit (the 3-stage pipeline fences the tile after the
+    // wait that completes it: a fence on a tile still in flight serializes every WGMMA, C7514).
+    auto gemm_qk_async_into = [&](decltype(tSrS)& s) {
+      warpgroup_gemm_async</*zero_init=*/true>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), s);
     };
     auto gemm_pv = [&]() {
       warpgroup_gemm</*zero_init=*/false, /*wait=*/-1>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
@@ -270,7 +286,78 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     shared.barrier_q.wait(tiles_done & 1);  // line 14
     if (n_block_max <= 0) release_q();
     if (n_block_max > 0) {
-      if constexpr (!Traits::kIntraWGOverlap) {
+      if constexpr (Traits::kThreeStage) {
+        // Appendix B.3 (Algorithm 4): while the softmax of block j runs, the tensor cores run
+        // both S_{j-1} = Q K_{j-1}^T and O += P_{j+1} V_{j+1}. Two score tiles alternate roles
+        // (the loop is unrolled by two, so no register copies).
+        // The second score tile (S_{j-1} in flight while S_j is under softmax).
+        Tensor tSrS2 = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+        Tensor tSrS2_rc = make_tensor(tSrS2.data(), acc_layout_rowcol(tSrS2.layout()));
+        float rescale[kRows];
+        qk_alone();
+        if (n_block_max == 1) release_q();
+        softmax_step(n_block_max - 1, rescale);  // O is 0: no rescale needed
+        convert_into<Element>(tSrS, tOrP);
+        PipelineState k_cur = read_k;  // the stage of the K whose S GEMM is in flight
+        auto issue_second = [&]() {
+          pipeline_k.consumer_wait(read_k);
+          turns.before_gemms();
+          gemm_qk_async_into(tSrS2);
+          turns.after_gemms();
+          ++read_k;
+        };
+        // s_cur: S_j (in flight), s_next: receives S_{j-1}; tOrP holds P_{j+1}.
+        // NOTES: forced inline: called from three places, it was otherwise compiled as a function
+        // taking the score tiles by reference, i.e. through local memory.
+        // `more` (compile time): an S GEMM for block j - 1 is issued (j > 0). NOTES: as a run-time
+        // flag ptxas serialized every WGMMA of the kernel (C7514).
+        auto step = [&](auto more_c, decltype(tSrS)& s_cur, decltype(tSrS_rc)& s_cur_rc, decltype(tSrS)& s_next,
+                        int j) __attribute__((always_inline)) {
+          constexpr bool more = decltype(more_c)::value;
+          PipelineState k_next = read_k;
+          if constexpr (more) pipeline_k.consumer_wait(read_k);
+          pipeline_v.consumer_wait(read_v);
+          turns.before_gemms();
+          if constexpr (more) gemm_qk_async_into(s_next);
+          warpgroup_fence_operand(tOrP);
+          warpgroup_gemm_async</*zero_init=*/false>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
+          turns.after_gemms();
+          if constexpr (more) {
+            ++read_k;
+            warpgroup_wait<2>();  // S_j is ready; S_{j-1} and O += P_{j+1} V_{j+1} may still run
+          } else {
+            warpgroup_wait<1>();
+          }
+          warpgroup_fence_operand(s_cur);
+          pipeline_k.consumer_release(k_cur);
+          k_cur = k_next;
+          if (j == 0) release_q();
+          softmax_step_on(s_cur_rc, j, rescale);
+          pin_before_wait(&shared.softmax_pin[tidx], softmax.row_sum);
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(tOrO);
+          warpgroup_fence_operand(tOrP);
+          pipeline_v.consumer_release(read_v);
+          ++read_v;
+          scale_rows(tOrO_rc, rescale);
+          convert_into<Element>(s_cur, tOrP);
+        };
+        if (n_block_max > 1) {
+          issue_second();
+          int j = n_block_max - 2;
+          for (; j >= 2; j -= 2) {
+            step(cute::true_type{}, tSrS2, tSrS2_rc, tSrS, j);
+            step(cute::true_type{}, tSrS, tSrS_rc, tSrS2, j - 1);
+          }
+          if (j == 1) {
+            step(cute::true_type{}, tSrS2, tSrS2_rc, tSrS, 1);
+            step(cute::false_type{}, tSrS, tSrS_rc, tSrS2, 0);
+          } else {
+            step(cute::false_type{}, tSrS2, tSrS2_rc, tSrS, 0);
+          }
+        }
+        pv_alone();
+      } else if constexpr (!Traits::kIntraWGOverlap) {
         // Algorithm 1 as written: each GEMM is waited for before the softmax that follows it.
         for (int n_block = n_block_max - 1; n_block >= 0; --n_block) {
           qk_alone();  // lines 16-17

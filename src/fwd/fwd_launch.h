@@ -73,11 +73,19 @@ void run_fwd(const FwdProblem& p, const FwdArgs& args) {
   const bool persistent =
       args.variant == FwdVariant::kPersistent || counter != nullptr ||
       (args.variant != FwdVariant::kNoPersistent && (!p.causal || p.seqlen_k <= 1024));
-  const bool compile_time_variant =
-      args.variant == FwdVariant::kNoPingpong || args.variant == FwdVariant::kNoOverlap;
+  const bool compile_time_variant = args.variant == FwdVariant::kNoPingpong ||
+                                    args.variant == FwdVariant::kNoOverlap ||
+                                    args.variant == FwdVariant::kThreeStage ||
+                                    args.variant == FwdVariant::kTwoStageBlockN96;
   if (compile_time_variant) {
     if constexpr (kAblations) {
       if (!p.causal) {
+        if (args.variant == FwdVariant::kTwoStageBlockN96) {
+          return launch_fwd<FwdTraits<Element, kHeadDim, false, FwdTwoStageBlockN96>>(p, args, persistent, counter);
+        }
+        if (args.variant == FwdVariant::kThreeStage) {
+          return launch_fwd<FwdTraits<Element, kHeadDim, false, FwdThreeStage>>(p, args, persistent, counter);
+        }
         if (args.variant == FwdVariant::kNoPingpong) {
           return launch_fwd<FwdTraits<Element, kHeadDim, false, FwdNoPingpong>>(p, args, persistent, counter);
         }

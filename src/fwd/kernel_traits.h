@@ -18,7 +18,7 @@ struct FwdTraits {
   using Config = FwdTileConfig<kHeadDim_, kCausal_>;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = Config::kBlockM;
-  static constexpr int kBlockN = Config::kBlockN;
+  static constexpr int kBlockN = Variant::kBlockN > 0 ? Variant::kBlockN : Config::kBlockN;
   static constexpr int kStages = Config::kStages;
   static constexpr bool kCausal = kCausal_;
   // Causal tiles differ in length: they are handed out by the dynamic scheduler (tile_scheduler.h).
@@ -27,6 +27,7 @@ struct FwdTraits {
       Variant::kPingpong < 0 ? Config::kPingpong : bool(Variant::kPingpong);
   static constexpr bool kIntraWGOverlap =
       Variant::kIntraWGOverlap < 0 ? Config::kIntraWGOverlap : bool(Variant::kIntraWGOverlap);
+  static constexpr bool kThreeStage = Variant::kThreeStage;
 
   // Warpgroup 0 is the producer (TMA); warpgroups 1.. are consumers, 64 query rows each.
   static constexpr int kNumConsumerWG = kBlockM / 64;

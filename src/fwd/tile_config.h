@@ -27,9 +27,21 @@ namespace flash3 {
 struct FwdDefaultVariant {
   static constexpr int kPingpong = -1;        // -1: as the tile config says; 0: off; 1: on
   static constexpr int kIntraWGOverlap = -1;  // likewise
+  static constexpr bool kThreeStage = false;  // Appendix B.3's 3-stage pipeline instead
+  static constexpr int kBlockN = 0;           // > 0: overrides the tile config's
 };
-struct FwdNoPingpong { static constexpr int kPingpong = 0, kIntraWGOverlap = -1; };
-struct FwdNoOverlap { static constexpr int kPingpong = -1, kIntraWGOverlap = 0; };
+struct FwdNoPingpong : FwdDefaultVariant { static constexpr int kPingpong = 0; };
+struct FwdNoOverlap : FwdDefaultVariant { static constexpr int kIntraWGOverlap = 0; };
+// NOTES: the 3-stage pipeline keeps two score tiles in FP32 registers (S_j under softmax,
+// S_{j-1} in flight) besides P_{j+1} and O. At head dim 128, ptxas 13.0 keeps its WGMMAs
+// asynchronous with kBlockN = 96 (2 x 48 + 24 + 64 accumulator registers per thread); at 112
+// it serialized them (C7512, insufficient registers), at 176 there is no room at all.
+struct FwdThreeStage : FwdDefaultVariant {
+  static constexpr bool kThreeStage = true;
+  static constexpr int kBlockN = 96;
+};
+// The default 2-stage pipeline at the 3-stage variant's tile, to tell the two effects apart.
+struct FwdTwoStageBlockN96 : FwdDefaultVariant { static constexpr int kBlockN = 96; };
 
 template <int kHeadDim, bool kCausal>
 struct FwdTileConfig;
