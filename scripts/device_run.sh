@@ -4,7 +4,7 @@
 # and the benchmarks. Logs and JSON go to $OUT (default ./out). The CUTLASS headers and the
 # GoogleTest sources must already be in third_party/ (run scripts/setup.sh here, then carry
 # third_party: the GPU machine has no network).
-#   usage: bash scripts/device_run.sh [all|build|bwdcheck|test|sanitize|profile|prof|bench|bwdbench|quick]...
+#   usage: bash scripts/device_run.sh [all|build|bwdcheck|test|sanitize|profile|prof|causal|bench|bwdbench|quick]...
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -70,6 +70,12 @@ if has prof; then
     log "ncu $cfg: rc=$?"
     grep -E "^  [^ ].*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|Issue Slots Busy|Warp Cycles Per Issued|Registers Per|Grid Size|Dynamic Shared" \
       "$OUT/$name.txt" | head -80 | tee -a "$OUT/summary.txt"
+  done
+fi
+if has causal && ! has bench; then
+  # Only the causal tile schedules side by side: default (dynamic), static persistent, one block per tile.
+  for v in 0 4 1; do
+    timeout 60 ./build/flash3_bench --causal 1 --variant $v 2>&1 | tee "$OUT/bench_causal_v$v.log"
   done
 fi
 if has bench; then

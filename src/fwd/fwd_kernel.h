@@ -103,6 +103,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       shared.tile_full[i].init(1);
       shared.tile_empty[i].init(Traits::kNumConsumerThreads + 1);  // + the producer thread
     }
+    shared.tile_request.init(1);
     cutlass::arch::fence_barrier_init();
     if constexpr (Traits::kStageOInQ) cute::prefetch_tma_descriptor(params.tma_o.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
@@ -121,14 +122,16 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   if (warpgroup == 0) {
     // ===================================== producer ======================================
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();  // line 3
-    if (tiles.dynamic() && threadIdx.x == 32) {
-      // Scheduler (one thread of warp 1): draws the tiles and hands them out through the ring.
-      // NOTES: not in the producer thread, which has no register to spare at 24 registers
-      // (ptxas spilled there when it also held the next tile's index).
-      for (int t = blockIdx.x, k = 0;; ++k) {
+    if (Traits::kDynamicTiles && threadIdx.x == 32) {
+      // Scheduler (one thread of warp 1): draws this block's k-th tile when the producer has
+      // issued the last load of tile k-1, and hands it to the producer and the consumers.
+      // NOTES: in the producer thread itself, the draw made ptxas spill (380 bytes at head dim
+      // 256: 24 registers leave no room).
+      for (int k = 0;; ++k) {
+        if (k > 0) shared.tile_request.wait((k - 1) & 1);
+        const int t = tiles.draw(k);
         tiles.publish(k, t, shared.tile_ring, shared.tile_full, shared.tile_empty);
         if (t >= scheduler.num_tiles) break;
-        t = tiles.next(t);
       }
       return;
     }
@@ -139,8 +142,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     PipelineState write_k = cutlass::make_producer_start_state<Pipeline>();
     PipelineState write_v = cutlass::make_producer_start_state<Pipeline>();
     for (int tiles_done = 0;; ++tiles_done) {
-      const int t = tiles.dynamic() ? tiles.receive(tiles_done, shared.tile_ring, shared.tile_full, shared.tile_empty)
-                                    : int(blockIdx.x + tiles_done * gridDim.x);
+      const int t = Traits::kDynamicTiles ? tiles.receive(tiles_done, shared.tile_ring, shared.tile_full, shared.tile_empty)
+                                          : int(blockIdx.x + tiles_done * gridDim.x);
       if (t >= scheduler.num_tiles) break;
       const FwdTile tile = scheduler.tile(t);
       const int head_kv = tile.head / params.nheads_per_kv;  // GQA/MQA by indexing
@@ -194,6 +197,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         }
       }
       if (n_block_max > 0) load_v(0);
+      if constexpr (Traits::kDynamicTiles) shared.tile_request.arrive();  // the next tile, please
     }
     return;
   }
@@ -225,7 +229,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   PingpongScheduler<Traits> turns(warpgroup - 1);
   PipelineState read_k, read_v;
   for (int tiles_done = 0;; ++tiles_done) {
-    const int t = tiles.dynamic() ? tiles.receive(tiles_done, shared.tile_ring, shared.tile_full, shared.tile_empty)
+    const int t = Traits::kDynamicTiles ? tiles.receive(tiles_done, shared.tile_ring, shared.tile_full, shared.tile_empty)
                                   : int(blockIdx.x + tiles_done * gridDim.x);
     if (t >= scheduler.num_tiles) break;
     const FwdTile tile = scheduler.tile(t);

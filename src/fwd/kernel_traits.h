@@ -116,9 +116,10 @@ struct FwdTraits {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> smem_v;
     cutlass::arch::ClusterTransactionBarrier barrier_q;
     cutlass::arch::ClusterBarrier barrier_q_free;
-    // Dynamic scheduler: the producer hands each tile index to the consumers through a
-    // two-slot ring (full: producer -> consumers, empty: consumers -> producer).
-    cutlass::arch::ClusterBarrier tile_full[2], tile_empty[2];
+    // Dynamic scheduler: the scheduler thread hands each tile index to the producer and the
+    // consumers through a two-slot ring (full: scheduler -> all, empty: all -> scheduler);
+    // the producer asks for the next one (request) when it has issued a tile's last load.
+    cutlass::arch::ClusterBarrier tile_full[2], tile_empty[2], tile_request;
     int tile_ring[2];
     float softmax_pin[kNumConsumerThreads];  // see pin_before_wait
     typename Pipeline::SharedStorage pipeline_k;

@@ -64,10 +64,13 @@ struct FwdTileScheduler {
 // The sequence of tiles one block computes. Static: blockIdx.x, + gridDim.x, + 2 gridDim.x, ...
 // Dynamic (params.tile_counter set; causal, where tiles differ in length): the first tile is
 // blockIdx.x, each next one is drawn from a global counter by a scheduler thread (warp 1 of the
-// producer warpgroup) and handed to the producer and the consumers through a two-slot ring in
-// shared memory, so the atomic's latency is off everyone's path; a block that draws past the
-// last tile stops, and the last block to stop sets the counters back to zero for the next
-// launch on the stream.
+// producer warpgroup) when the producer has issued the last load of the previous tile (the
+// consumers are then about two key blocks from its end), and handed to the producer and the
+// consumers through a two-slot ring in shared memory; a block that
+// draws past the last tile stops, and the last block to stop sets the counters back to zero
+// for the next launch on the stream. NOTES: drawing earlier defeats the balance: a scheduler
+// thread that kept the ring full drew each tile three tiles ahead of its use, and measured
+// slower than the static round-robin (docs/perf-log.md, step 10).
 // kDynamic is a compile-time choice (causal kernels), so that the static kernels carry none of
 // it; a dynamic kernel launched without counters (see tile_counter) hands out the static order
 // through the same ring.
@@ -78,9 +81,11 @@ struct FwdTileStream {
 
   __device__ __forceinline__ static constexpr bool dynamic() { return kDynamic; }
 
-  // Scheduler thread: the tile after `t` (returns >= num_tiles at the end; call no more then).
-  __device__ __forceinline__ int next(int t) const {
-    if (counter == nullptr) return t + gridDim.x;
+  // The scheduler thread: this block's k-th tile, drawn when the producer is about to load it,
+  // so that it goes to the block that will be free first (>= num_tiles at the end; call no more
+  // then).
+  __device__ __forceinline__ int draw(int k) const {
+    if (k == 0 || counter == nullptr) return int(blockIdx.x + k * gridDim.x);
     const int n = atomicAdd(counter, 1) + int(gridDim.x);
     if (n >= num_tiles && atomicAdd(counter + 1, 1) == int(gridDim.x) - 1) {
       // Every block has drawn its last (failed) tile: nothing touches the counters any more.
