@@ -106,6 +106,15 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   const int head_kv = head / params.nheads_per_kv;
   int m_begin, m_end;
   query_block_range<Traits>(n_block, params.seqlen_q, params.seqlen_k, m_begin, m_end);
+  // The i-th query block this block visits. NOTES: causal visits them last to first, so that the
+  // blocks running at the same time (consecutive key blocks of one head, whose first query
+  // blocks differ) all start at the last query block and move in step, reading each Q, dO tile
+  // from L2 together and adding into the same dQ tile one after another, as in the non-causal
+  // case. (First to last, block n was one query block ahead of block n + 1: the blocks of a
+  // head streamed the whole head's Q, dO and dQ accumulator through L2 at once, and in the
+  // deterministic mode each block waited a step for its predecessor.)
+  const int m_count = m_end - m_begin;
+  auto m_at = [&](int i) { return Traits::kCausal ? m_end - 1 - i : m_begin + i; };
   const int64_t bh = int64_t(batch) * params.nheads + head;
 
   const int warpgroup = cutlass::canonical_warp_group_idx();
@@ -168,7 +177,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       constexpr uint32_t kRowBytes = kBlockM * sizeof(float);
       PipelineState write_q = cutlass::make_producer_start_state<Pipeline>();
       PipelineState write_do = cutlass::make_producer_start_state<Pipeline>();
-      for (int m = m_begin; m < m_end; ++m) {
+      for (int i = 0; i < m_count; ++i) {
+        const int m = m_at(i);
         pipeline_q.producer_acquire(write_q);
         uint64_t* bar_q = pipeline_q.producer_get_barrier(write_q);
         copy(params.tma_q.with(*bar_q), get<0>(q_parts)(_, m), get<1>(q_parts)(_, write_q.index()));
@@ -184,8 +194,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       // ===================================== dQ writer =====================================
       float* dq_accum = params.dq_accum + bh * params.seqlen_q_pad * kHeadDim;
       int* sem = params.dq_sem != nullptr ? params.dq_sem + bh * params.m_blocks : nullptr;
-      for (int m = m_begin; m < m_end; ++m) {
-        const int buf = (m - m_begin) % Traits::kDQStages;
+      for (int i = 0; i < m_count; ++i) {
+        const int m = m_at(i), buf = i % Traits::kDQStages;
         named_barrier_sync(kBwdDQBarThreads, kBwdBarDQFull + buf);
         if (lane == 0) {
           if (sem != nullptr) {
@@ -207,7 +217,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
           }
         }
         __syncwarp();
-        if (m + Traits::kDQStages < m_end) named_barrier_arrive(kBwdDQBarThreads, kBwdBarDQEmpty + buf);
+        if (i + Traits::kDQStages < m_count) named_barrier_arrive(kBwdDQBarThreads, kBwdBarDQEmpty + buf);
       }
     }
     return;
@@ -342,9 +352,9 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   };
   // dQ_m to shared memory for the dQ writer, in register order: value pair j of consumer thread
   // t at float2 index j * 256 + t (conflict-free; bwd_postprocess_dq undoes the order).
-  auto store_dq = [&](int m) {
-    const int buf = (m - m_begin) % Traits::kDQStages;
-    if (m - m_begin >= Traits::kDQStages) named_barrier_sync(kBwdDQBarThreads, kBwdBarDQEmpty + buf);
+  auto store_dq = [&](int i) {  // the i-th visited query block's dQ
+    const int buf = i % Traits::kDQStages;
+    if (i >= Traits::kDQStages) named_barrier_sync(kBwdDQBarThreads, kBwdBarDQEmpty + buf);
     float2* dq_tile = reinterpret_cast<float2*>(shared.smem_dq + buf * Traits::kDQElems);
     CUTLASS_PRAGMA_UNROLL
     for (int j = 0; j < size(tdQrdQ) / 2; ++j) {
@@ -375,9 +385,9 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   };
   if constexpr (!Traits::kOverlapBlocks) {
     // In order, one query block at a time (each step's GEMMs in flight together).
-    for (int m = m_begin; m < m_end; ++m) {
-      sdp_and_ds(m, read_q, read_do);
-      write_p_ds(m > m_begin);
+    for (int i = 0; i < m_count; ++i) {
+      sdp_and_ds(m_at(i), read_q, read_do);
+      write_p_ds(i > 0);
       issue_grads(read_q.index(), read_do.index());
       // Each buffer is released as soon as its last GEMM is done, so that (with one stage) the
       // next block's Q and dO load while dV and dQ still run.
@@ -388,24 +398,24 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       warpgroup_wait<0>();  // dQ
       ++read_q;
       ++read_do;
-      store_dq(m);
+      store_dq(i);
     }
   } else {
-    if (m_begin < m_end) {
-      sdp_and_ds(m_begin, read_q, read_do);
+    if (m_count > 0) {
+      sdp_and_ds(m_at(0), read_q, read_do);
       write_p_ds(false);
     }
-    for (int m = m_begin; m < m_end; ++m) {
-      const bool has_next = m + 1 < m_end;
+    for (int i = 0; i < m_count; ++i) {
+      const bool has_next = i + 1 < m_count;
       PipelineState next_q = read_q, next_do = read_do;
       ++next_q;
       ++next_do;
       issue_grads(read_q.index(), read_do.index());
       warpgroup_wait<2>();  // dQ_m
       fence_after_wait(tdQrdQ);
-      store_dq(m);
+      store_dq(i);
       if (has_next) {
-        sdp_and_ds(m + 1, next_q, next_do);  // dV, dK of block m complete on the way
+        sdp_and_ds(m_at(i + 1), next_q, next_do);  // dV, dK of block m complete on the way
       } else {
         warpgroup_wait<0>();
       }
