@@ -60,7 +60,9 @@ fi
 if has prof; then
   # Nsight Compute over one flash3 call and one cuDNN call on the same inputs (tools/prof.py):
   # every kernel's duration, throughput and warp stall reasons, side by side.
-  for cfg in ${PROF_CFGS:-"bwd 128 512 0" "bwd 128 8192 0" "fwd 128 2048 1"}; do
+  # PROF_CFGS: "pass hdim seqlen causal" entries separated by ';'
+  IFS=';' read -ra cfgs <<< "${PROF_CFGS:-bwd 128 512 0;bwd 128 8192 0;fwd 128 2048 1}"
+  for cfg in "${cfgs[@]}"; do
     set -- $cfg
     name="ncu_$1_d$2_s$3_c$4"
     FLASH3_LIB="$root/build/libflash3.so" PYTHONPATH="$root/python" timeout 300 ncu --profile-from-start off \
