@@ -39,6 +39,9 @@ void launch_bwd_main(const BwdProblem& p, const BwdArgs& args, const BwdWorkspac
       // Q and dO of one (head, batch) pair, in half the L2.
       int(std::max<long long>(1, current_device_info().l2_bytes / 2 /
                                     (2LL * p.seqlen_q * p.head_dim * int64_t(sizeof(Element))))),
+      // Causal query-block order (bwd_kernel.h, m_at): last to first at head dim 256 and in the
+      // deterministic mode, first to last otherwise (docs/perf-log.md, B8).
+      int(p.causal && (p.deterministic || p.head_dim == 256)),
       ws.seqlen_q_pad, ws.seqlen_k_pad,
       p.softmax_scale,
       float(p.softmax_scale * M_LOG2E),
