@@ -1,8 +1,9 @@
 // flash3: which (query block, head, batch) tiles each block of the forward kernel computes.
 //
-// The kernel is persistent when the grid has fewer blocks than tiles: block i computes tiles
-// i, i + gridDim.x, i + 2 gridDim.x, ... (a grid of one block per tile is the non-persistent
-// kernel, for the ablation). Tile order:
+// The kernel is persistent when the grid has fewer blocks than tiles (one block per SM). The
+// non-causal kernels hand out tiles statically: block i computes tiles i, i + gridDim.x, ...; the
+// causal kernels, whose tiles differ in length, dynamically (FwdTileStream below). A grid of one
+// block per tile is the non-persistent kernel, for the ablation. Tile order:
 //   non-causal: query blocks of one (head, batch) are adjacent, so the blocks running at the
 //               same time share K and V in L2;
 //   causal:     longest-processing-time first (the last query blocks, which see the most keys,
