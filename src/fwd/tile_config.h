@@ -18,7 +18,10 @@
 //   ---------+---------------+--------------------+--------+----------+---------+-------------
 //        64  |   192 (3)     | 128                |   2    |   yes    |   yes   | 24 + 2x32 = 88 KB
 //       128  |   128 (2)     | 176 (causal: 128)  |   2    |   yes    |   yes   | 32 + 2x88 = 208 KB
-//       256  |   128 (2)     |  80                |   2    |   no     |   yes   | 64 + 2x80 = 224 KB
+//       256  |   128 (2)     |  80                |   2    |   yes    |   yes   | 64 + 2x80 = 224 KB
+//
+// NOTES: pingpong at head dim 256 was off until session 3; turned on it measured +2-17% on the
+// non-causal sweep and +2-6% causal in flash3_bench (docs/perf-log.md, step 12).
 #pragma once
 
 namespace flash3 {
@@ -61,7 +64,7 @@ template <bool kCausal> struct FwdTileConfig<128, kCausal> {
 };
 template <bool kCausal> struct FwdTileConfig<256, kCausal> {
   static constexpr int kBlockM = 128, kBlockN = 80, kStages = 2;
-  static constexpr bool kPingpong = false, kIntraWGOverlap = true;
+  static constexpr bool kPingpong = true, kIntraWGOverlap = true;
   static constexpr bool kStageOInQ = true;
 };
 
