@@ -74,17 +74,18 @@ if has prof; then
       "$OUT/$name.txt" | head -80 | tee -a "$OUT/summary.txt"
   done
 fi
-if has causal && ! has bench; then
-  # Only the causal tile schedules side by side: default (dynamic), static persistent, one block per tile.
-  for v in 0 4 1; do
-    timeout 60 ./build/flash3_bench --causal 1 --variant $v 2>&1 | tee "$OUT/bench_causal_v$v.log"
+# The causal tile schedules side by side: static persistent (variant 4), one block per tile
+# (variant 1); the default (dynamic) is in the bench step's sweep, or run here with `causal`.
+causal_schedules() {
+  for v in "$@"; do
+    case $v in 4) name=static ;; 1) name=noperst ;; *) name=v$v ;; esac
+    timeout 60 ./build/flash3_bench --causal 1 --variant $v 2>&1 | tee "$OUT/bench_causal_$name.log"
   done
-fi
+}
+if has causal && ! has bench; then causal_schedules 0 4 1; fi
 if has bench; then
   timeout 120 ./build/flash3_bench --json "$OUT/bench_cpp.json" 2>&1 | tee "$OUT/bench_cpp.log"
-  # Causal tile schedules side by side: the default (dynamic), static persistent, one block per tile.
-  timeout 60 ./build/flash3_bench --causal 1 --variant 4 2>&1 | tee "$OUT/bench_causal_static.log"
-  timeout 60 ./build/flash3_bench --causal 1 --variant 1 2>&1 | tee "$OUT/bench_causal_noperst.log"
+  causal_schedules 4 1
   timeout 60 ./build/flash3_bench --ablation 1 --json "$OUT/ablation.json" 2>&1 | tee "$OUT/ablation.log"
   FLASH3_LIB="$root/build/libflash3.so" PYTHONPATH="$root/python" PYTHONUNBUFFERED=1 \
     timeout ${BENCH_TIMEOUT:-240} python3 bench/bench_torch.py ${BENCH_ARGS:-} --json "$OUT/bench_torch.json" 2>&1 | tee "$OUT/bench_torch.log"

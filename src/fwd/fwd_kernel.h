@@ -142,8 +142,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     PipelineState write_k = cutlass::make_producer_start_state<Pipeline>();
     PipelineState write_v = cutlass::make_producer_start_state<Pipeline>();
     for (int tiles_done = 0;; ++tiles_done) {
-      const int t = Traits::kDynamicTiles ? tiles.receive(tiles_done, shared.tile_ring, shared.tile_full, shared.tile_empty)
-                                          : int(blockIdx.x + tiles_done * gridDim.x);
+      const int t = tiles.tile(tiles_done, shared);
       if (t >= scheduler.num_tiles) break;
       const FwdTile tile = scheduler.tile(t);
       const int head_kv = tile.head / params.nheads_per_kv;  // GQA/MQA by indexing
@@ -229,8 +228,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   PingpongScheduler<Traits> turns(warpgroup - 1);
   PipelineState read_k, read_v;
   for (int tiles_done = 0;; ++tiles_done) {
-    const int t = Traits::kDynamicTiles ? tiles.receive(tiles_done, shared.tile_ring, shared.tile_full, shared.tile_empty)
-                                  : int(blockIdx.x + tiles_done * gridDim.x);
+    const int t = tiles.tile(tiles_done, shared);
     if (t >= scheduler.num_tiles) break;
     const FwdTile tile = scheduler.tile(t);
     const int n_block_max = num_key_blocks<Traits>(tile.m_block, params.seqlen_q, params.seqlen_k);

@@ -80,7 +80,6 @@ struct FwdTileStream {
   int* counter;  // [0]: tiles handed out beyond the first gridDim.x, [1]: blocks that stopped
   int num_tiles;
 
-  __device__ __forceinline__ static constexpr bool dynamic() { return kDynamic; }
 
   // The scheduler thread: this block's k-th tile, drawn when the producer is about to load it,
   // so that it goes to the block that will be free first (>= num_tiles at the end; call no more
@@ -94,6 +93,13 @@ struct FwdTileStream {
       counter[1] = 0;
     }
     return n;
+  }
+
+  // The producer and the consumers: this block's k-th tile (from the ring when dynamic).
+  template <class Shared>
+  __device__ __forceinline__ int tile(int k, Shared& shared) const {
+    if constexpr (kDynamic) return receive(k, shared.tile_ring, shared.tile_full, shared.tile_empty);
+    return int(blockIdx.x + k * gridDim.x);
   }
 
   // The k-th tile of this block through the ring (dynamic only).
