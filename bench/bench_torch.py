@@ -194,6 +194,16 @@ def main():
     return 0
 
 
+def sweep_points(a, env, factor):
+    """(hdim, causal, seqlen, batch, nheads, FLOPs) of each point of the paper's sweep: 16k tokens,
+    hidden 2048; FLOPs = factor x 4 b h s^2 d, halved for causal."""
+    for d in a.hdims:
+        for causal in env["causals"]:
+            for s in a.seqlens:
+                b, h = max(1, TOKENS // s), max(1, HIDDEN // d)
+                yield d, causal, s, b, h, factor * 4 * b * h * s * s * d / (2 if causal else 1)
+
+
 def sweep_fwd(a, env):
     torch, dev, flash3, time_ms = env["torch"], env["dev"], env["flash3"], env["time_ms"]
     sdpa, SDPBackend, anchors = env["sdpa"], env["SDPBackend"], env["anchors"]
@@ -207,64 +217,60 @@ def sweep_fwd(a, env):
     log("-" * len(hdr))
     rows = []
     torch.manual_seed(0)
-    for d in a.hdims:
-        for causal in env["causals"]:
-            for s in a.seqlens:
-                b, h = max(1, TOKENS // s), max(1, HIDDEN // d)
-                flops = 4 * b * h * s * s * d / (2 if causal else 1)
-                row = {"hdim": d, "causal": causal, "seqlen": s, "batch": b, "nheads": h, "flops": flops}
-                errors = {}
-                try:
-                    q, k, v = (torch.randn(b, s, h, d, device=dev, dtype=torch.bfloat16) for _ in range(3))
-                except torch.cuda.OutOfMemoryError as e:
-                    log(f"{d:>4} {causal!s:>6} {s:>6} | out of memory: {e}")
-                    continue
-                outs = {}
-                for name, fn in impls.items():  # correctness, once, before timing
-                    try:
-                        outs[name] = fn(q, k, v, causal).float()
-                    except Exception as e:  # noqa: BLE001 - a failed backend is recorded, not fatal
-                        errors[name] = first_line(e)
-                ref_name = "cudnn" if "cudnn" in outs else ("fa2" if "fa2" in outs else None)
-                if "flash3" in outs and ref_name:
-                    o, r = outs["flash3"], outs[ref_name]
-                    row["check_against"] = ref_name
-                    row["max_abs_diff"] = (o - r).abs().max().item()
-                    row["rel_err"] = ((o - r).norm() / r.norm()).item()
-                    row["flash3_nan"] = bool(torch.isnan(o).any().item())
-                if "fa2" in outs and "cudnn" in outs:
-                    row["fa2_vs_cudnn_rel_err"] = ((outs["fa2"] - outs["cudnn"]).norm() / outs["cudnn"].norm()).item()
-                del outs
-                tf = {}
-                for name, fn in impls.items():
-                    if name in errors:
-                        tf[name] = None
-                        continue
-                    try:
-                        ms = time_ms(lambda: fn(q, k, v, causal))
-                        tf[name] = flops / (ms * 1e-3) / 1e12
-                        row[f"{name}_ms"] = ms
-                    except Exception as e:  # noqa: BLE001
-                        errors[name], tf[name] = f"{type(e).__name__}: {e}", None
-                for name in ("flash3", "cudnn", "fa2"):
-                    row[f"{name}_tflops"] = tf.get(name)
+    for d, causal, s, b, h, flops in sweep_points(a, env, 1):
+        row = {"hdim": d, "causal": causal, "seqlen": s, "batch": b, "nheads": h, "flops": flops}
+        errors = {}
+        try:
+            q, k, v = (torch.randn(b, s, h, d, device=dev, dtype=torch.bfloat16) for _ in range(3))
+        except torch.cuda.OutOfMemoryError as e:
+            log(f"{d:>4} {causal!s:>6} {s:>6} | out of memory: {e}")
+            continue
+        outs = {}
+        for name, fn in impls.items():  # correctness, once, before timing
+            try:
+                outs[name] = fn(q, k, v, causal).float()
+            except Exception as e:  # noqa: BLE001 - a failed backend is recorded, not fatal
+                errors[name] = first_line(e)
+        ref_name = "cudnn" if "cudnn" in outs else ("fa2" if "fa2" in outs else None)
+        if "flash3" in outs and ref_name:
+            o, r = outs["flash3"], outs[ref_name]
+            row["check_against"] = ref_name
+            row["max_abs_diff"] = (o - r).abs().max().item()
+            row["rel_err"] = ((o - r).norm() / r.norm()).item()
+            row["flash3_nan"] = bool(torch.isnan(o).any().item())
+        if "fa2" in outs and "cudnn" in outs:
+            row["fa2_vs_cudnn_rel_err"] = ((outs["fa2"] - outs["cudnn"]).norm() / outs["cudnn"].norm()).item()
+        del outs
+        tf = {}
+        for name, fn in impls.items():
+            if name in errors:
+                tf[name] = None
+                continue
+            try:
+                ms = time_ms(lambda: fn(q, k, v, causal))
+                tf[name] = flops / (ms * 1e-3) / 1e12
+                row[f"{name}_ms"] = ms
+            except Exception as e:  # noqa: BLE001
+                errors[name], tf[name] = f"{type(e).__name__}: {e}", None
+        for name in ("flash3", "cudnn", "fa2"):
+            row[f"{name}_tflops"] = tf.get(name)
 
-                row["flash3_over_cudnn"] = ratio(tf.get("flash3"), tf.get("cudnn"))
-                row["flash3_over_fa2"] = ratio(tf.get("flash3"), tf.get("fa2"))
-                row["fa3_over_cudnn"] = anchors.get((d, causal, s))
-                row["flash3_over_fa3_implied"] = ratio(row["flash3_over_cudnn"], row["fa3_over_cudnn"])
-                if errors:
-                    row["errors"] = errors
-                rows.append(row)
-                del q, k, v
-                log(f"{d:>4} {causal!s:>6} {s:>6} | {fmt(tf.get('flash3'), '7.1f')} {fmt(tf.get('cudnn'), '7.1f')} "
-                    f"{fmt(tf.get('fa2'), '7.1f')} | {fmt(row['flash3_over_cudnn'], '8.3f')} "
-                    f"{fmt(row['flash3_over_fa2'], '7.3f')} {fmt(row['fa3_over_cudnn'], '9.3f')} "
-                    f"{fmt(row['flash3_over_fa3_implied'], '7.3f')} | {fmt(row.get('max_abs_diff'), '8.2e')} "
-                    f"{fmt(row.get('rel_err'), '8.2e')}" + ("  MISMATCH" if (row.get("rel_err") or 0) > MISMATCH
-                                                            or row.get("flash3_nan") else ""))
-                for name, msg in errors.items():
-                    log(f"      {name} failed: {msg[:200]}")
+        row["flash3_over_cudnn"] = ratio(tf.get("flash3"), tf.get("cudnn"))
+        row["flash3_over_fa2"] = ratio(tf.get("flash3"), tf.get("fa2"))
+        row["fa3_over_cudnn"] = anchors.get((d, causal, s))
+        row["flash3_over_fa3_implied"] = ratio(row["flash3_over_cudnn"], row["fa3_over_cudnn"])
+        if errors:
+            row["errors"] = errors
+        rows.append(row)
+        del q, k, v
+        log(f"{d:>4} {causal!s:>6} {s:>6} | {fmt(tf.get('flash3'), '7.1f')} {fmt(tf.get('cudnn'), '7.1f')} "
+            f"{fmt(tf.get('fa2'), '7.1f')} | {fmt(row['flash3_over_cudnn'], '8.3f')} "
+            f"{fmt(row['flash3_over_fa2'], '7.3f')} {fmt(row['fa3_over_cudnn'], '9.3f')} "
+            f"{fmt(row['flash3_over_fa3_implied'], '7.3f')} | {fmt(row.get('max_abs_diff'), '8.2e')} "
+            f"{fmt(row.get('rel_err'), '8.2e')}" + ("  MISMATCH" if (row.get("rel_err") or 0) > MISMATCH
+                                                    or row.get("flash3_nan") else ""))
+        for name, msg in errors.items():
+            log(f"      {name} failed: {msg[:200]}")
     summary = geomeans(rows, ("flash3_over_cudnn", "flash3_over_fa2", "flash3_over_fa3_implied"))
     what = "flash3 vs cuDNN vs FA2 (torch SDPA) forward, bf16, TFLOP/s by the paper's formula"
     return rows, summary, what, "one forward call"
@@ -301,88 +307,84 @@ def sweep_bwd(a, env):
     log("-" * len(hdr))
     rows = []
     torch.manual_seed(0)
-    for d in a.hdims:
-        for causal in env["causals"]:
-            for s in a.seqlens:
-                b, h = max(1, TOKENS // s), max(1, HIDDEN // d)
-                flops = BWD_FLOPS_FACTOR * 4 * b * h * s * s * d / (2 if causal else 1)
-                row = {"pass": "bwd", "hdim": d, "causal": causal, "seqlen": s, "batch": b, "nheads": h,
-                       "flops": flops}
-                errors = {}
-                try:
-                    q, k, v, dout = (torch.randn(b, s, h, d, device=dev, dtype=torch.bfloat16) for _ in range(4))
-                    for t in (q, k, v):
-                        t.requires_grad_()
-                except torch.cuda.OutOfMemoryError as e:
-                    log(f"{d:>4} {causal!s:>6} {s:>6} | out of memory: {e}")
-                    continue
-                # one forward each, outside any timing; its graph is kept for the timed backwards
-                outs, grads = {}, {}
-                for name, fn in impls.items():
-                    try:
-                        outs[name] = fn(q, k, v, causal)
-                        grads[name] = torch.autograd.grad(outs[name], (q, k, v), dout, retain_graph=True)
-                    except Exception as e:  # noqa: BLE001 - a failed backend is recorded, not fatal
-                        errors[name] = first_line(e)
-                        outs.pop(name, None)
-                ref_name = "cudnn" if "cudnn" in grads else ("fa2" if "fa2" in grads else None)
-                if ref_name:
-                    row["check_against"] = ref_name
-                    for name in ("flash3", "flash3_det", "fa2"):
-                        if name in grads and name != ref_name:
-                            rel, mad, nan = grad_diffs(torch, grads[name], grads[ref_name])
-                            key = {"flash3": "", "flash3_det": "det_", "fa2": "fa2_"}[name]
-                            row[f"{key}grad_rel_err"], row[f"{key}grad_max_abs_diff"] = rel, mad
-                            row[f"{key}rel_err"], row[f"{key}max_abs_diff"] = max(rel.values()), max(mad.values())
-                            if name.startswith("flash3"):
-                                row[f"{key}nan"] = nan
-                if "flash3" in grads and "flash3_det" in grads:
-                    _, mad, _ = grad_diffs(torch, grads["flash3_det"], grads["flash3"])
-                    row["det_vs_default_max_abs_diff"] = max(mad.values())
-                del grads
-                tf, out = {}, None
-                # kernel time (spin first), then for cuDNN and flash3 also the anchors' way (no spin)
-                plan = [(name, "", None) for name in names] + [(n, "_nospin", 0) for n in ("cudnn", "flash3")]
-                for name, suffix, cycles in plan:
-                    if name not in outs or name in errors:
-                        continue
-                    out = outs[name]
-                    try:
-                        ms = time_ms(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), cycles)
-                        tf[name + suffix] = flops / (ms * 1e-3) / 1e12
-                        row[f"{name}{suffix}_ms"] = ms
-                    except Exception as e:  # noqa: BLE001
-                        errors[name] = first_line(e)
-                for name in names + ("cudnn_nospin", "flash3_nospin"):
-                    row[f"{name}_tflops"] = tf.get(name)
-                row["flash3_over_cudnn"] = ratio(tf.get("flash3"), tf.get("cudnn"))
-                row["flash3_det_over_cudnn"] = ratio(tf.get("flash3_det"), tf.get("cudnn"))
-                row["flash3_det_over_flash3"] = ratio(tf.get("flash3_det"), tf.get("flash3"))
-                row["flash3_over_fa2"] = ratio(tf.get("flash3"), tf.get("fa2"))
-                row["fa3_over_cudnn"] = anchors.get((d, causal, s))
-                fa3 = None
-                if row["fa3_over_cudnn"] and tf.get("cudnn_nospin"):
-                    fa3 = row["fa3_over_cudnn"] * tf["cudnn_nospin"]
-                row["fa3_implied_tflops"] = fa3
-                row["flash3_over_fa3_implied"] = ratio(tf.get("flash3"), fa3)
-                row["flash3_over_fa3_implied_same_method"] = ratio(tf.get("flash3_nospin"), fa3)
-                if errors:
-                    row["errors"] = errors
-                rows.append(row)
-                del outs, out, q, k, v, dout
-                bad = ((row.get("rel_err") or 0) > MISMATCH or (row.get("det_rel_err") or 0) > MISMATCH
-                       or row.get("nan") or row.get("det_nan"))
-                log(f"{d:>4} {causal!s:>6} {s:>6} | {fmt(tf.get('flash3'), '7.1f')} "
-                    f"{fmt(tf.get('flash3_det'), '7.1f')} {fmt(tf.get('cudnn'), '7.1f')} {fmt(tf.get('fa2'), '7.1f')} | "
-                    f"{fmt(row['flash3_over_cudnn'], '8.3f')} {fmt(row['flash3_det_over_cudnn'], '7.3f')} "
-                    f"{fmt(row['flash3_det_over_flash3'], '6.3f')} {fmt(row['flash3_over_fa2'], '7.3f')} "
-                    f"{fmt(row['fa3_over_cudnn'], '9.3f')} {fmt(row['flash3_over_fa3_implied'], '7.3f')} "
-                    f"{fmt(row['flash3_over_fa3_implied_same_method'], '5.2f')} | "
-                    f"{fmt(row.get('rel_err'), '8.2e')} {fmt(row.get('det_rel_err'), '8.2e')}"
-                    + ("  MISMATCH" if bad else ""))
-                for name, msg in errors.items():
-                    log(f"      {name} failed: {msg[:200]}")
-                torch.cuda.empty_cache()
+    for d, causal, s, b, h, flops in sweep_points(a, env, BWD_FLOPS_FACTOR):
+        row = {"pass": "bwd", "hdim": d, "causal": causal, "seqlen": s, "batch": b, "nheads": h,
+               "flops": flops}
+        errors = {}
+        try:
+            q, k, v, dout = (torch.randn(b, s, h, d, device=dev, dtype=torch.bfloat16) for _ in range(4))
+            for t in (q, k, v):
+                t.requires_grad_()
+        except torch.cuda.OutOfMemoryError as e:
+            log(f"{d:>4} {causal!s:>6} {s:>6} | out of memory: {e}")
+            continue
+        # one forward each, outside any timing; its graph is kept for the timed backwards
+        outs, grads = {}, {}
+        for name, fn in impls.items():
+            try:
+                outs[name] = fn(q, k, v, causal)
+                grads[name] = torch.autograd.grad(outs[name], (q, k, v), dout, retain_graph=True)
+            except Exception as e:  # noqa: BLE001 - a failed backend is recorded, not fatal
+                errors[name] = first_line(e)
+                outs.pop(name, None)
+        ref_name = "cudnn" if "cudnn" in grads else ("fa2" if "fa2" in grads else None)
+        if ref_name:
+            row["check_against"] = ref_name
+            for name in ("flash3", "flash3_det", "fa2"):
+                if name in grads and name != ref_name:
+                    rel, mad, nan = grad_diffs(torch, grads[name], grads[ref_name])
+                    key = {"flash3": "", "flash3_det": "det_", "fa2": "fa2_"}[name]
+                    row[f"{key}grad_rel_err"], row[f"{key}grad_max_abs_diff"] = rel, mad
+                    row[f"{key}rel_err"], row[f"{key}max_abs_diff"] = max(rel.values()), max(mad.values())
+                    if name.startswith("flash3"):
+                        row[f"{key}nan"] = nan
+        if "flash3" in grads and "flash3_det" in grads:
+            _, mad, _ = grad_diffs(torch, grads["flash3_det"], grads["flash3"])
+            row["det_vs_default_max_abs_diff"] = max(mad.values())
+        del grads
+        tf, out = {}, None
+        # kernel time (spin first), then for cuDNN and flash3 also the anchors' way (no spin)
+        plan = [(name, "", None) for name in names] + [(n, "_nospin", 0) for n in ("cudnn", "flash3")]
+        for name, suffix, cycles in plan:
+            if name not in outs or name in errors:
+                continue
+            out = outs[name]
+            try:
+                ms = time_ms(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), cycles)
+                tf[name + suffix] = flops / (ms * 1e-3) / 1e12
+                row[f"{name}{suffix}_ms"] = ms
+            except Exception as e:  # noqa: BLE001
+                errors[name] = first_line(e)
+        for name in names + ("cudnn_nospin", "flash3_nospin"):
+            row[f"{name}_tflops"] = tf.get(name)
+        row["flash3_over_cudnn"] = ratio(tf.get("flash3"), tf.get("cudnn"))
+        row["flash3_det_over_cudnn"] = ratio(tf.get("flash3_det"), tf.get("cudnn"))
+        row["flash3_det_over_flash3"] = ratio(tf.get("flash3_det"), tf.get("flash3"))
+        row["flash3_over_fa2"] = ratio(tf.get("flash3"), tf.get("fa2"))
+        row["fa3_over_cudnn"] = anchors.get((d, causal, s))
+        fa3 = None
+        if row["fa3_over_cudnn"] and tf.get("cudnn_nospin"):
+            fa3 = row["fa3_over_cudnn"] * tf["cudnn_nospin"]
+        row["fa3_implied_tflops"] = fa3
+        row["flash3_over_fa3_implied"] = ratio(tf.get("flash3"), fa3)
+        row["flash3_over_fa3_implied_same_method"] = ratio(tf.get("flash3_nospin"), fa3)
+        if errors:
+            row["errors"] = errors
+        rows.append(row)
+        del outs, out, q, k, v, dout
+        bad = ((row.get("rel_err") or 0) > MISMATCH or (row.get("det_rel_err") or 0) > MISMATCH
+               or row.get("nan") or row.get("det_nan"))
+        log(f"{d:>4} {causal!s:>6} {s:>6} | {fmt(tf.get('flash3'), '7.1f')} "
+            f"{fmt(tf.get('flash3_det'), '7.1f')} {fmt(tf.get('cudnn'), '7.1f')} {fmt(tf.get('fa2'), '7.1f')} | "
+            f"{fmt(row['flash3_over_cudnn'], '8.3f')} {fmt(row['flash3_det_over_cudnn'], '7.3f')} "
+            f"{fmt(row['flash3_det_over_flash3'], '6.3f')} {fmt(row['flash3_over_fa2'], '7.3f')} "
+            f"{fmt(row['fa3_over_cudnn'], '9.3f')} {fmt(row['flash3_over_fa3_implied'], '7.3f')} "
+            f"{fmt(row['flash3_over_fa3_implied_same_method'], '5.2f')} | "
+            f"{fmt(row.get('rel_err'), '8.2e')} {fmt(row.get('det_rel_err'), '8.2e')}"
+            + ("  MISMATCH" if bad else ""))
+        for name, msg in errors.items():
+            log(f"      {name} failed: {msg[:200]}")
+        torch.cuda.empty_cache()
     summary = geomeans(rows, ("flash3_over_cudnn", "flash3_det_over_cudnn", "flash3_det_over_flash3",
                               "flash3_over_fa2", "flash3_over_fa3_implied", "flash3_over_fa3_implied_same_method"))
     what = ("flash3 (default and deterministic) vs cuDNN vs FA2 (torch SDPA) backward, bf16, TFLOP/s by the "
