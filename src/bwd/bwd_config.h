@@ -3,18 +3,21 @@
 //
 // NOTES: a block owns kBlockN keys of one (head, batch) and keeps dK, dV for them in registers
 // (FP32) for its whole life, while kBlockM query rows stream past. Two consumer warpgroups
-// (240 registers each) share every GEMM; the accumulators per consumer thread are
+// share every GEMM; the accumulators per consumer thread are
 //   dK + dV: 2 x kBlockN x d / 256,  S + dP: 2 x kBlockM x kBlockN / 256,  dQ: kBlockM x d / 256
-// and S, dP are dead before dQ is live. (Head dim 64 with kBlockM = 128 spilled: S + dP + their
-// 16-bit copies + dK + dV exceed 232 registers.) Shared memory (bf16): K, V (kBlockN x d each), kStages x
-// (Q, dO) (kBlockM x d each), P and dS (kBlockM x kBlockN each), kDQStages x dQ in FP32
-// (kBlockM x d).
+// and S, dP are dead before dQ is live. kSdPSwapAB (FlashAttention-3's SdP_swapAB, bwd_traits.h):
+// S^T, dP^T are computed, so that P^T, dS^T are the register A operands of the dV, dK GEMMs and
+// only dS^T goes to shared memory (two buffers); otherwise P and dS both go through shared
+// memory. (Head dim 64 with kBlockM = 128, swapped: ptxas serialized the WGMMAs, C7512, at 240
+// registers; not swapped it spilled.) Shared memory (bf16): K, V (kBlockN x d each), kStages x
+// (Q, dO) (kBlockM x d each), P and dS or 2 x dS^T (kBlockM x kBlockN each), kDQStages x dQ in
+// FP32 (kBlockM x d). Registers (setmaxnreg) producer / consumers: see bwd_traits.h.
 //
-//   head dim | kBlockM | kBlockN | stages | dQ stages | registers (dK+dV, S+dP, dQ) | smem
-//   ---------+---------+---------+--------+-----------+-----------------------------+--------
-//        64  |    64   |   128   |   2    |     2     |   64,  64, 16               | 128 KB
-//       128  |    64   |   128   |   2    |     2     |  128,  64, 32               | 224 KB
-//       256  |    64   |    64   |   1    |     1     |  128,  32, 64               | 208 KB
+//   head dim | kBlockM | kBlockN | stages | dQ stages | swapped | regs (dK+dV, S+dP, dQ) | smem
+//   ---------+---------+---------+--------+-----------+---------+------------------------+-------
+//        64  |    64   |   128   |   2    |     2     |   yes   |   64,  64, 16          | 128 KB
+//       128  |    64   |   128   |   2    |     2     |   yes   |  128,  64, 32          | 225 KB
+//       256  |    64   |    64   |   1    |     1     |   no    |  128,  32, 64          | 208 KB
 #pragma once
 
 #include <cstddef>
@@ -26,12 +29,18 @@ template <int kHeadDim>
 struct BwdTileConfig;
 template <> struct BwdTileConfig<64> {
   static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2, kDQStages = 2;
+  static constexpr bool kSdPSwapAB = true;
+  static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
 };
 template <> struct BwdTileConfig<128> {
   static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2, kDQStages = 2;
+  static constexpr bool kSdPSwapAB = true;
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
 };
 template <> struct BwdTileConfig<256> {
   static constexpr int kBlockM = 64, kBlockN = 64, kStages = 1, kDQStages = 1;
+  static constexpr bool kSdPSwapAB = false;
+  static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
 };
 
 inline int bwd_block_m(int head_dim) {

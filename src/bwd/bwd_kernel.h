@@ -10,7 +10,9 @@
 //                                 consumers never wait on that traffic;
 //                     WGs 1, 2    consumers: S = Q_i K_j^T, dP = dO_i V_j^T, P = exp(S - lse),
 //                                 dS = P * (dP - D), dV_j += P^T dO_i, dK_j += dS^T Q_i,
-//                                 dQ_i = dS K_j, all with WGMMA; dK_j, dV_j stay in registers;
+//                                 dQ_i = dS K_j, all with WGMMA; dK_j, dV_j stay in registers
+//                                 (bwd_mainloop_swapped at head dims 64, 128: S^T, dP^T, with
+//                                 P^T, dS^T as register operands; bwd_mainloop_ss at 256);
 //   bwd_postprocess dQ = scale * accumulator in the input dtype; for GQA/MQA dK, dV summed over
 //                   the query heads of each kv head.
 #pragma once
@@ -87,6 +89,421 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* gmem_dst, const float
   asm volatile("cp.async.bulk.commit_group;" ::: "memory");
 }
 
+// dQ of the i-th visited query block to shared memory for the dQ writer, in register order:
+// value pair j of consumer thread t at float2 index j * 256 + t (conflict-free;
+// bwd_postprocess_dq undoes the order).
+template <class Traits, class AccQ>
+__device__ __forceinline__ void bwd_store_dq(typename Traits::SharedStorage& shared, AccQ const& tdQrdQ, int i,
+                                             int tidx) {
+  const int buf = i % Traits::kDQStages;
+  if (i >= Traits::kDQStages) named_barrier_sync(kBwdDQBarThreads, kBwdBarDQEmpty + buf);
+  float2* dq_tile = reinterpret_cast<float2*>(shared.smem_dq + buf * Traits::kDQElems);
+  CUTLASS_PRAGMA_UNROLL
+  for (int j = 0; j < size(tdQrdQ) / 2; ++j) {
+    dq_tile[j * Traits::kNumConsumerThreads + tidx] = make_float2(tdQrdQ(2 * j), tdQrdQ(2 * j + 1));
+  }
+  cutlass::arch::fence_view_async_shared();  // st.shared -> bulk reduce (async proxy)
+  named_barrier_arrive(kBwdDQBarThreads, kBwdBarDQFull + buf);
+}
+
+// The consumers' main loop, not swapped (head dim 256): S, dP as (kBlockM, kBlockN); P and dS
+// through shared memory; every GEMM reads both operands from shared memory.
+template <class Traits, class Pipeline, class AccKV>
+__device__ __forceinline__ void bwd_mainloop_ss(typename Traits::Params const& params,
+                                                typename Traits::SharedStorage& shared, Pipeline& pipeline_q,
+                                                Pipeline& pipeline_do, int m_count, int m_base, int col0,
+                                                int tidx, AccKV& tdKrdK, AccKV& tdVrdV) {
+  using Element = typename Traits::Element;
+  using PipelineState = typename Traits::PipelineState;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  using TileQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
+  auto m_at = [&](int i) { return abs(m_base - i); };
+  Tensor sQ = make_tensor(make_smem_ptr(shared.smem_q.data()), typename Traits::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(shared.smem_do.data()), typename Traits::SmemLayoutdO{});
+  Tensor sK = make_tensor(make_smem_ptr(shared.smem_k.data()), typename Traits::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(shared.smem_v.data()), typename Traits::SmemLayoutV{});
+  Element* p_ptr = shared.smem_pds.data();
+  Element* ds_ptr = p_ptr + cosize_v<typename Traits::SmemLayoutP>;
+  Tensor sP = make_tensor(make_smem_ptr(p_ptr), typename Traits::SmemLayoutP{});
+  Tensor sdS = make_tensor(make_smem_ptr(ds_ptr), typename Traits::SmemLayoutdS{});
+  Tensor sQt = make_tensor(make_smem_ptr(shared.smem_q.data()), typename Traits::SmemLayoutQt{});
+  Tensor sdOt = make_tensor(make_smem_ptr(shared.smem_do.data()), typename Traits::SmemLayoutdOt{});
+  Tensor sKt = make_tensor(make_smem_ptr(shared.smem_k.data()), typename Traits::SmemLayoutKt{});
+  Tensor sPt = make_tensor(make_smem_ptr(p_ptr), typename Traits::SmemLayoutPt{});
+  Tensor sdSt = make_tensor(make_smem_ptr(ds_ptr), typename Traits::SmemLayoutdSt{});
+  typename Traits::TiledMmadKV mma_dkv;
+  auto thr_dkv = mma_dkv.get_thread_slice(tidx);
+  typename Traits::TiledMmaSdP mma_sdp;
+  typename Traits::TiledMmadQ mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(tidx);
+  auto thr_dq = mma_dq.get_thread_slice(tidx);
+
+  Tensor tSrQ = thr_sdp.partition_fragment_A(sQ);     // (MMA, M, K, stage)
+  Tensor tSrK = thr_sdp.partition_fragment_B(sK);     // (MMA, N, K)
+  Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO);  // (MMA, M, K, stage)
+  Tensor tdPrV = thr_sdp.partition_fragment_B(sV);
+  Tensor tdVrPt = thr_dkv.partition_fragment_A(sPt);
+  Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOt);  // (MMA, N, K, stage)
+  Tensor tdKrdSt = thr_dkv.partition_fragment_A(sdSt);
+  Tensor tdKrQt = thr_dkv.partition_fragment_B(sQt);    // (MMA, N, K, stage)
+  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
+  Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
+
+  Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+  Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+  Tensor tdQrdQ = partition_fragment_C(mma_dq, TileQ{});
+  Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+
+  // P and dS leave the registers with stmatrix into the swizzled tiles.
+  auto smem_copy_p = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
+  auto thr_copy_p = smem_copy_p.get_thread_slice(tidx);
+  Tensor tPsP = thr_copy_p.partition_D(sP);
+  Tensor tPsdS = thr_copy_p.partition_D(sdS);
+  Tensor tPrP = make_tensor<Element>(tSrS.layout());
+  Tensor tPrdS = make_tensor<Element>(tSrS.layout());
+
+  const int row_shift = params.seqlen_k - params.seqlen_q;  // causal: key j visible iff j <= i + shift
+
+  // One tile GEMM, committed as one group and not waited for (operand fences right after the
+  // commit).
+  auto gemm = [&](auto zero_init, auto& mma, auto const& tA, auto const& tB, auto& tC) {
+    warpgroup_gemm<decltype(zero_init)::value, -1>(mma, tA, tB, tC);
+  };
+  // S = Q_m K^T and dP = dO_m V^T (two commit groups).
+  auto issue_sdp = [&](PipelineState const& rq, PipelineState const& rdo) {
+    pipeline_q.consumer_wait(rq);
+    gemm(cute::true_type{}, mma_sdp, tSrQ(_, _, _, rq.index()), tSrK, tSrS);
+    pipeline_do.consumer_wait(rdo);
+    gemm(cute::true_type{}, mma_sdp, tdPrdO(_, _, _, rdo.index()), tdPrV, tdPrdP);
+  };
+  // P = exp(scale * S - lse) in place of S, 0 where masked (keys past seqlen_k, or in the causal
+  // future). Query rows past seqlen_q have lse = +inf (and dO = 0): P = 0, dS = 0 there.
+  // NOTES: (row, col) views, so that each thread loads the lse and D of its few rows once.
+  Tensor tSrS_rc = make_tensor(tSrS.data(), acc_layout_rowcol(tSrS.layout()));
+  Tensor tdPrdP_rc = make_tensor(tdPrdP.data(), acc_layout_rowcol(tdPrdP.layout()));
+  Tensor tScS_rc = make_tensor(tScS.data(), acc_layout_rowcol(tScS.layout()));
+  constexpr int kRows = decltype(size<0>(tSrS_rc))::value;
+  constexpr int kCols = decltype(size<1>(tSrS_rc))::value;
+  auto compute_p = [&](int m, int stage) {
+    const int row0 = m * kBlockM;
+    const float* lse = shared.smem_lse + stage * kBlockM;
+    bool need_mask = col0 + kBlockN > params.seqlen_k;
+    if constexpr (Traits::kCausal) need_mask |= col0 + kBlockN - 1 > row0 + row_shift;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      const int r = get<0>(tScS_rc(i, 0));
+      const float row_lse = lse[r];
+      if (need_mask) {
+        // Key columns visible to this row: [0, limit) relative to col0.
+        int limit = params.seqlen_k - col0;
+        if constexpr (Traits::kCausal) limit = min(limit, row0 + r + row_shift + 1 - col0);
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < kCols; ++j) {
+          const bool masked = get<1>(tScS_rc(0, j)) >= limit;
+          tSrS_rc(i, j) = masked ? 0.0f : fast_exp2(tSrS_rc(i, j) * params.scale_log2 - row_lse);
+        }
+      } else {
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < kCols; ++j) tSrS_rc(i, j) = fast_exp2(tSrS_rc(i, j) * params.scale_log2 - row_lse);
+      }
+    }
+  };
+  // dS = P * (dP - D) in place of dP.
+  auto compute_ds = [&](int stage) {
+    const float* dpsum = shared.smem_dpsum + stage * kBlockM;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      const float row_d = dpsum[get<0>(tScS_rc(i, 0))];
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < kCols; ++j) tdPrdP_rc(i, j) = tSrS_rc(i, j) * (tdPrdP_rc(i, j) - row_d);
+    }
+  };
+  // P and dS to shared memory for the second-stage GEMMs of both warpgroups.
+  auto write_p_ds = [&](bool wait_free) {
+    convert_into<Element>(tSrS, tPrP);
+    convert_into<Element>(tdPrdP, tPrdS);
+    // Both warpgroups' GEMMs of the previous query block have read P and dS: overwrite them.
+    if (wait_free) named_barrier_sync(Traits::kNumConsumerThreads, kBwdBarPFree);
+    copy(smem_copy_p, thr_copy_p.retile_S(tPrP), tPsP);
+    copy(smem_copy_p, thr_copy_p.retile_S(tPrdS), tPsdS);
+    cutlass::arch::fence_view_async_shared();  // st.shared / stmatrix -> WGMMA (async proxy)
+    named_barrier_sync(Traits::kNumConsumerThreads, kBwdBarPReady);
+  };
+  // dK += dS^T Q_m, dV += P^T dO_m, dQ_m = dS K (three commit groups; Q_m, then dO_m can be
+  // released early).
+  auto issue_grads = [&](int stage_q, int stage_do) {
+    gemm(cute::false_type{}, mma_dkv, tdKrdSt, tdKrQt(_, _, _, stage_q), tdKrdK);  // last read of Q_m
+    gemm(cute::false_type{}, mma_dkv, tdVrPt, tdVrdOt(_, _, _, stage_do), tdVrdV);  // last read of dO_m
+    gemm(cute::true_type{}, mma_dq, tdQrdS, tdQrKt, tdQrdQ);
+  };
+  auto store_dq = [&](int i) { bwd_store_dq<Traits>(shared, tdQrdQ, i, tidx); };
+
+  // NOTES: in order, one query block at a time: S and dP, then P and dS, then dK, dV, dQ (each
+  // step's GEMMs in flight together). (An overlapped schedule, with the next block's S, dP
+  // GEMMs issued behind the gradient GEMMs, spilled 770+ bytes here and ptxas serialized every
+  // WGMMA: C7512, then C7514; docs/perf-log.md B2-B3.)
+  PipelineState read_q, read_do;
+  for (int i = 0; i < m_count; ++i) {
+    issue_sdp(read_q, read_do);
+    warpgroup_wait<1>();  // S (and everything issued before it)
+    compute_p(m_at(i), read_q.index());
+    warpgroup_wait<0>();  // dP
+    compute_ds(read_do.index());
+    write_p_ds(i > 0);
+    issue_grads(read_q.index(), read_do.index());
+    // Each buffer is released as soon as its last GEMM is done, so that (with one stage) the
+    // next block's Q and dO load while dV and dQ still run.
+    warpgroup_wait<2>();  // dK
+    pipeline_q.consumer_release(read_q);
+    warpgroup_wait<1>();  // dV
+    pipeline_do.consumer_release(read_do);
+    warpgroup_wait<0>();  // dQ
+    ++read_q;
+    ++read_do;
+    store_dq(i);
+  }
+}
+
+// The consumers' main loop, swapped (head dims 64, 128; traits: kSdPSwapAB): per query block
+//   S^T = K Q_m^T, dP^T = V dO_m^T        (kBlockN x kBlockM; warpgroup w: keys 64w..64w+63)
+//   P^T = exp2(S^T * scale - lse), dS^T = P^T (dP^T - D)      (lse, D per column = query)
+//   dV += P^T dO_m   (A = P^T from registers)
+//   dS^T -> shared memory (stmatrix), dK += dS^T Q_m   (A from registers)
+//   both warpgroups' dS^T stored (named barrier), dQ_m = dS K   (dS read MN-major)
+// NOTES: dS^T has two buffers, so the one barrier per block suffices: warpgroup A stores block
+// i+2's dS^T into buffer i%2 only after passing block i+1's barrier, which warpgroup B reaches
+// after its dQ GEMM of block i (the last reader of that buffer) is complete.
+template <class Traits, class Pipeline, class AccKV>
+__device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params const& params,
+                                                     typename Traits::SharedStorage& shared,
+                                                     Pipeline& pipeline_q, Pipeline& pipeline_do, int m_count,
+                                                     int m_base, int col0, int tidx, AccKV& tdKrdK,
+                                                     AccKV& tdVrdV) {
+  using Element = typename Traits::Element;
+  using PipelineState = typename Traits::PipelineState;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  using TileQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
+  using TileSt = Shape<Int<kBlockN>, Int<kBlockM>>;
+  Tensor sQ = make_tensor(make_smem_ptr(shared.smem_q.data()), typename Traits::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(shared.smem_do.data()), typename Traits::SmemLayoutdO{});
+  Tensor sK = make_tensor(make_smem_ptr(shared.smem_k.data()), typename Traits::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(shared.smem_v.data()), typename Traits::SmemLayoutV{});
+  Tensor sQt = make_tensor(make_smem_ptr(shared.smem_q.data()), typename Traits::SmemLayoutQt{});
+  Tensor sdOt = make_tensor(make_smem_ptr(shared.smem_do.data()), typename Traits::SmemLayoutdOt{});
+  Tensor sKt = make_tensor(make_smem_ptr(shared.smem_k.data()), typename Traits::SmemLayoutKt{});
+  Tensor sdStStore = make_tensor(make_smem_ptr(shared.smem_pds.data()), typename Traits::SmemLayoutdStStore{});
+  Tensor sdSView = make_tensor(make_smem_ptr(shared.smem_pds.data()), typename Traits::SmemLayoutdSView{});
+
+  typename Traits::TiledMmaSdP mma_sdp;
+  typename Traits::TiledMmadKV mma_dkv;
+  typename Traits::TiledMmadQ mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(tidx);
+  auto thr_dkv = mma_dkv.get_thread_slice(tidx);
+  auto thr_dq = mma_dq.get_thread_slice(tidx);
+  Tensor tSrK = thr_sdp.partition_fragment_A(sK);       // (MMA, M, K)
+  Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);       // (MMA, N, K, stage)
+  Tensor tdPrV = thr_sdp.partition_fragment_A(sV);
+  Tensor tdPrdO = thr_sdp.partition_fragment_B(sdO);    // (MMA, N, K, stage)
+  Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOt);  // (MMA, N, K, stage)
+  Tensor tdKrQt = thr_dkv.partition_fragment_B(sQt);    // (MMA, N, K, stage)
+  Tensor tdQrdS = thr_dq.partition_fragment_A(sdSView);  // (MMA, M, K, dS stage)
+  Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
+
+  Tensor tSrS = partition_fragment_C(mma_sdp, TileSt{});
+  Tensor tdPrdP = partition_fragment_C(mma_sdp, TileSt{});
+  Tensor tdQrdQ = partition_fragment_C(mma_dq, TileQ{});
+  Tensor tScS = thr_sdp.partition_C(make_identity_tensor(TileSt{}));
+  // P^T and dS^T in 16 bits, as the A operands (registers) of the dV and dK GEMMs.
+  Tensor tPrP = make_tensor<Element>(acc_layout_as_a_operand(tSrS.layout()));
+  Tensor tPrdS = make_tensor<Element>(acc_layout_as_a_operand(tSrS.layout()));
+  // dS^T leaves the registers with stmatrix into the swizzled (kBlockN, kBlockM) tile.
+  auto smem_copy_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
+  auto thr_copy_ds = smem_copy_ds.get_thread_slice(tidx);
+  Tensor tdSsdS = thr_copy_ds.partition_D(sdStStore);  // (CPY, CPY_M, CPY_N, dS stage)
+  Tensor tdSrdS = make_tensor(tPrdS.data(), tSrS.layout());  // the same registers, C layout
+
+  const int row_shift = params.seqlen_k - params.seqlen_q;  // causal: key j visible iff j <= i + shift
+  // (row, col) = (key, query) views: each thread's queries are the columns.
+  Tensor tSrS_rc = make_tensor(tSrS.data(), acc_layout_rowcol(tSrS.layout()));
+  Tensor tdPrdP_rc = make_tensor(tdPrdP.data(), acc_layout_rowcol(tdPrdP.layout()));
+  Tensor tScS_rc = make_tensor(tScS.data(), acc_layout_rowcol(tScS.layout()));
+  constexpr int kRows = decltype(size<0>(tSrS_rc))::value;
+  constexpr int kCols = decltype(size<1>(tSrS_rc))::value;
+
+  // One tile GEMM, committed as one group and not waited for. In order: operand fences right
+  // after the commit (warpgroup_gemm). Overlapped: accumulators fenced after the waits
+  // (warpgroup_gemm_async; a fence on an accumulator in flight serializes every WGMMA, C7514),
+  // the register A operand before the issue.
+  auto gemm_dkv = [&](auto& tA, auto const& tB, auto& tC) __attribute__((always_inline)) {
+    if constexpr (Traits::kOverlapBlocks) {
+      warpgroup_fence_operand(tA);
+      warpgroup_gemm_async<false>(mma_dkv, tA, tB, tC);
+    } else {
+      warpgroup_gemm<false, -1>(mma_dkv, tA, tB, tC);
+    }
+  };
+  auto fence_after_wait = [&](auto& t) __attribute__((always_inline)) {
+    if constexpr (Traits::kOverlapBlocks) warpgroup_fence_operand(t);
+  };
+  // S^T = K Q_m^T and dP^T = V dO_m^T (two commit groups).
+  auto issue_sdp = [&](PipelineState const& rq, PipelineState const& rdo) __attribute__((always_inline)) {
+    pipeline_q.consumer_wait(rq);
+    if constexpr (Traits::kOverlapBlocks) {
+      warpgroup_gemm_async<true>(mma_sdp, tSrK, tSrQ(_, _, _, rq.index()), tSrS);
+    } else {
+      warpgroup_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, rq.index()), tSrS);
+    }
+    pipeline_do.consumer_wait(rdo);
+    if constexpr (Traits::kOverlapBlocks) {
+      warpgroup_gemm_async<true>(mma_sdp, tdPrV, tdPrdO(_, _, _, rdo.index()), tdPrdP);
+    } else {
+      warpgroup_gemm<true, -1>(mma_sdp, tdPrV, tdPrdO(_, _, _, rdo.index()), tdPrdP);
+    }
+  };
+  auto compute_p = [&](int m, int stage) __attribute__((always_inline)) {
+    // P^T = exp2(S^T * scale_log2 - lse) in place, 0 where masked (keys past seqlen_k, or in the
+    // causal future: S = -inf first). Query columns past seqlen_q have lse = +inf (and dO = 0):
+    // P = dS = 0. NOTES: with the mask test inside the exponential loop, ptxas kept both
+    // versions of every column alive and spilled 120+ registers at head dim 64.
+    const int row0 = m * kBlockM;
+    const float* lse = shared.smem_lse + stage * kBlockM;
+    bool need_mask = col0 + kBlockN > params.seqlen_k;
+    if constexpr (Traits::kCausal) need_mask |= col0 + kBlockN - 1 > row0 + row_shift;
+    if (need_mask) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < kCols; ++j) {
+        // Keys visible to query c: [0, limit) relative to col0.
+        int limit = params.seqlen_k - col0;
+        if constexpr (Traits::kCausal) limit = min(limit, row0 + get<1>(tScS_rc(0, j)) + row_shift + 1 - col0);
+        CUTLASS_PRAGMA_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+          if (get<0>(tScS_rc(r, 0)) >= limit) tSrS_rc(r, j) = -INFINITY;
+        }
+      }
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < kCols; ++j) {
+      const float col_lse = lse[get<1>(tScS_rc(0, j))];
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < kRows; ++r) tSrS_rc(r, j) = fast_exp2(tSrS_rc(r, j) * params.scale_log2 - col_lse);
+    }
+    // Overlapped loop: pins the exponentials here, between the waits for S^T and dP^T: ptxas
+    // (13.0) otherwise hoisted the second wait above 25 of the 32 MUFU.EX2 (SASS), as in the
+    // forward kernel (fwd_kernel.h, pin_before_wait). A shared-memory store of the XOR of all
+    // of P^T (16 three-input LOP3s) stays before the wait. (In the in-order loop at head dim
+    // 128 the pin measured 1-5% slower at every sweep point; left out there.)
+    if constexpr (Traits::kOverlapBlocks) {
+      uint32_t x = 0;
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = 0; k < size(tSrS); ++k) x ^= __float_as_uint(tSrS(k));
+      asm volatile("st.shared.u32 [%0], %1;" ::"r"(cute::cast_smem_ptr_to_uint(&shared.pin[tidx])), "r"(x)
+                   : "memory");
+    }
+  };
+  auto compute_ds = [&](int stage) __attribute__((always_inline)) {
+    // dS^T = P^T (dP^T - D) in place of dP^T, and P^T to 16 bits in the same pass (S^T dies
+    // as it goes). Columns 2k, 2k+1 of a row are adjacent registers: one packed conversion.
+    const float* dpsum = shared.smem_dpsum + stage * kBlockM;
+    Tensor tPrP_rc = make_tensor(tPrP.data(), acc_layout_rowcol(tSrS.layout()));
+    cutlass::NumericArrayConverter<Element, float, 2> cvt2;
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < kCols; j += 2) {
+      const float2 d = *reinterpret_cast<const float2*>(dpsum + get<1>(tScS_rc(0, j)));
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        cutlass::Array<float, 2> p2;
+        p2[0] = tSrS_rc(r, j);
+        p2[1] = tSrS_rc(r, j + 1);
+        tdPrdP_rc(r, j) = p2[0] * (tdPrdP_rc(r, j) - d.x);
+        tdPrdP_rc(r, j + 1) = p2[1] * (tdPrdP_rc(r, j + 1) - d.y);
+        *reinterpret_cast<cutlass::Array<Element, 2>*>(&tPrP_rc(r, j)) = cvt2(p2);
+      }
+    }
+  };
+  // dV += P^T dO_m; dS^T to shared memory; dK += dS^T Q_m; once both warpgroups' dS^T are
+  // stored, dQ_m = dS K (three commit groups).
+  auto issue_grads = [&](int i, int stage_q, int stage_do) __attribute__((always_inline)) {
+    const int ds_stage = i % Traits::kDSStages;
+    gemm_dkv(tPrP, tdVrdOt(_, _, _, stage_do), tdVrdV);  // last read of dO_m
+    convert_into<Element>(tdPrdP, tPrdS);
+    copy(smem_copy_ds, thr_copy_ds.retile_S(tdSrdS), tdSsdS(_, _, _, ds_stage));
+    gemm_dkv(tPrdS, tdKrQt(_, _, _, stage_q), tdKrdK);  // last read of Q_m
+    cutlass::arch::fence_view_async_shared();  // stmatrix -> WGMMA (async proxy)
+    named_barrier_sync(Traits::kNumConsumerThreads, kBwdBarPReady);
+    if constexpr (Traits::kOverlapBlocks) {
+      warpgroup_gemm_async<true>(mma_dq, tdQrdS(_, _, _, ds_stage), tdQrKt, tdQrdQ);
+    } else {
+      warpgroup_gemm<true, -1>(mma_dq, tdQrdS(_, _, _, ds_stage), tdQrKt, tdQrdQ);
+    }
+  };
+
+  PipelineState read_q, read_do;
+  if constexpr (!Traits::kOverlapBlocks) {
+    for (int i = 0; i < m_count; ++i) {
+      issue_sdp(read_q, read_do);
+      warpgroup_wait<1>();  // S^T
+      compute_p(abs(m_base - i), read_q.index());
+      warpgroup_wait<0>();  // dP^T
+      compute_ds(read_do.index());
+      issue_grads(i, read_q.index(), read_do.index());
+      warpgroup_wait<1>();  // dV, dK
+      pipeline_q.consumer_release(read_q);
+      pipeline_do.consumer_release(read_do);
+      ++read_q;
+      ++read_do;
+      warpgroup_wait<0>();  // dQ_m
+      bwd_store_dq<Traits>(shared, tdQrdQ, i, tidx);
+    }
+  } else {
+    // Overlapped (head dim 64): the S^T, dP^T GEMMs of block i+1 are issued right behind the
+    // gradient GEMMs of block i, so the tensor cores run them while dQ_i is stored and the
+    // buffers of block i released, and dP^T of block i+1 while its P^T is computed.
+    if (m_count > 0) {
+      issue_sdp(read_q, read_do);
+      warpgroup_wait<1>();
+      fence_after_wait(tSrS);
+      compute_p(abs(m_base), read_q.index());
+      warpgroup_wait<0>();
+      fence_after_wait(tdPrdP);
+      compute_ds(read_do.index());
+    }
+    // NOTES: one branch per iteration (with the wait for block i+1 under a second test of the
+    // same condition, ptxas saw a path leaving the loop with S^T in flight: C7515, serialized).
+    for (int i = 0; i < m_count; ++i) {
+      issue_grads(i, read_q.index(), read_do.index());
+      if (i + 1 < m_count) {
+        PipelineState next_q = read_q, next_do = read_do;
+        ++next_q;
+        ++next_do;
+        issue_sdp(next_q, next_do);
+        warpgroup_wait<2>();  // dV, dK, dQ of block i
+        fence_after_wait(tdVrdV);
+        fence_after_wait(tdKrdK);
+        fence_after_wait(tdQrdQ);
+        pipeline_q.consumer_release(read_q);
+        pipeline_do.consumer_release(read_do);
+        bwd_store_dq<Traits>(shared, tdQrdQ, i, tidx);
+        read_q = next_q;
+        read_do = next_do;
+        warpgroup_wait<1>();  // S^T of block i+1
+        fence_after_wait(tSrS);
+        compute_p(abs(m_base - i - 1), read_q.index());
+        warpgroup_wait<0>();  // dP^T
+        fence_after_wait(tdPrdP);
+        compute_ds(read_do.index());
+      } else {
+        warpgroup_wait<0>();
+        fence_after_wait(tdVrdV);
+        fence_after_wait(tdKrdK);
+        fence_after_wait(tdQrdQ);
+        pipeline_q.consumer_release(read_q);
+        pipeline_do.consumer_release(read_do);
+        bwd_store_dq<Traits>(shared, tdQrdQ, i, tidx);
+      }
+    }
+  }
+}
+
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     bwd_kernel(const __grid_constant__ typename Traits::Params params) {
@@ -148,13 +565,6 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   Tensor sdO = make_tensor(make_smem_ptr(shared.smem_do.data()), typename Traits::SmemLayoutdO{});
   Tensor sK = make_tensor(make_smem_ptr(shared.smem_k.data()), typename Traits::SmemLayoutK{});
   Tensor sV = make_tensor(make_smem_ptr(shared.smem_v.data()), typename Traits::SmemLayoutV{});
-  Tensor sP = make_tensor(make_smem_ptr(shared.smem_p.data()), typename Traits::SmemLayoutP{});
-  Tensor sdS = make_tensor(make_smem_ptr(shared.smem_ds.data()), typename Traits::SmemLayoutdS{});
-  Tensor sQt = make_tensor(make_smem_ptr(shared.smem_q.data()), typename Traits::SmemLayoutQt{});
-  Tensor sdOt = make_tensor(make_smem_ptr(shared.smem_do.data()), typename Traits::SmemLayoutdOt{});
-  Tensor sKt = make_tensor(make_smem_ptr(shared.smem_k.data()), typename Traits::SmemLayoutKt{});
-  Tensor sPt = make_tensor(make_smem_ptr(shared.smem_p.data()), typename Traits::SmemLayoutPt{});
-  Tensor sdSt = make_tensor(make_smem_ptr(shared.smem_ds.data()), typename Traits::SmemLayoutdSt{});
 
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
@@ -231,210 +641,25 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   // ======================================= consumers ========================================
   cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
   const int tidx = threadIdx.x - 128;
-  typename Traits::TiledMmaSdP mma_sdp;
   typename Traits::TiledMmadKV mma_dkv;
-  typename Traits::TiledMmadQ mma_dq;
-  auto thr_sdp = mma_sdp.get_thread_slice(tidx);
   auto thr_dkv = mma_dkv.get_thread_slice(tidx);
-  auto thr_dq = mma_dq.get_thread_slice(tidx);
-
-  Tensor tSrQ = thr_sdp.partition_fragment_A(sQ);     // (MMA, M, K, stage)
-  Tensor tSrK = thr_sdp.partition_fragment_B(sK);     // (MMA, N, K)
-  Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO);  // (MMA, M, K, stage)
-  Tensor tdPrV = thr_sdp.partition_fragment_B(sV);
-  Tensor tdVrPt = thr_dkv.partition_fragment_A(sPt);
-  Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOt);  // (MMA, N, K, stage)
-  Tensor tdKrdSt = thr_dkv.partition_fragment_A(sdSt);
-  Tensor tdKrQt = thr_dkv.partition_fragment_B(sQt);    // (MMA, N, K, stage)
-  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
-  Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
-
   Tensor tdVrdV = partition_fragment_C(mma_dkv, TileKV{});
   Tensor tdKrdK = partition_fragment_C(mma_dkv, TileKV{});
   clear(tdVrdV);
   clear(tdKrdK);
-  Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
-  Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
-  Tensor tdQrdQ = partition_fragment_C(mma_dq, TileQ{});
-  Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
-
-  // P and dS leave the registers with stmatrix into the swizzled tiles.
-  auto smem_copy_p = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
-  auto thr_copy_p = smem_copy_p.get_thread_slice(tidx);
-  Tensor tPsP = thr_copy_p.partition_D(sP);
-  Tensor tPsdS = thr_copy_p.partition_D(sdS);
-  Tensor tPrP = make_tensor<Element>(tSrS.layout());
-  Tensor tPrdS = make_tensor<Element>(tSrS.layout());
-
-  const int row_shift = params.seqlen_k - params.seqlen_q;  // causal: key j visible iff j <= i + shift
   const int col0 = n_block * kBlockN;
-
-  // One tile GEMM, committed as one group and not waited for. The overlapped schedule fences
-  // the accumulators after the waits (warpgroup_gemm_async); the in-order one right after the
-  // commit (warpgroup_gemm), which measured without spills there.
-  auto fence_after_wait = [&](auto& t) {
-    if constexpr (Traits::kOverlapBlocks) warpgroup_fence_operand(t);
-  };
-  auto gemm = [&](auto zero_init, auto& mma, auto const& tA, auto const& tB, auto& tC) {
-    if constexpr (Traits::kOverlapBlocks) {
-      warpgroup_gemm_async<decltype(zero_init)::value>(mma, tA, tB, tC);
-    } else {
-      warpgroup_gemm<decltype(zero_init)::value, -1>(mma, tA, tB, tC);
-    }
-  };
-  // S = Q_m K^T and dP = dO_m V^T (two commit groups).
-  auto issue_sdp = [&](PipelineState const& rq, PipelineState const& rdo) {
-    pipeline_q.consumer_wait(rq);
-    gemm(cute::true_type{}, mma_sdp, tSrQ(_, _, _, rq.index()), tSrK, tSrS);
-    pipeline_do.consumer_wait(rdo);
-    gemm(cute::true_type{}, mma_sdp, tdPrdO(_, _, _, rdo.index()), tdPrV, tdPrdP);
-  };
-  // P = exp(scale * S - lse) in place of S, 0 where masked (keys past seqlen_k, or in the causal
-  // future). Query rows past seqlen_q have lse = +inf (and dO = 0): P = 0, dS = 0 there.
-  // NOTES: (row, col) views, so that each thread loads the lse and D of its few rows once.
-  Tensor tSrS_rc = make_tensor(tSrS.data(), acc_layout_rowcol(tSrS.layout()));
-  Tensor tdPrdP_rc = make_tensor(tdPrdP.data(), acc_layout_rowcol(tdPrdP.layout()));
-  Tensor tScS_rc = make_tensor(tScS.data(), acc_layout_rowcol(tScS.layout()));
-  constexpr int kRows = decltype(size<0>(tSrS_rc))::value;
-  constexpr int kCols = decltype(size<1>(tSrS_rc))::value;
-  auto compute_p = [&](int m, int stage) {
-    const int row0 = m * kBlockM;
-    const float* lse = shared.smem_lse + stage * kBlockM;
-    bool need_mask = col0 + kBlockN > params.seqlen_k;
-    if constexpr (Traits::kCausal) need_mask |= col0 + kBlockN - 1 > row0 + row_shift;
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < kRows; ++i) {
-      const int r = get<0>(tScS_rc(i, 0));
-      const float row_lse = lse[r];
-      if (need_mask) {
-        // Key columns visible to this row: [0, limit) relative to col0.
-        int limit = params.seqlen_k - col0;
-        if constexpr (Traits::kCausal) limit = min(limit, row0 + r + row_shift + 1 - col0);
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < kCols; ++j) {
-          const bool masked = get<1>(tScS_rc(0, j)) >= limit;
-          tSrS_rc(i, j) = masked ? 0.0f : fast_exp2(tSrS_rc(i, j) * params.scale_log2 - row_lse);
-        }
-      } else {
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < kCols; ++j) tSrS_rc(i, j) = fast_exp2(tSrS_rc(i, j) * params.scale_log2 - row_lse);
-      }
-    }
-  };
-  // dS = P * (dP - D) in place of dP.
-  auto compute_ds = [&](int stage) {
-    const float* dpsum = shared.smem_dpsum + stage * kBlockM;
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < kRows; ++i) {
-      const float row_d = dpsum[get<0>(tScS_rc(i, 0))];
-      CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < kCols; ++j) tdPrdP_rc(i, j) = tSrS_rc(i, j) * (tdPrdP_rc(i, j) - row_d);
-    }
-  };
-  // P and dS to shared memory for the second-stage GEMMs of both warpgroups.
-  auto write_p_ds = [&](bool wait_free) {
-    convert_into<Element>(tSrS, tPrP);
-    convert_into<Element>(tdPrdP, tPrdS);
-    // Both warpgroups' GEMMs of the previous query block have read P and dS: overwrite them.
-    if (wait_free) named_barrier_sync(Traits::kNumConsumerThreads, kBwdBarPFree);
-    copy(smem_copy_p, thr_copy_p.retile_S(tPrP), tPsP);
-    copy(smem_copy_p, thr_copy_p.retile_S(tPrdS), tPsdS);
-    cutlass::arch::fence_view_async_shared();  // st.shared / stmatrix -> WGMMA (async proxy)
-    named_barrier_sync(Traits::kNumConsumerThreads, kBwdBarPReady);
-  };
-  // dQ_m = dS K, dV += P^T dO_m, dK += dS^T Q_m (three commit groups): dQ first in the
-  // overlapped schedule; dK, dV, dQ in the in-order one (Q_m, then dO_m can be released early).
-  auto issue_grads = [&](int stage_q, int stage_do) {
-    if constexpr (Traits::kOverlapBlocks) {
-      gemm(cute::true_type{}, mma_dq, tdQrdS, tdQrKt, tdQrdQ);
-      gemm(cute::false_type{}, mma_dkv, tdVrPt, tdVrdOt(_, _, _, stage_do), tdVrdV);
-      gemm(cute::false_type{}, mma_dkv, tdKrdSt, tdKrQt(_, _, _, stage_q), tdKrdK);
-    } else {
-      gemm(cute::false_type{}, mma_dkv, tdKrdSt, tdKrQt(_, _, _, stage_q), tdKrdK);  // last read of Q_m
-      gemm(cute::false_type{}, mma_dkv, tdVrPt, tdVrdOt(_, _, _, stage_do), tdVrdV);  // last read of dO_m
-      gemm(cute::true_type{}, mma_dq, tdQrdS, tdQrKt, tdQrdQ);
-    }
-  };
-  // dQ_m to shared memory for the dQ writer, in register order: value pair j of consumer thread
-  // t at float2 index j * 256 + t (conflict-free; bwd_postprocess_dq undoes the order).
-  auto store_dq = [&](int i) {  // the i-th visited query block's dQ
-    const int buf = i % Traits::kDQStages;
-    if (i >= Traits::kDQStages) named_barrier_sync(kBwdDQBarThreads, kBwdBarDQEmpty + buf);
-    float2* dq_tile = reinterpret_cast<float2*>(shared.smem_dq + buf * Traits::kDQElems);
-    CUTLASS_PRAGMA_UNROLL
-    for (int j = 0; j < size(tdQrdQ) / 2; ++j) {
-      dq_tile[j * Traits::kNumConsumerThreads + tidx] = make_float2(tdQrdQ(2 * j), tdQrdQ(2 * j + 1));
-    }
-    cutlass::arch::fence_view_async_shared();  // st.shared -> bulk reduce (async proxy)
-    named_barrier_arrive(kBwdDQBarThreads, kBwdBarDQFull + buf);
-  };
-
-  // NOTES: two loop schedules.
-  // In order (head dims 128, 256): per query block, S and dP, then P and dS, then dV, dK, dQ.
-  // Overlapped (head dim 64): dQ_m, dV, dK of block m are issued (dQ first); dQ_m goes to shared
-  // memory while dV, dK run; the S, dP GEMMs of block m+1 are issued behind them, and P of block
-  // m+1 is computed while its dP GEMM runs. At head dim 128 the overlapped schedule spilled 770+
-  // bytes and ptxas serialized every WGMMA (C7512, then C7514): dK + dV are 128 accumulator
-  // registers per thread there. The in-order loop, with one copy of each step, keeps the WGMMAs
-  // of each step in flight and spills nothing.
   shared.barrier_kv.wait(0);
-  PipelineState read_q, read_do;
-  auto sdp_and_ds = [&](int m, PipelineState const& rq, PipelineState const& rdo) {
-    issue_sdp(rq, rdo);
-    warpgroup_wait<1>();  // S (and everything issued before it)
-    fence_after_wait(tSrS);
-    compute_p(m, rq.index());
-    warpgroup_wait<0>();  // dP
-    fence_after_wait(tdPrdP);
-    compute_ds(rdo.index());
-  };
-  if constexpr (!Traits::kOverlapBlocks) {
-    // In order, one query block at a time (each step's GEMMs in flight together).
-    for (int i = 0; i < m_count; ++i) {
-      sdp_and_ds(m_at(i), read_q, read_do);
-      write_p_ds(i > 0);
-      issue_grads(read_q.index(), read_do.index());
-      // Each buffer is released as soon as its last GEMM is done, so that (with one stage) the
-      // next block's Q and dO load while dV and dQ still run.
-      warpgroup_wait<2>();  // dK
-      pipeline_q.consumer_release(read_q);
-      warpgroup_wait<1>();  // dV
-      pipeline_do.consumer_release(read_do);
-      warpgroup_wait<0>();  // dQ
-      ++read_q;
-      ++read_do;
-      store_dq(i);
-    }
+  if constexpr (Traits::kSdPSwapAB) {
+    bwd_mainloop_swapped<Traits>(params, shared, pipeline_q, pipeline_do, m_count, m_base, col0, tidx,
+                                 tdKrdK, tdVrdV);
   } else {
-    if (m_count > 0) {
-      sdp_and_ds(m_at(0), read_q, read_do);
-      write_p_ds(false);
-    }
-    for (int i = 0; i < m_count; ++i) {
-      const bool has_next = i + 1 < m_count;
-      PipelineState next_q = read_q, next_do = read_do;
-      ++next_q;
-      ++next_do;
-      issue_grads(read_q.index(), read_do.index());
-      warpgroup_wait<2>();  // dQ_m
-      fence_after_wait(tdQrdQ);
-      store_dq(i);
-      if (has_next) {
-        sdp_and_ds(m_at(i + 1), next_q, next_do);  // dV, dK of block m complete on the way
-      } else {
-        warpgroup_wait<0>();
-      }
-      pipeline_q.consumer_release(read_q);
-      pipeline_do.consumer_release(read_do);
-      read_q = next_q;
-      read_do = next_do;
-      if (has_next) write_p_ds(true);
-    }
+    bwd_mainloop_ss<Traits>(params, shared, pipeline_q, pipeline_do, m_count, m_base, col0, tidx,
+                            tdKrdK, tdVrdV);
   }
 
   // ---- epilogue: dK (scaled), dV: straight to the outputs (MHA) or per query head (GQA) -------
-  fence_after_wait(tdKrdK);
-  fence_after_wait(tdVrdV);
+  warpgroup_fence_operand(tdKrdK);
+  warpgroup_fence_operand(tdVrdV);
   Tensor tdKcdK = thr_dkv.partition_C(make_identity_tensor(TileKV{}));
   if (params.dk_accum == nullptr) {
     Element* dk = params.dk + batch * params.dk_batch_stride + head_kv * params.dk_head_stride;

@@ -21,8 +21,8 @@ struct BwdTraits {
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kStages = Config::kStages;
   static constexpr bool kCausal = kCausal_;
-  // The overlapped loop schedule (bwd_kernel.h); needs two stages.
-  static constexpr bool kOverlapBlocks = kHeadDim == 64;
+  // The overlapped loop schedule of the swapped main loop (bwd_kernel.h); needs two stages.
+  static constexpr bool kOverlapBlocks = kHeadDim == 64 && Config::kSdPSwapAB;
   static_assert(!kOverlapBlocks || kStages >= 2);
 
   // Warpgroup 0: warp 0 is the producer (TMA), warp 1 the dQ writer; warpgroups 1 and 2 are the
@@ -31,8 +31,11 @@ struct BwdTraits {
   static constexpr int kNumThreads = 128 + kNumConsumerThreads;
   // NOTES: setmaxnreg moves registers within the pool the block got at launch, 168 x 384 =
   // 64512 (ptxas's per-thread cap for 384 threads); an increase past what the decreases freed
-  // waits forever. 40 x 128 + 232 x 256 = 64512. (The producer spilled at 32.)
-  static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
+  // waits forever. 40 x 128 + 232 x 256 = 24 x 128 + 240 x 256 = 64512. Per head dim
+  // (bwd_config.h): at 128 the swapped loop needs 240 (ptxas serialized its WGMMAs at 232,
+  // C7512) and the producer spills a few bytes at 24; at 256 the producer spilled 224 bytes at
+  // 24 and ran 12-20% slower (one stage: every load waits for the producer).
+  static constexpr int kProducerRegs = Config::kProducerRegs, kConsumerRegs = Config::kConsumerRegs;
   static_assert(kProducerRegs * 128 + kConsumerRegs * kNumConsumerThreads <= 168 * kNumThreads);
 
   // ---- WGMMA tilings (two warpgroups each; a warpgroup's atom is 64 rows) -------------------
@@ -42,20 +45,36 @@ struct BwdTraits {
   using Split = Layout<Shape<Int<M == 128 ? 2 : 1>, Int<M == 128 ? 1 : 2>, _1>>;
   template <int M, int N, int K>
   using AtomTile = Shape<_64, Int<M == 128 ? N : N / 2>, Int<K>>;
-  // S = Q K^T and dP = dO V^T: (kBlockM, kBlockN, d), both operands K-major.
+  // NOTES: two consumer layouts (bwd_config.h, kSdPSwapAB).
+  // Not swapped: S = Q K^T and dP = dO V^T as (kBlockM, kBlockN); P and dS go to shared memory
+  // and all five GEMMs read both operands from there.
+  // Swapped (FlashAttention-3's SdP_swapAB): S^T = K Q^T and dP^T = V dO^T as (kBlockN = 128,
+  // kBlockM), split along the keys, so that warpgroup w holds P^T and dS^T of its 64 keys in
+  // registers in exactly the layout of the A operand of dV += P^T dO and dK += dS^T Q for the
+  // same 64 keys: those two GEMMs take A from registers (RS), P never goes to shared memory, and
+  // only dS^T is stored (for dQ = dS K, which needs all keys).
+  static constexpr bool kSdPSwapAB = Config::kSdPSwapAB;
+  static_assert(!kSdPSwapAB || kBlockN == 128, "the swapped layout splits kBlockN = 128 keys over 2 warpgroups");
   using TiledMmaSdP = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, AtomTile<kBlockM, kBlockN, kHeadDim>>(),
-      Split<kBlockM, kBlockN>{}));
-  // dV += P^T dO and dK += dS^T Q: (kBlockN, d, kBlockM), both operands MN-major (transposed
-  // views of the row-major tiles in shared memory).
+      GMMA::ss_op_selector<Element, Element, float,
+                           conditional_t<kSdPSwapAB, Shape<_64, Int<kBlockM>, Int<kHeadDim>>,
+                                         AtomTile<kBlockM, kBlockN, kHeadDim>>>(),
+      conditional_t<kSdPSwapAB, Split<128, kBlockM>, Split<kBlockM, kBlockN>>{}));
+  // dV += P^T dO and dK += dS^T Q: (kBlockN, d, kBlockM); B (dO^T, Q^T) MN-major; A from
+  // registers (swapped) or the transposed P, dS tiles in shared memory (MN-major).
+  using AtomdKV = AtomTile<kBlockN, kHeadDim, kBlockM>;
   using TiledMmadKV = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, AtomTile<kBlockN, kHeadDim, kBlockM>,
-                           GMMA::Major::MN, GMMA::Major::MN>(),
+      conditional_t<kSdPSwapAB,
+                    decltype(GMMA::rs_op_selector<Element, Element, float, AtomdKV, GMMA::Major::K,
+                                                  GMMA::Major::MN>()),
+                    decltype(GMMA::ss_op_selector<Element, Element, float, AtomdKV, GMMA::Major::MN,
+                                                  GMMA::Major::MN>())>{},
       Split<kBlockN, kHeadDim>{}));
-  // dQ = dS K: (kBlockM, d, kBlockN), dS K-major, K^T MN-major.
+  // dQ = dS K: (kBlockM, d, kBlockN), K^T MN-major; dS K-major (stored as dS) or MN-major
+  // (stored as dS^T, swapped).
   using TiledMmadQ = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, AtomTile<kBlockM, kHeadDim, kBlockN>,
-                           GMMA::Major::K, GMMA::Major::MN>(),
+                           kSdPSwapAB ? GMMA::Major::MN : GMMA::Major::K, GMMA::Major::MN>(),
       Split<kBlockM, kHeadDim>{}));
 
   // ---- shared memory: row-major tiles with the 128-byte swizzle -----------------------------
@@ -78,6 +97,15 @@ struct BwdTraits {
   using SmemLayoutPt = decltype(composition(
       SmemLayoutP{}, make_ordered_layout(Shape<Int<kBlockN>, Int<kBlockM>>{}, Step<_2, _1>{})));
   using SmemLayoutdSt = SmemLayoutPt;
+  // Swapped: dS^T stored row-major as (kBlockN, kBlockM, stage), two stages (so that a
+  // warpgroup may store block m+1's dS^T while the other's dQ GEMM of block m still reads it),
+  // and viewed as dS (kBlockM, kBlockN, stage) by the dQ GEMM.
+  static constexpr int kDSStages = 2;
+  using SmemLayoutdStStore =
+      decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kBlockM>, Int<kDSStages>>{}));
+  using SmemLayoutdSView = decltype(composition(
+      SmemLayoutdStStore{},
+      make_ordered_layout(Shape<Int<kBlockM>, Int<kBlockN>, Int<kDSStages>>{}, Step<_2, _1, _3>{})));
 
   // ---- global tensors: (seqlen, head_dim, heads, batch), head dim contiguous ---------------
   using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;
@@ -133,11 +161,13 @@ struct BwdTraits {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdO>, 1024> smem_do;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> smem_k;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> smem_v;
-    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutP>, 1024> smem_p;
-    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdS>, 1024> smem_ds;
+    // Not swapped: P, then dS (kBlockM x kBlockN each); swapped: kDSStages x dS^T.
+    alignas(1024) cute::array_aligned<
+        Element, kSdPSwapAB ? cosize_v<SmemLayoutdStStore> : 2 * cosize_v<SmemLayoutP>, 1024> smem_pds;
     alignas(128) float smem_dq[kDQStages * kDQElems];
     alignas(16) float smem_lse[kStages * kBlockM];
     alignas(16) float smem_dpsum[kStages * kBlockM];
+    uint32_t pin[kNumConsumerThreads];  // swapped loop: see bwd_mainloop_swapped
     cutlass::arch::ClusterTransactionBarrier barrier_kv;
     typename Pipeline::SharedStorage pipeline_q;
     typename Pipeline::SharedStorage pipeline_do;
