@@ -25,7 +25,7 @@ struct BwdTraits {
   static constexpr bool kOverlapBlocks = kHeadDim == 64 && Config::kSdPSwapAB;
   static_assert(!kOverlapBlocks || kStages >= 2);
 
-  // Warpgroup 0: warp 0 is the producer (TMA), warp 1 the dQ writer; warpgroups 1 and 2 are the
+  // Warpgroup 0: warp 0 is the producer (TMA), warps 1.. the dQ writers; warpgroups 1 and 2 are the
   // consumers, which split every GEMM between them.
   static constexpr int kNumConsumerThreads = 256;
   static constexpr int kNumThreads = 128 + kNumConsumerThreads;
