@@ -440,6 +440,8 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
 
   PipelineState read_q, read_do;
   if constexpr (!Traits::kOverlapBlocks) {
+    // In order. (Issuing block i+1's S^T GEMM behind block i's gradient GEMMs, at head dim
+    // 128: ptxas serialized the WGMMAs, C7512, and spilled 80 bytes; docs/perf-log.md B11.)
     for (int i = 0; i < m_count; ++i) {
       issue_sdp(read_q, read_do);
       warpgroup_wait<1>();  // S^T
