@@ -625,10 +625,14 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         if (lane == 0) {
           if (sem != nullptr) {
             // Deterministic: key blocks add into query tile m in the order 0, 1, 2, ...
-            int seen;
-            do {
+            // NOTES: a short sleep between polls, so that the polling of the writers waiting on
+            // a tile does not compete in L2 with the adds they wait for.
+            for (;;) {
+              int seen;
               asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(sem + m) : "memory");
-            } while (seen != n_block);
+              if (seen == n_block) break;
+              __nanosleep(128);
+            }
           }
           bulk_reduce_add_f32(dq_accum + int64_t(m) * Traits::kDQElems, shared.smem_dq + buf * Traits::kDQElems,
                               Traits::kDQElems * sizeof(float));
