@@ -5,8 +5,12 @@ block's softmax must sit between `WARPGROUP.DEPBAR.LE gsb0, 0x1` (S is ready, PV
 0x2 in the 3-stage pipeline, where the next S GEMM runs too) and `WARPGROUP.DEPBAR.LE gsb0, 0x0`
 (PV done).
 
+The backward kernels at head dim 64 (the overlapped schedule of bwd_kernel.h) are checked the
+same way: P^T's exponentials between the waits for S^T (0x1) and dP^T (0x0).
+
 usage: cuobjdump --dump-sass build/libflash3.so | tools/check_overlap.py
-Prints one line per forward kernel; exits 1 if a kernel built with the overlap has none."""
+Prints one line per forward kernel and per head-dim-64 backward kernel; exits 1 if a kernel
+built with the overlap has none."""
 import re
 import sys
 
@@ -23,7 +27,8 @@ for line in sys.stdin:
 
 bad = 0
 for name, ops in kernels.items():
-    if "HGMMA" not in ops or "fwd_kernel" not in name:
+    is_bwd64 = "bwd_kernel" in name and "Li64ELb" in name
+    if "HGMMA" not in ops or ("fwd_kernel" not in name and not is_bwd64):
         continue
     inside, best = None, 0
     for op in ops:
@@ -37,6 +42,9 @@ for name, ops in kernels.items():
             inside += 1
     variant = re.search(r"Li(\d+)ELb([01])ENS_\d+(\w+?)EE", name)
     label = f"hdim {variant.group(1)} causal {variant.group(2)} {variant.group(3)}" if variant else name
+    if is_bwd64:
+        dtype = "bf16" if "bfloat16" in name else "fp16"
+        label = f"backward {dtype} hdim 64 causal {re.search(r'Li64ELb([01])', name).group(1)}"
     expect = "NoOverlap" not in name
     ok = best > 0 or not expect
     bad += not ok

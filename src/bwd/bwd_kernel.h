@@ -461,14 +461,27 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
     // Overlapped (head dim 64): the S^T, dP^T GEMMs of block i+1 are issued right behind the
     // gradient GEMMs of block i, so the tensor cores run them while dQ_i is stored and the
     // buffers of block i released, and dP^T of block i+1 while its P^T is computed.
-    if (m_count > 0) {
-      issue_sdp(read_q, read_do);
-      warpgroup_wait<1>();
+    // The S^T, dP^T GEMMs of the i-th visit are in flight: P^T, then dS^T.
+    auto p_and_ds = [&](int i) __attribute__((always_inline)) {
+      warpgroup_wait<1>();  // S^T
       fence_after_wait(tSrS);
-      compute_p(abs(m_base), read_q.index());
-      warpgroup_wait<0>();
+      compute_p(abs(m_base - i), read_q.index());
+      warpgroup_wait<0>();  // dP^T
       fence_after_wait(tdPrdP);
       compute_ds(read_do.index());
+    };
+    // Block i's gradient GEMMs are complete: release its Q, dO and hand dQ_i to the writer.
+    auto finish_block = [&](int i) __attribute__((always_inline)) {
+      fence_after_wait(tdVrdV);
+      fence_after_wait(tdKrdK);
+      fence_after_wait(tdQrdQ);
+      pipeline_q.consumer_release(read_q);
+      pipeline_do.consumer_release(read_do);
+      bwd_store_dq<Traits>(shared, tdQrdQ, i, tidx);
+    };
+    if (m_count > 0) {
+      issue_sdp(read_q, read_do);
+      p_and_ds(0);
     }
     // NOTES: one branch per iteration (with the wait for block i+1 under a second test of the
     // same condition, ptxas saw a path leaving the loop with S^T in flight: C7515, serialized).
@@ -480,28 +493,13 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
         ++next_do;
         issue_sdp(next_q, next_do);
         warpgroup_wait<2>();  // dV, dK, dQ of block i
-        fence_after_wait(tdVrdV);
-        fence_after_wait(tdKrdK);
-        fence_after_wait(tdQrdQ);
-        pipeline_q.consumer_release(read_q);
-        pipeline_do.consumer_release(read_do);
-        bwd_store_dq<Traits>(shared, tdQrdQ, i, tidx);
+        finish_block(i);
         read_q = next_q;
         read_do = next_do;
-        warpgroup_wait<1>();  // S^T of block i+1
-        fence_after_wait(tSrS);
-        compute_p(abs(m_base - i - 1), read_q.index());
-        warpgroup_wait<0>();  // dP^T
-        fence_after_wait(tdPrdP);
-        compute_ds(read_do.index());
+        p_and_ds(i + 1);
       } else {
         warpgroup_wait<0>();
-        fence_after_wait(tdVrdV);
-        fence_after_wait(tdKrdK);
-        fence_after_wait(tdQrdQ);
-        pipeline_q.consumer_release(read_q);
-        pipeline_do.consumer_release(read_do);
-        bwd_store_dq<Traits>(shared, tdQrdQ, i, tidx);
+        finish_block(i);
       }
     }
   }
