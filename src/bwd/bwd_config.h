@@ -15,7 +15,7 @@
 //
 //   head dim | kBlockM | kBlockN | stages | dQ stages | swapped | regs (dK+dV, S+dP, dQ) | smem
 //   ---------+---------+---------+--------+-----------+---------+------------------------+-------
-//        64  |    64   |   128   |   2    |     2     |   yes   |   64,  64, 16          | 128 KB
+//        64  |    64   |   128   |   2    |     4     |   yes   |   64,  64, 16          | 160 KB
 //       128  |    64   |   128   |   2    |     2     |   yes   |  128,  64, 32          | 225 KB
 //       256  |    64   |    64   |   1    |     1     |   no    |  128,  32, 64          | 208 KB
 #pragma once
@@ -28,7 +28,7 @@ namespace flash3 {
 template <int kHeadDim>
 struct BwdTileConfig;
 template <> struct BwdTileConfig<64> {
-  static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2, kDQStages = 2;
+  static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2, kDQStages = 4;
   static constexpr bool kSdPSwapAB = true;
   static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
 };

@@ -29,7 +29,7 @@ namespace flash3::detail {
 
 // Named barriers of the backward kernel (id 0 is __syncthreads).
 // dQ buffer b uses kBwdBarDQFull + b and kBwdBarDQEmpty + b.
-enum : int { kBwdBarPReady = 1, kBwdBarPFree = 2, kBwdBarDQFull = 3, kBwdBarDQEmpty = 5 };
+enum : int { kBwdBarPReady = 1, kBwdBarPFree = 2, kBwdBarDQFull = 3, kBwdBarDQEmpty = 7 };  // up to 4 buffers
 constexpr int kBwdDQBarThreads = 256 + 32;  // consumers + the dQ writer warp of the buffer
 
 // The query blocks [m_begin, m_end) that key block n_block must visit: causal skips the query
@@ -606,10 +606,10 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         bulk_load_1d(shared.smem_dpsum + write_do.index() * kBlockM, dpsum + m * kBlockM, kRowBytes, bar_do);
         ++write_do;
       }
-    } else if (warp_in_wg <= Traits::kDQStages) {
+    } else if (warp_in_wg <= Traits::kDQWriters) {
       // ==================================== dQ writers =====================================
-      // NOTES: one writer warp per dQ buffer (warp 1 + b takes the tiles i with i % kDQStages
-      // = b), because a bulk reduce's completion can only be waited for by the thread that
+      // NOTES: two writer warps (warp 1 + w takes the tiles i with i % 2 = w, in buffer i %
+      // kDQStages), because a bulk reduce's completion can only be waited for by the thread that
       // issued it, blocking: in the deterministic mode each add must be complete before the
       // next key block may add into the same tile, and with one writer the consumers waited for
       // every completion in turn (deterministic 0.60-0.70x of the default at head dim 64). The
@@ -617,8 +617,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       const int writer = warp_in_wg - 1;
       float* dq_accum = params.dq_accum + bh * params.seqlen_q_pad * kHeadDim;
       int* sem = params.dq_sem != nullptr ? params.dq_sem + bh * params.m_blocks : nullptr;
-      for (int i = writer; i < m_count; i += Traits::kDQStages) {
-        const int m = m_at(i), buf = writer;
+      for (int i = writer; i < m_count; i += Traits::kDQWriters) {
+        const int m = m_at(i), buf = i % Traits::kDQStages;
         named_barrier_sync(kBwdDQBarThreads, kBwdBarDQFull + buf);
         if (lane == 0) {
           if (sem != nullptr) {

@@ -130,6 +130,9 @@ struct BwdTraits {
   // dQ tiles in shared memory: two where they fit, so the consumers rarely wait for the writer
   // (in deterministic mode the writer waits for the previous key block's adds).
   static constexpr int kDQStages = Config::kDQStages;
+  // dQ writer warps (warps 1.. of warpgroup 0): warp 1 + w takes the tiles i with i % kDQWriters = w.
+  static constexpr int kDQWriters = kDQStages < 2 ? kDQStages : 2;
+  static_assert(kDQStages >= 1 && kDQStages <= 4 && kDQStages % kDQWriters == 0);
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = typename cutlass::PipelineState<kStages>;
