@@ -9,9 +9,11 @@
 // S^T, dP^T are computed, so that P^T, dS^T are the register A operands of the dV, dK GEMMs and
 // only dS^T goes to shared memory (two buffers); otherwise P and dS both go through shared
 // memory. (Head dim 64 with kBlockM = 128, swapped: ptxas serialized the WGMMAs, C7512, at 240
-// registers; not swapped it spilled.) Shared memory (bf16): K, V (kBlockN x d each), kStages x
-// (Q, dO) (kBlockM x d each), P and dS or 2 x dS^T (kBlockM x kBlockN each), kDQStages x dQ in
-// FP32 (kBlockM x d). Registers (setmaxnreg) producer / consumers: see bwd_traits.h.
+// registers; with dS computed from the 16-bit P it fit but measured 1-5% slower than 64 x 128
+// with the overlapped schedule, docs/perf-log.md B13; not swapped it spilled.) Shared memory
+// (bf16): K, V (kBlockN x d each), kStages x (Q, dO) (kBlockM x d each), P and dS or 2 x dS^T
+// (kBlockM x kBlockN each), kDQStages x dQ in FP32 (kBlockM x d). Registers (setmaxnreg)
+// producer / consumers: see bwd_traits.h.
 //
 //   head dim | kBlockM | kBlockN | stages | dQ stages | swapped | regs (dK+dV, S+dP, dQ) | smem
 //   ---------+---------+---------+--------+-----------+---------+------------------------+-------
