@@ -5,10 +5,10 @@
 //   bwd_kernel      one block per (kBlockN keys, head, batch), warp-specialized:
 //                     warp 0      producer: TMA loads K_j, V_j once, then streams Q_i, dO_i (with
 //                                 their lse and D) through a kStages-deep ring of buffers;
-//                     warps 1, 2  dQ writers (one per dQ buffer): add each tile's dQ_i (FP32,
-//                                 from shared memory) into the global accumulator with one
-//                                 bulk reduce-add (TMA), so the consumers never wait on that
-//                                 traffic;
+//                     warps 1, 2  dQ writers (alternate tiles): add each tile's dQ_i (FP32,
+//                                 from one of kDQStages shared-memory buffers) into the global
+//                                 accumulator with one bulk reduce-add (TMA), so the consumers
+//                                 never wait on that traffic;
 //                     WGs 1, 2    consumers: S = Q_i K_j^T, dP = dO_i V_j^T, P = exp(S - lse),
 //                                 dS = P * (dP - D), dV_j += P^T dO_i, dK_j += dS^T Q_i,
 //                                 dQ_i = dS K_j, all with WGMMA; dK_j, dV_j stay in registers
@@ -31,7 +31,7 @@ namespace flash3::detail {
 // dQ buffer b uses kBwdBarDQFull + b and kBwdBarDQEmpty + b.
 enum : int { kBwdBarPReady = 1, kBwdBarPFree = 2, kBwdBarDQFull = 3, kBwdBarDQEmpty = 7,  // up to 4 dQ buffers
              kBwdBarEpilogue = 11 };
-constexpr int kBwdDQBarThreads = 256 + 32;  // consumers + the dQ writer warp of the buffer
+constexpr int kBwdDQBarThreads = 256 + 32;  // consumers + the writer warp of the tile
 
 // The query blocks [m_begin, m_end) that key block n_block must visit: causal skips the query
 // blocks whose rows all lie before the block's first key (bottom-right aligned mask).
@@ -91,6 +91,10 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* gmem_dst, const float
   asm volatile("cp.async.bulk.commit_group;" ::: "memory");
 }
 
+// The query block of a key block's i-th visit: |m_base - i| is m_begin + i with m_base =
+// -m_begin, and m_end - 1 - i with m_base = m_end - 1 (see the kernel).
+__device__ __forceinline__ int bwd_m_at(int m_base, int i) { return abs(m_base - i); }
+
 // dQ of the i-th visited query block to shared memory for the dQ writer, in register order:
 // value pair j of consumer thread t at float2 index j * 256 + t (conflict-free;
 // bwd_postprocess_dq undoes the order).
@@ -119,7 +123,7 @@ __device__ __forceinline__ void bwd_mainloop_ss(typename Traits::Params const& p
   using PipelineState = typename Traits::PipelineState;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   using TileQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
-  auto m_at = [&](int i) { return abs(m_base - i); };
+  auto m_at = [&](int i) { return bwd_m_at(m_base, i); };
   Tensor sQ = make_tensor(make_smem_ptr(shared.smem_q.data()), typename Traits::SmemLayoutQ{});
   Tensor sdO = make_tensor(make_smem_ptr(shared.smem_do.data()), typename Traits::SmemLayoutdO{});
   Tensor sK = make_tensor(make_smem_ptr(shared.smem_k.data()), typename Traits::SmemLayoutK{});
@@ -335,13 +339,16 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
   // One tile GEMM, committed as one group and not waited for. In order: operand fences right
   // after the commit (warpgroup_gemm). Overlapped: accumulators fenced after the waits
   // (warpgroup_gemm_async; a fence on an accumulator in flight serializes every WGMMA, C7514),
-  // the register A operand before the issue.
-  auto gemm_dkv = [&](auto& tA, auto const& tB, auto& tC) __attribute__((always_inline)) {
+  // a register A operand before the issue.
+  auto gemm = [&](auto zero_init, auto& mma, auto&& tA, auto const& tB, auto& tC) __attribute__((always_inline)) {
+    constexpr bool kZero = decltype(zero_init)::value;
     if constexpr (Traits::kOverlapBlocks) {
-      warpgroup_fence_operand(tA);
-      warpgroup_gemm_async<false>(mma_dkv, tA, tB, tC);
+      if constexpr (!is_same_v<typename remove_cvref_t<decltype(tA)>::engine_type::iterator, GMMA::DescriptorIterator>) {
+        warpgroup_fence_operand(tA);
+      }
+      warpgroup_gemm_async<kZero>(mma, tA, tB, tC);
     } else {
-      warpgroup_gemm<false, -1>(mma_dkv, tA, tB, tC);
+      warpgroup_gemm<kZero, -1>(mma, tA, tB, tC);
     }
   };
   auto fence_after_wait = [&](auto& t) __attribute__((always_inline)) {
@@ -350,17 +357,9 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
   // S^T = K Q_m^T and dP^T = V dO_m^T (two commit groups).
   auto issue_sdp = [&](PipelineState const& rq, PipelineState const& rdo) __attribute__((always_inline)) {
     pipeline_q.consumer_wait(rq);
-    if constexpr (Traits::kOverlapBlocks) {
-      warpgroup_gemm_async<true>(mma_sdp, tSrK, tSrQ(_, _, _, rq.index()), tSrS);
-    } else {
-      warpgroup_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, rq.index()), tSrS);
-    }
+    gemm(cute::true_type{}, mma_sdp, tSrK, tSrQ(_, _, _, rq.index()), tSrS);
     pipeline_do.consumer_wait(rdo);
-    if constexpr (Traits::kOverlapBlocks) {
-      warpgroup_gemm_async<true>(mma_sdp, tdPrV, tdPrdO(_, _, _, rdo.index()), tdPrdP);
-    } else {
-      warpgroup_gemm<true, -1>(mma_sdp, tdPrV, tdPrdO(_, _, _, rdo.index()), tdPrdP);
-    }
+    gemm(cute::true_type{}, mma_sdp, tdPrV, tdPrdO(_, _, _, rdo.index()), tdPrdP);
   };
   auto compute_p = [&](int m, int stage) __attribute__((always_inline)) {
     // P^T = exp2(S^T * scale_log2 - lse) in place, 0 where masked (keys past seqlen_k, or in the
@@ -426,17 +425,13 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
   // stored, dQ_m = dS K (three commit groups).
   auto issue_grads = [&](int i, int stage_q, int stage_do) __attribute__((always_inline)) {
     const int ds_stage = i % Traits::kDSStages;
-    gemm_dkv(tPrP, tdVrdOt(_, _, _, stage_do), tdVrdV);  // last read of dO_m
+    gemm(cute::false_type{}, mma_dkv, tPrP, tdVrdOt(_, _, _, stage_do), tdVrdV);  // last read of dO_m
     convert_into<Element>(tdPrdP, tPrdS);
     copy(smem_copy_ds, thr_copy_ds.retile_S(tdSrdS), tdSsdS(_, _, _, ds_stage));
-    gemm_dkv(tPrdS, tdKrQt(_, _, _, stage_q), tdKrdK);  // last read of Q_m
+    gemm(cute::false_type{}, mma_dkv, tPrdS, tdKrQt(_, _, _, stage_q), tdKrdK);  // last read of Q_m
     cutlass::arch::fence_view_async_shared();  // stmatrix -> WGMMA (async proxy)
     named_barrier_sync(Traits::kNumConsumerThreads, kBwdBarPReady);
-    if constexpr (Traits::kOverlapBlocks) {
-      warpgroup_gemm_async<true>(mma_dq, tdQrdS(_, _, _, ds_stage), tdQrKt, tdQrdQ);
-    } else {
-      warpgroup_gemm<true, -1>(mma_dq, tdQrdS(_, _, _, ds_stage), tdQrKt, tdQrdQ);
-    }
+    gemm(cute::true_type{}, mma_dq, tdQrdS(_, _, _, ds_stage), tdQrKt, tdQrdQ);
   };
 
   PipelineState read_q, read_do;
@@ -446,7 +441,7 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
     for (int i = 0; i < m_count; ++i) {
       issue_sdp(read_q, read_do);
       warpgroup_wait<1>();  // S^T
-      compute_p(abs(m_base - i), read_q.index());
+      compute_p(bwd_m_at(m_base, i), read_q.index());
       warpgroup_wait<0>();  // dP^T
       compute_ds(read_do.index());
       issue_grads(i, read_q.index(), read_do.index());
@@ -466,7 +461,7 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
     auto p_and_ds = [&](int i) __attribute__((always_inline)) {
       warpgroup_wait<1>();  // S^T
       fence_after_wait(tSrS);
-      compute_p(abs(m_base - i), read_q.index());
+      compute_p(bwd_m_at(m_base, i), read_q.index());
       warpgroup_wait<0>();  // dP^T
       fence_after_wait(tdPrdP);
       compute_ds(read_do.index());
@@ -538,7 +533,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   // One register for both orders: |base - i| is m_end - 1 - i with base = m_end - 1, and
   // m_begin + i with base = -m_begin. (A flag and both bounds cost a spill at head dim 128.)
   const int m_base = Traits::kCausal && params.last_to_first ? m_end - 1 : -m_begin;
-  auto m_at = [&](int i) { return abs(m_base - i); };
+  auto m_at = [&](int i) { return bwd_m_at(m_base, i); };
   const int64_t bh = int64_t(batch) * params.nheads + head;
 
   const int warpgroup = cutlass::canonical_warp_group_idx();
