@@ -31,17 +31,17 @@ template <int kHeadDim>
 struct BwdTileConfig;
 template <> struct BwdTileConfig<64> {
   static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2, kDQStages = 4;
-  static constexpr bool kSdPSwapAB = true;
-  static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
+  static constexpr bool kSdPSwapAB = true, kKVInRegs = true;
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
 };
 template <> struct BwdTileConfig<128> {
   static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2, kDQStages = 2;
-  static constexpr bool kSdPSwapAB = true;
+  static constexpr bool kSdPSwapAB = true, kKVInRegs = false;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
 };
 template <> struct BwdTileConfig<256> {
   static constexpr int kBlockM = 64, kBlockN = 64, kStages = 1, kDQStages = 1;
-  static constexpr bool kSdPSwapAB = false;
+  static constexpr bool kSdPSwapAB = false, kKVInRegs = false;
   static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
 };
 

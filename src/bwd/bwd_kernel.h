@@ -306,9 +306,16 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
   auto thr_sdp = mma_sdp.get_thread_slice(tidx);
   auto thr_dkv = mma_dkv.get_thread_slice(tidx);
   auto thr_dq = mma_dq.get_thread_slice(tidx);
-  Tensor tSrK = thr_sdp.partition_fragment_A(sK);       // (MMA, M, K)
+  Tensor tSrK = thr_sdp.partition_fragment_A(sK);       // (MMA, M, K): descriptors, or registers
   Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);       // (MMA, N, K, stage)
   Tensor tdPrV = thr_sdp.partition_fragment_A(sV);
+  if constexpr (Traits::kKVInRegs) {
+    // This warpgroup's 64 keys of K and V into registers once (ldmatrix), for all query blocks.
+    auto smem_copy_kv = make_tiled_copy_A(Copy_Atom<SM75_U32x4_LDSM_N, Element>{}, mma_sdp);
+    auto thr_copy_kv = smem_copy_kv.get_thread_slice(tidx);
+    copy(smem_copy_kv, thr_copy_kv.partition_S(sK), thr_copy_kv.retile_D(tSrK));
+    copy(smem_copy_kv, thr_copy_kv.partition_S(sV), thr_copy_kv.retile_D(tdPrV));
+  }
   Tensor tdPrdO = thr_sdp.partition_fragment_B(sdO);    // (MMA, N, K, stage)
   Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOt);  // (MMA, N, K, stage)
   Tensor tdKrQt = thr_dkv.partition_fragment_B(sQt);    // (MMA, N, K, stage)
@@ -589,6 +596,9 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       constexpr uint32_t kRowBytes = kBlockM * sizeof(float);
       PipelineState write_q = cutlass::make_producer_start_state<Pipeline>();
       PipelineState write_do = cutlass::make_producer_start_state<Pipeline>();
+      // NOTES: not unrolled: with 24 registers (head dims 64, 128) ptxas's 4-way unrolled copy
+      // spilled its loop counters.
+#pragma unroll 1
       for (int i = 0; i < m_count; ++i) {
         const int m = m_at(i);
         pipeline_q.producer_acquire(write_q);

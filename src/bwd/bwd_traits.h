@@ -55,10 +55,18 @@ struct BwdTraits {
   // only dS^T is stored (for dQ = dS K, which needs all keys).
   static constexpr bool kSdPSwapAB = Config::kSdPSwapAB;
   static_assert(!kSdPSwapAB || kBlockN == 128, "the swapped layout splits kBlockN = 128 keys over 2 warpgroups");
+  // kKVInRegs (swapped only): each warpgroup's 64 keys of K and V are loaded once into
+  // registers as the A operands of S^T = K Q^T and dP^T = V dO^T (RS): per query block only
+  // Q^T, dO^T are then read from shared memory by those two GEMMs.
+  static constexpr bool kKVInRegs = Config::kKVInRegs;
+  static_assert(!kKVInRegs || kSdPSwapAB, "K, V in registers needs the swapped layout");
+  using AtomSdPSwapped = Shape<_64, Int<kBlockM>, Int<kHeadDim>>;
   using TiledMmaSdP = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float,
-                           conditional_t<kSdPSwapAB, Shape<_64, Int<kBlockM>, Int<kHeadDim>>,
-                                         AtomTile<kBlockM, kBlockN, kHeadDim>>>(),
+      conditional_t<kKVInRegs,
+                    decltype(GMMA::rs_op_selector<Element, Element, float, AtomSdPSwapped>()),
+                    decltype(GMMA::ss_op_selector<Element, Element, float,
+                                                  conditional_t<kSdPSwapAB, AtomSdPSwapped,
+                                                                AtomTile<kBlockM, kBlockN, kHeadDim>>>())>{},
       conditional_t<kSdPSwapAB, Split<128, kBlockM>, Split<kBlockM, kBlockN>>{}));
   // dV += P^T dO and dK += dS^T Q: (kBlockN, d, kBlockM); B (dO^T, Q^T) MN-major; A from
   // registers (swapped) or the transposed P, dS tiles in shared memory (MN-major).
