@@ -440,7 +440,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         tma_store_wait<0>();             // the store has read the Q buffer ...
         shared.barrier_q_free.arrive();  // ... so the producer may load the next Q into it
       }
-    } else {
+    } else if constexpr (!Traits::kOStageWarp) {
       // ... and O straight from registers (the Q buffer is already the next tile's).
       // NOTES: values (2i, 2i+1) of an accumulator row are adjacent columns: one 4-byte store
       // per pair; rows past seqlen_q are not written.
@@ -456,6 +456,54 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
           *reinterpret_cast<uint32_t*>(out_row + get<1>(tOcO_rc(m, n))) =
               *reinterpret_cast<const uint32_t*>(&tOrOut_rc(m, n));
         }
+      }
+    } else {
+      // ... and O from registers (the Q buffer is already the next tile's), through a
+      // staging buffer of this warp's own: its 16 rows, kOStageCols columns at a time, go to
+      // shared memory in accumulator order (4-byte pairs; 16-byte chunks XOR-swizzled by row,
+      // so that the 8 rows of one store hit 32 distinct banks), then leave as whole row
+      // segments (8 lanes x 16 bytes per row). NOTES: stored straight from registers, each
+      // warp store wrote 4 bytes in each of 8 rows; rows past seqlen_q are not written.
+      constexpr int kCols = Traits::kOStageCols;
+      constexpr int kPairsPerPass = kCols / 8;  // 8-column groups per pass, one pair each per row
+      static_assert(kHeadDim % kCols == 0 && kCols % 8 == 0);
+      using Pair = cutlass::Array<Element, 2>;
+      Tensor tOrOut_rc = make_tensor(tOrOut.data(), acc_layout_rowcol(tOrO.layout()));
+      const int lane = tidx % 32;
+      Element* stage = shared.smem_o_stage.data() + (tidx / 32) * 16 * kCols;
+      const int warp_row0 = get<0>(tOcO_rc(0, 0)) - lane / 4;  // the warp's first row in the tile
+      Element* out = params.out + tile.batch * params.out_batch_stride + tile.head * params.out_head_stride;
+      // NOTES: the XOR key also rotates with the tile count (any row -> key bijection is
+      // conflict-free): with a key of the lane alone, ptxas hoisted all the staging addresses
+      // out of the tile loop and spilled them (100+ bytes).
+      const int key = tiles_done;
+      auto swz = [key](int r, int c) {
+        return r * kCols + ((((c >> 3) ^ (r + key)) & 7) | ((c >> 3) & ~7)) * 8 + (c & 7);
+      };
+      CUTLASS_PRAGMA_UNROLL
+      for (int pass = 0; pass < kHeadDim / kCols; ++pass) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int m = 0; m < kRows; ++m) {
+          const int r = get<0>(tOcO_rc(m, 0)) - warp_row0;
+          CUTLASS_PRAGMA_UNROLL
+          for (int n = pass * 2 * kPairsPerPass; n < (pass + 1) * 2 * kPairsPerPass; n += 2) {
+            const int c = get<1>(tOcO_rc(m, n)) - pass * kCols;
+            *reinterpret_cast<Pair*>(stage + swz(r, c)) = *reinterpret_cast<const Pair*>(&tOrOut_rc(m, n));
+          }
+        }
+        __syncwarp();
+        constexpr int kChunksPerRow = kCols / 8;  // 16-byte chunks
+        constexpr int kRowsPerStore = 32 / kChunksPerRow;
+        CUTLASS_PRAGMA_UNROLL
+        for (int r = lane / kChunksPerRow; r < 16; r += kRowsPerStore) {
+          const int row = row0 + warp_row0 + r;
+          const int c = (lane % kChunksPerRow) * 8;
+          if (row < params.seqlen_q) {
+            *reinterpret_cast<uint4*>(out + row * params.out_row_stride + pass * kCols + c) =
+                *reinterpret_cast<const uint4*>(stage + swz(r, c));
+          }
+        }
+        __syncwarp();
       }
     }
   }

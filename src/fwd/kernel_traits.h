@@ -110,6 +110,13 @@ struct FwdTraits {
     int* tile_counter;  // kDynamicTiles: two ints, zero at launch (null: the static order)
   };
 
+  // kOStageWarp (O from registers): each consumer warp stages its 16 rows of O, kOStageCols
+  // columns at a time, in a buffer of its own, so that the global stores write whole row
+  // segments (fwd_kernel.h, epilogue).
+  static constexpr bool kOStageWarp = !kStageOInQ && Config::kOStageWarp;
+  static constexpr int kOStageCols = kHeadDim < 64 ? kHeadDim : 64;
+  static constexpr int kOStageElems = !kOStageWarp ? 8 : (kNumConsumerThreads / 32) * 16 * kOStageCols;
+
   struct SharedStorage {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> smem_q;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> smem_k;
@@ -122,6 +129,7 @@ struct FwdTraits {
     cutlass::arch::ClusterBarrier tile_full[2], tile_empty[2], tile_request;
     int tile_ring[2];
     float softmax_pin[kNumConsumerThreads];  // see pin_before_wait
+    alignas(128) cute::array_aligned<Element, kOStageElems> smem_o_stage;
     typename Pipeline::SharedStorage pipeline_k;
     typename Pipeline::SharedStorage pipeline_v;
   };

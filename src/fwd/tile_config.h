@@ -9,7 +9,10 @@
 // O leaves either straight from registers (the next tile's Q then loads as soon as the last
 // S = Q K^T is done) or, with kStageOInQ, through the Q buffer and one TMA store (the next Q
 // waits for the store); measured: staging wins at head dim 256 (128 accumulator registers of
-// O per thread), direct stores win at 64 and 128 (docs/perf-log.md, step 7).
+// O per thread), direct stores win at 64 and 128 (docs/perf-log.md, step 7). From registers,
+// kOStageWarp passes O through a 2 KB buffer per consumer warp so that the global stores
+// write whole row segments: +2-7% at head dim 128 for seqlen <= 2k, but 1-4% slower at head
+// dim 64 (three consumer warpgroups at 160 registers), measured side by side (step 13).
 //
 // NOTES: pingpong (two or more consumer warpgroups taking turns at the tensor cores, §3.1) and
 // the intra-warpgroup GEMM-softmax overlap (Algorithm 2, §3.2) are on wherever registers allow.
@@ -17,7 +20,7 @@
 //   head dim | kBlockM (WGs) | kBlockN            | stages | pingpong | overlap | smem (bf16)
 //   ---------+---------------+--------------------+--------+----------+---------+-------------
 //        64  |   192 (3)     | 128                |   2    |   yes    |   yes   | 24 + 2x32 = 88 KB
-//       128  |   128 (2)     | 176 (causal: 128)  |   2    |   yes    |   yes   | 32 + 2x88 = 208 KB
+//       128  |   128 (2)     | 176 (causal: 128)  |   2    |   yes    |   yes   | 32 + 2x88 + 16 = 224 KB
 //       256  |   128 (2)     |  80                |   2    |   yes    |   yes   | 64 + 2x80 = 224 KB
 //
 // NOTES: pingpong at head dim 256 was off until session 3; turned on it measured +2-17% on the
@@ -55,17 +58,17 @@ template <bool kCausal> struct FwdTileConfig<64, kCausal> {
   // spilled a few values; with O stored from registers it does not.)
   static constexpr int kBlockM = 192, kBlockN = 128, kStages = 2;
   static constexpr bool kPingpong = true, kIntraWGOverlap = true;
-  static constexpr bool kStageOInQ = false;
+  static constexpr bool kStageOInQ = false, kOStageWarp = false;
 };
 template <bool kCausal> struct FwdTileConfig<128, kCausal> {
   static constexpr int kBlockM = 128, kBlockN = kCausal ? 128 : 176, kStages = 2;
   static constexpr bool kPingpong = true, kIntraWGOverlap = true;
-  static constexpr bool kStageOInQ = false;
+  static constexpr bool kStageOInQ = false, kOStageWarp = true;
 };
 template <bool kCausal> struct FwdTileConfig<256, kCausal> {
   static constexpr int kBlockM = 128, kBlockN = 80, kStages = 2;
   static constexpr bool kPingpong = true, kIntraWGOverlap = true;
-  static constexpr bool kStageOInQ = true;
+  static constexpr bool kStageOInQ = true, kOStageWarp = false;
 };
 
 }  // namespace flash3
