@@ -598,7 +598,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       PipelineState write_do = cutlass::make_producer_start_state<Pipeline>();
       // NOTES: with 24 registers (head dims 64, 128) ptxas's 4-way unrolled copy spilled its
       // loop counters, so it is not unrolled there; at head dim 256 (40 registers, one stage:
-      // every load waits for the consumers' release) the rolled loop measured 5-30% slower on
+      // every load waits for the consumers' release) the rolled loop measured 5-32% slower on
       // the causal sweep, so it stays unrolled as ptxas chose (4).
 #pragma unroll(Traits::kProducerRegs < 32 ? 1 : 4)
       for (int i = 0; i < m_count; ++i) {
