@@ -689,7 +689,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     // row reads (one row, 8 chunks) hit 32 distinct banks.
     static_assert(cosize_v<typename Traits::SmemLayoutQ> >= kBlockN * kHeadDim);
     using Pair = cutlass::Array<Element, 2>;
-    auto swz = [](int r, int c) { return r * kHeadDim + ((((c >> 3) ^ r) & 7) | (c >> 3 & ~7)) * 8 + (c & 7); };
+    auto swz = [](int r, int c) { return xor_swizzled_offset<kHeadDim>(r, c); };
     Element* sdk = shared.smem_q.data();
     Element* sdv = shared.smem_do.data();
     named_barrier_sync(Traits::kNumConsumerThreads, kBwdBarEpilogue);  // Q, dO no longer read

@@ -474,12 +474,9 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       const int warp_row0 = get<0>(tOcO_rc(0, 0)) - lane / 4;  // the warp's first row in the tile
       Element* out = params.out + tile.batch * params.out_batch_stride + tile.head * params.out_head_stride;
       // NOTES: the XOR key also rotates with the tile count (any row -> key bijection is
-      // conflict-free): with a key of the lane alone, ptxas hoisted all the staging addresses
-      // out of the tile loop and spilled them (100+ bytes).
-      const int key = tiles_done;
-      auto swz = [key](int r, int c) {
-        return r * kCols + ((((c >> 3) ^ (r + key)) & 7) | ((c >> 3) & ~7)) * 8 + (c & 7);
-      };
+      // conflict-free): keyed by the row alone, ptxas hoisted all the staging addresses out of
+      // the tile loop and spilled them (100+ bytes).
+      auto swz = [key = tiles_done](int r, int c) { return xor_swizzled_offset<kCols>(r, c, key); };
       CUTLASS_PRAGMA_UNROLL
       for (int pass = 0; pass < kHeadDim / kCols; ++pass) {
         CUTLASS_PRAGMA_UNROLL
