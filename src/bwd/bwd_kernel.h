@@ -648,8 +648,12 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         if (i + Traits::kDQStages < m_count) named_barrier_arrive(kBwdDQBarThreads, kBwdBarDQEmpty + buf);
         if (sem != nullptr && lane == 0) {
           asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // the adds are done
+          // NOTES: the proxy fence orders the completed bulk adds (async proxy) before this
+          // thread's generic-proxy release; the release itself is the gpu-scope fence. (A
+          // __threadfence() before it, a second full fence per add, lengthened every link of
+          // the chain of key blocks adding into one tile: deterministic mode 3-11% slower,
+          // docs/perf-log.md B20.)
           asm volatile("fence.proxy.async.global;" ::: "memory");
-          __threadfence();
           asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(sem + m) : "memory");
         }
         __syncwarp();
