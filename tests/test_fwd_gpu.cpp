@@ -230,6 +230,26 @@ TEST(FwdGpuVariants, AblationKernelsMatchReference) {
   }
 }
 
+// Causal head dim 64 runs 128-row tiles up to seqlen_q 1024 and 192-row tiles beyond
+// (tile_config.h, kFwdCausal64ShortMax): both sides of the switch, seqlen_k longer and shorter,
+// and the 128-row kernel under the static persistent and the one-block-per-tile schedules too.
+TEST(FwdGpuVariants, Causal64TileSwitch) {
+  FLASH3_REQUIRE_HOPPER();
+  uint64_t seed = 5151;
+  for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
+    for (auto [sq, sk] : {std::pair<int, int>{1024, 1024}, {1025, 1025}, {1024, 1500}, {1025, 700}}) {
+      run_case(Case{dtype, 64, true, 1, sq, sk, 8, 2}, seed++);
+      if (HasFatalFailure()) return;
+    }
+  }
+  for (FwdVariant v : {FwdVariant::kNoPersistent, FwdVariant::kPersistent}) {
+    Case c{DType::kBFloat16, 64, true, 2, 900, 1000, 8, 8};
+    c.variant = v;
+    run_case(c, seed++);
+    if (HasFatalFailure()) return;
+  }
+}
+
 // The causal kernels draw tiles from a counter per stream (tile_scheduler.h): causal calls on
 // two streams at once, repeated, must give exactly what each gives alone, and later calls on
 // either stream must still see the counters cleared.

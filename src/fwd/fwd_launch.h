@@ -96,6 +96,11 @@ void run_fwd(const FwdProblem& p, const FwdArgs& args) {
                 " (an ablation) is built for bfloat16, head_dim 128, non-causal only");
   }
   if (p.causal) {
+    if constexpr (kHeadDim == 64) {
+      if (p.seqlen_q <= kFwdCausal64ShortMax) {
+        return launch_fwd<FwdTraits<Element, kHeadDim, true, FwdBlockM128>>(p, args, persistent, counter);
+      }
+    }
     launch_fwd<FwdTraits<Element, kHeadDim, true>>(p, args, persistent, counter);
   } else {
     launch_fwd<FwdTraits<Element, kHeadDim, false>>(p, args, persistent, counter);

@@ -17,7 +17,7 @@ struct FwdTraits {
   using Element = Element_;
   using Config = FwdTileConfig<kHeadDim_, kCausal_>;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = Config::kBlockM;
+  static constexpr int kBlockM = Variant::kBlockM > 0 ? Variant::kBlockM : Config::kBlockM;
   static constexpr int kBlockN = Variant::kBlockN > 0 ? Variant::kBlockN : Config::kBlockN;
   static constexpr int kStages = Config::kStages;
   static constexpr bool kCausal = kCausal_;

@@ -20,6 +20,7 @@
 //   head dim | kBlockM (WGs) | kBlockN            | stages | pingpong | overlap | smem (bf16)
 //   ---------+---------------+--------------------+--------+----------+---------+-------------
 //        64  |   192 (3)     | 128                |   2    |   yes    |   yes   | 24 + 2x32 = 88 KB
+//            | (causal, seqlen_q <= 1024: 128 (2), FwdBlockM128)
 //       128  |   128 (2)     | 176 (causal: 128)  |   2    |   yes    |   yes   | 32 + 2x88 + 16 = 224 KB
 //       256  |   128 (2)     |  80                |   2    |   yes    |   yes   | 64 + 2x80 = 224 KB
 //
@@ -35,6 +36,7 @@ struct FwdDefaultVariant {
   static constexpr int kIntraWGOverlap = -1;  // likewise
   static constexpr bool kThreeStage = false;  // Appendix B.3's 3-stage pipeline instead
   static constexpr int kBlockN = 0;           // > 0: overrides the tile config's
+  static constexpr int kBlockM = 0;           // likewise
 };
 struct FwdNoPingpong : FwdDefaultVariant { static constexpr int kPingpong = 0; };
 struct FwdNoOverlap : FwdDefaultVariant { static constexpr int kIntraWGOverlap = 0; };
@@ -48,6 +50,17 @@ struct FwdThreeStage : FwdDefaultVariant {
 };
 // The default 2-stage pipeline at the 3-stage variant's tile, to tell the two effects apart.
 struct FwdTwoStageBlockN96 : FwdDefaultVariant { static constexpr int kBlockN = 96; };
+
+// Causal head dim 64 at short sequences: 128-row tiles (two consumer warpgroups) instead of 192.
+// NOTES: with 192-row tiles the causal diagonal and the ragged last tile waste work: at seqlen 1k
+// the tiles compute 786k scores for the 524k that the mask keeps (1024 = 5 x 192 + 64, and the
+// last, 64-row tile is the longest), at 2k 2.48M for 2.1M; 128-row tiles compute 590k and 2.23M.
+// Measured side by side (docs/perf-log.md, step 15): 128-row tiles +5% at 512 and +9% at 1k,
+// 192-row tiles ahead from 2k (by 5% at 2k, 10% at 8k: at long sequences the third warpgroup's
+// share of the softmax hiding matters more than the diagonal). The launcher (fwd_launch.h)
+// picks the 128-row kernel for seqlen_q <= kFwdCausal64ShortMax.
+struct FwdBlockM128 : FwdDefaultVariant { static constexpr int kBlockM = 128; };
+constexpr int kFwdCausal64ShortMax = 1024;
 
 template <int kHeadDim, bool kCausal>
 struct FwdTileConfig;
