@@ -123,7 +123,6 @@ __device__ __forceinline__ void bwd_mainloop_ss(typename Traits::Params const& p
   using PipelineState = typename Traits::PipelineState;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   using TileQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
-  auto m_at = [&](int i) { return bwd_m_at(m_base, i); };
   Tensor sQ = make_tensor(make_smem_ptr(shared.smem_q.data()), typename Traits::SmemLayoutQ{});
   Tensor sdO = make_tensor(make_smem_ptr(shared.smem_do.data()), typename Traits::SmemLayoutdO{});
   Tensor sK = make_tensor(make_smem_ptr(shared.smem_k.data()), typename Traits::SmemLayoutK{});
@@ -242,7 +241,6 @@ __device__ __forceinline__ void bwd_mainloop_ss(typename Traits::Params const& p
     gemm(cute::false_type{}, mma_dkv, tdVrPt, tdVrdOt(_, _, _, stage_do), tdVrdV);  // last read of dO_m
     gemm(cute::true_type{}, mma_dq, tdQrdS, tdQrKt, tdQrdQ);
   };
-  auto store_dq = [&](int i) { bwd_store_dq<Traits>(shared, tdQrdQ, i, tidx); };
 
   // NOTES: in order, one query block at a time: S and dP, then P and dS, then dK, dV, dQ (each
   // step's GEMMs in flight together). (An overlapped schedule, with the next block's S, dP
@@ -252,7 +250,7 @@ __device__ __forceinline__ void bwd_mainloop_ss(typename Traits::Params const& p
   for (int i = 0; i < m_count; ++i) {
     issue_sdp(read_q, read_do);
     warpgroup_wait<1>();  // S (and everything issued before it)
-    compute_p(m_at(i), read_q.index());
+    compute_p(bwd_m_at(m_base, i), read_q.index());
     warpgroup_wait<0>();  // dP
     compute_ds(read_do.index());
     write_p_ds(i > 0);
@@ -266,7 +264,7 @@ __device__ __forceinline__ void bwd_mainloop_ss(typename Traits::Params const& p
     warpgroup_wait<0>();  // dQ
     ++read_q;
     ++read_do;
-    store_dq(i);
+    bwd_store_dq<Traits>(shared, tdQrdQ, i, tidx);
   }
 }
 
