@@ -21,15 +21,16 @@
 //   ---------+---------------+--------------------+--------+----------+---------+-------------
 //        64  |   192 (3)     | 128                |   2    |   yes    |   yes   | 24 + 2x32 = 88 KB
 //            | (causal, seqlen_q <= 1024: 128 (2), FwdBlockM128)
-//       128  |   128 (2)     | 128                |   2    |   yes    |   yes   | 32 + 2x64 + 16 = 176 KB
+//       128  |   128 (2)     | 176 (causal: 128)  |   2    |   yes    |   yes   | 32 + 2x88 + 16 = 224 KB
 //       256  |   128 (2)     |  80                |   2    |   yes    |   yes   | 64 + 2x80 = 224 KB
 //
 // NOTES: pingpong at head dim 256 was off until session 3; turned on it measured +2-17% on the
 // non-causal sweep and +2-6% causal in flash3_bench (docs/perf-log.md, step 12).
-// NOTES: head dim 128 non-causal ran kBlockN 176 (FlashAttention-3's tile) until session 7;
-// measured side by side in one device call (docs/perf-log.md, step 16), 128 is 5-10% faster at
-// seqlen 512-4k, about even at 8k and 1% slower at 16k; 144 and 160 were slower than 128 at
-// 512-2k. Causal: 128 against 144 and 160, 128 ahead at 512-2k, even from 4k on.
+// NOTES: head dim 128 non-causal at kBlockN 128 (the causal tile), measured against 176 in one
+// device call with bench/bench_torch.py (docs/perf-log.md, step 16): +4% at seqlen 512, even at
+// 1k-4k, 2-3.5% slower at 8k-16k; so 176 stays. (flash3_bench, which has no spin kernel ahead
+// of each timed call, had shown 128 ahead by 3-10% at 512-4k.) 144 and 160 were slower than 128
+// at 512-2k; causal 144 and 160 slower than 128 at 512-1k, even from 4k.
 #pragma once
 
 namespace flash3 {
@@ -78,7 +79,7 @@ template <bool kCausal> struct FwdTileConfig<64, kCausal> {
   static constexpr bool kStageOInQ = false, kOStageWarp = false;
 };
 template <bool kCausal> struct FwdTileConfig<128, kCausal> {
-  static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2;
+  static constexpr int kBlockM = 128, kBlockN = kCausal ? 128 : 176, kStages = 2;
   static constexpr bool kPingpong = true, kIntraWGOverlap = true;
   static constexpr bool kStageOInQ = false, kOStageWarp = true;
 };
