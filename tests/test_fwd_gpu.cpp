@@ -216,16 +216,12 @@ TEST(FwdGpuVariants, AblationKernelsMatchReference) {
   for (FwdVariant v : {FwdVariant::kNoPersistent, FwdVariant::kNoPingpong, FwdVariant::kNoOverlap,
                        FwdVariant::kThreeStage, FwdVariant::kTwoStageBlockN96}) {
     for (auto [sq, sk] : {std::pair<int, int>{129, 1000}, {1000, 1000}, {4096, 4096}}) {
-      Case c{DType::kBFloat16, 128, false, 1, sq, sk, 8, 2};
-      c.variant = v;
-      run_case(c, seed++);
+      run_case(Case{DType::kBFloat16, 128, false, 1, sq, sk, 8, 2, /*pad=*/0, v}, seed++);
       if (HasFatalFailure()) return;
     }
   }
   for (FwdVariant v : {FwdVariant::kNoPersistent, FwdVariant::kPersistent}) {
-    Case causal{DType::kBFloat16, 128, true, 1, 1000, 1000, 8, 2};
-    causal.variant = v;
-    run_case(causal, seed++);
+    run_case(Case{DType::kBFloat16, 128, true, 1, 1000, 1000, 8, 2, /*pad=*/0, v}, seed++);
     if (HasFatalFailure()) return;
   }
 }
@@ -243,9 +239,7 @@ TEST(FwdGpuVariants, Causal64TileSwitch) {
     }
   }
   for (FwdVariant v : {FwdVariant::kNoPersistent, FwdVariant::kPersistent}) {
-    Case c{DType::kBFloat16, 64, true, 2, 900, 1000, 8, 8};
-    c.variant = v;
-    run_case(c, seed++);
+    run_case(Case{DType::kBFloat16, 64, true, 2, 900, 1000, 8, 8, /*pad=*/0, v}, seed++);
     if (HasFatalFailure()) return;
   }
 }

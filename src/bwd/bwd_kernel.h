@@ -348,7 +348,7 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
   auto gemm = [&](auto zero_init, auto& mma, auto&& tA, auto const& tB, auto& tC) __attribute__((always_inline)) {
     constexpr bool kZero = decltype(zero_init)::value;
     if constexpr (Traits::kOverlapBlocks) {
-      if constexpr (!is_same_v<typename remove_cvref_t<decltype(tA)>::engine_type::iterator, GMMA::DescriptorIterator>) {
+      if constexpr (kOperandInRegisters<decltype(tA)>) {
         warpgroup_fence_operand(tA);
       }
       warpgroup_gemm_async<kZero>(mma, tA, tB, tC);

@@ -20,6 +20,12 @@ inline auto qkv_layout(const TensorRef& t) {
                      make_stride(t.stride[1], _1{}, t.stride[2], t.stride[0]));
 }
 
+// True when a WGMMA operand fragment holds registers, false when it holds shared-memory
+// descriptors.
+template <class T>
+constexpr bool kOperandInRegisters =
+    !is_same_v<typename remove_cvref_t<T>::engine_type::iterator, GMMA::DescriptorIterator>;
+
 // Issues one tile GEMM C (+)= A * B as a batch of WGMMAs for the calling warpgroup and commits
 // it, without waiting and without operand fences after the commit: the caller fences C after
 // the wait that completes it. NOTES: in the backward kernel's overlapped schedule, a fence on an
@@ -43,8 +49,7 @@ __device__ __forceinline__ void warpgroup_gemm_async(TiledMma& mma, TA const& tA
 // (-1: do not wait; the caller waits later, so the GEMM overlaps what follows).
 template <bool kZeroInit, int kWait, class TiledMma, class TA, class TB, class TC>
 __device__ __forceinline__ void warpgroup_gemm(TiledMma& mma, TA const& tA, TB const& tB, TC& tC) {
-  constexpr bool kAFromRegisters =
-      !is_same_v<typename TA::engine_type::iterator, GMMA::DescriptorIterator>;
+  constexpr bool kAFromRegisters = kOperandInRegisters<TA>;
   if constexpr (kAFromRegisters) warpgroup_fence_operand(const_cast<TA&>(tA));
   warpgroup_gemm_async<kZeroInit>(mma, tA, tB, tC);
   if constexpr (kWait >= 0) warpgroup_wait<kWait>();
