@@ -226,6 +226,20 @@ TEST(FwdGpuVariants, AblationKernelsMatchReference) {
   }
 }
 
+// Persistent blocks computing many tiles each (about 6-9 per block on 132 SMs): the Q buffer's
+// barriers, the tile ring and the L2 prefetch of the next tile's first blocks go through many
+// phases, with the static order (non-causal) and the dynamic one (causal).
+TEST(FwdGpuPersistent, ManyTilesPerBlock) {
+  FLASH3_REQUIRE_HOPPER();
+  uint64_t seed = 6161;
+  for (int d : {64, 128, 256}) {
+    for (bool causal : {false, true}) {
+      run_case(Case{DType::kBFloat16, d, causal, 6, 1536, 1600, 16, 4}, seed++);
+      if (HasFatalFailure()) return;
+    }
+  }
+}
+
 // Causal head dim 64 runs 128-row tiles up to seqlen_q 1024 and 192-row tiles beyond
 // (tile_config.h, kFwdCausal64ShortMax): both sides of the switch, seqlen_k longer and shorter,
 // and the 128-row kernel under the static persistent and the one-block-per-tile schedules too.

@@ -285,6 +285,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       if constexpr (!Traits::kStageOInQ) shared.barrier_q_free.arrive();
     };
 
+    float inv_sum[kRows], lse[kRows];
+    bool finalized = false;
     shared.barrier_q.wait(tiles_done & 1);  // line 14
     if (n_block_max <= 0) release_q();
     if (n_block_max > 0) {
@@ -402,13 +404,29 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
           scale_rows(tOrO_rc, rescale);
           convert_into<Element>(tSrS, tOrP);
         }
-        pv_alone();
+        if constexpr (Traits::kLastPvOwnTurn) {
+          pv_alone();
+        } else {
+          // NOTES: with two consumer warpgroups the tile's last PV GEMM takes no pingpong turn
+          // (as in FlashAttention-3), and the softmax's final sums (line 24) are computed while
+          // it runs: the warpgroup goes on to its epilogue without waiting for the other's
+          // turn. Each warpgroup then takes n_block_max turns per tile, so the turns stay
+          // matched across tiles. Measured +2-4% at head dims 128 and 256 for seqlen <= 2k, even
+          // beyond; with three warpgroups (head dim 64) 4-8% slower, so not there
+          // (docs/perf-log.md, step 17).
+          pipeline_v.consumer_wait(read_v);
+          gemm_pv();
+          softmax.finalize(params.softmax_scale, inv_sum, lse);
+          warpgroup_wait<0>();
+          pipeline_v.consumer_release(read_v);
+          ++read_v;
+          finalized = true;
+        }
       }
     }
 
     // Line 24: O / rowsum, LSE = m + log(rowsum).
-    float inv_sum[kRows], lse[kRows];
-    softmax.finalize(params.softmax_scale, inv_sum, lse);
+    if (!finalized) softmax.finalize(params.softmax_scale, inv_sum, lse);
     scale_rows(tOrO_rc, inv_sum);
 
     // Line 25: the log-sum-exp straight from registers (one thread of each quad owns a row) ...

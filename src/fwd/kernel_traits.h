@@ -36,6 +36,8 @@ struct FwdTraits {
   // NOTES: setmaxnreg budget: 65536 registers per SM, one block per SM.
   // 2 consumers: 24 x 128 + 240 x 256 = 64512; 3 consumers: 32 x 128 + 160 x 384 = 65536.
   static constexpr int kProducerRegs = kNumConsumerWG == 2 ? 24 : 32;
+  // The tile's last PV GEMM in a pingpong turn of its own (fwd_kernel.h; three warpgroups).
+  static constexpr bool kLastPvOwnTurn = kNumConsumerWG != 2;
   static constexpr int kConsumerRegs = kNumConsumerWG == 2 ? 240 : 160;
   static_assert(kBlockM % 64 == 0 && kHeadDim % 64 == 0 && kBlockN % 16 == 0);
 
