@@ -477,45 +477,57 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       }
     } else {
       // ... and O from registers (the Q buffer is already the next tile's), through a
-      // staging buffer of this warp's own: its 16 rows, kOStageCols columns at a time, go to
-      // shared memory in accumulator order (4-byte pairs; 16-byte chunks XOR-swizzled by row,
-      // so that the 8 rows of one store hit 32 distinct banks), then leave as whole row
-      // segments (8 lanes x 16 bytes per row). NOTES: stored straight from registers, each
-      // warp store wrote 4 bytes in each of 8 rows; rows past seqlen_q are not written.
+      // staging buffer of this warp's own: its 16 rows, kOStageCols = 64 columns at a time, go
+      // to shared memory with stmatrix (four 8x8 blocks per instruction: the accumulator's
+      // pairs are exactly stmatrix's), 16-byte chunks XOR-swizzled by row, then leave as whole
+      // row segments (8 lanes x 16 bytes per row). NOTES: stored straight from registers, each
+      // warp store wrote 4 bytes in each of 8 rows; staged with 4-byte shared stores (one per
+      // pair, each with its own swizzled address) the epilogue was ~400 instructions per warp
+      // and 11% of the warps' samples at seqlen 512 (ncu, docs/perf-log.md step 18).
       constexpr int kCols = Traits::kOStageCols;
-      constexpr int kPairsPerPass = kCols / 8;  // 8-column groups per pass, one pair each per row
-      static_assert(kHeadDim % kCols == 0 && kCols % 8 == 0);
-      using Pair = cutlass::Array<Element, 2>;
+      static_assert(kCols == 64 && kHeadDim % kCols == 0, "rows of 8 16-byte chunks");
       Tensor tOrOut_rc = make_tensor(tOrOut.data(), acc_layout_rowcol(tOrO.layout()));
+      static_assert(decltype(size<0>(tOrOut_rc))::value == 2, "a warp's accumulator rows: r and r + 8");
       const int lane = tidx % 32;
       Element* stage = shared.smem_o_stage.data() + (tidx / 32) * 16 * kCols;
       const int warp_row0 = get<0>(tOcO_rc(0, 0)) - lane / 4;  // the warp's first row in the tile
       Element* out = params.out + tile.batch * params.out_batch_stride + tile.head * params.out_head_stride;
       // NOTES: the XOR key also rotates with the tile count (any row -> key bijection is
-      // conflict-free): keyed by the row alone, ptxas hoisted all the staging addresses out of
-      // the tile loop and spilled them (100+ bytes).
-      auto swz = [key = tiles_done](int r, int c) { return xor_swizzled_offset<kCols>(r, c, key); };
+      // conflict-free), so that ptxas does not hoist the addresses out of the tile loop and
+      // spill them.
+      const int key = tiles_done;
+      // stmatrix k of a pass stores 8-column groups 2k, 2k+1 of rows 0-7 and 8-15; lane l gives
+      // the address of row l % 8 of block l / 8 = (row half, group 2k + l / 16).
+      const int st_row = (lane / 8) % 2 * 8 + lane % 8;
+      const int st_swz = (st_row + key) & 7;
+      uint32_t st_addr[kCols / 16];
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = 0; k < kCols / 16; ++k) {
+        st_addr[k] = cute::cast_smem_ptr_to_uint(stage + st_row * kCols + (((2 * k + lane / 16) ^ st_swz) * 8));
+      }
       CUTLASS_PRAGMA_UNROLL
       for (int pass = 0; pass < kHeadDim / kCols; ++pass) {
         CUTLASS_PRAGMA_UNROLL
-        for (int m = 0; m < kRows; ++m) {
-          const int r = get<0>(tOcO_rc(m, 0)) - warp_row0;
-          CUTLASS_PRAGMA_UNROLL
-          for (int n = pass * 2 * kPairsPerPass; n < (pass + 1) * 2 * kPairsPerPass; n += 2) {
-            const int c = get<1>(tOcO_rc(m, n)) - pass * kCols;
-            *reinterpret_cast<Pair*>(stage + swz(r, c)) = *reinterpret_cast<const Pair*>(&tOrOut_rc(m, n));
-          }
+        for (int k = 0; k < kCols / 16; ++k) {
+          // Column pair of 8-column group G in the (row, col) view: columns 2G, 2G + 1 (utils.h).
+          const int g = pass * (kCols / 8) + 2 * k;
+          auto pair = [&](int m, int grp) {
+            return *reinterpret_cast<const uint32_t*>(&tOrOut_rc(m, 2 * grp));
+          };
+          asm volatile("stmatrix.sync.aligned.x4.m8n8.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(st_addr[k]),
+                       "r"(pair(0, g)), "r"(pair(1, g)), "r"(pair(0, g + 1)), "r"(pair(1, g + 1))
+                       : "memory");
         }
         __syncwarp();
         constexpr int kChunksPerRow = kCols / 8;  // 16-byte chunks
         constexpr int kRowsPerStore = 32 / kChunksPerRow;
+        const int c = lane % kChunksPerRow;
         CUTLASS_PRAGMA_UNROLL
         for (int r = lane / kChunksPerRow; r < 16; r += kRowsPerStore) {
           const int row = row0 + warp_row0 + r;
-          const int c = (lane % kChunksPerRow) * 8;
           if (row < params.seqlen_q) {
-            *reinterpret_cast<uint4*>(out + row * params.out_row_stride + pass * kCols + c) =
-                *reinterpret_cast<const uint4*>(stage + swz(r, c));
+            *reinterpret_cast<uint4*>(out + row * params.out_row_stride + pass * kCols + c * 8) =
+                *reinterpret_cast<const uint4*>(stage + r * kCols + ((c ^ ((r + key) & 7)) * 8));
           }
         }
         __syncwarp();

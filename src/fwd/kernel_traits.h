@@ -115,7 +115,8 @@ struct FwdTraits {
   // kOStageWarp (O from registers): each consumer warp stages its 16 rows of O, kOStageCols
   // columns at a time, in a buffer of its own, so that the global stores write whole row
   // segments (fwd_kernel.h, epilogue).
-  static constexpr bool kOStageWarp = !kStageOInQ && Config::kOStageWarp;
+  // (Two consumer warpgroups only: with three, at 160 registers, staging measured slower.)
+  static constexpr bool kOStageWarp = !kStageOInQ && Config::kOStageWarp && kNumConsumerWG == 2;
   static constexpr int kOStageCols = kHeadDim < 64 ? kHeadDim : 64;
   static constexpr int kOStageElems = !kOStageWarp ? 8 : (kNumConsumerThreads / 32) * 16 * kOStageCols;
 

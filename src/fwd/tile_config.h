@@ -12,7 +12,10 @@
 // O per thread), direct stores win at 64 and 128 (docs/perf-log.md, step 7). From registers,
 // kOStageWarp passes O through a 2 KB buffer per consumer warp so that the global stores
 // write whole row segments: +2-7% at head dim 128 for seqlen <= 2k, but 1-4% slower at head
-// dim 64 (three consumer warpgroups at 160 registers), measured side by side (step 13).
+// dim 64 with three consumer warpgroups at 160 registers, measured side by side (step 14).
+// Written with stmatrix (step 18): +1-3% more at head dim 128 for seqlen <= 1k, and +2-3% for
+// the 128-row (two warpgroup) causal head dim 64 kernel; the 192-row kernels still lose 2-13%
+// with it, so they store from registers.
 //
 // NOTES: pingpong (two or more consumer warpgroups taking turns at the tensor cores, §3.1) and
 // the intra-warpgroup GEMM-softmax overlap (Algorithm 2, §3.2) are on wherever registers allow.
@@ -20,7 +23,7 @@
 //   head dim | kBlockM (WGs) | kBlockN            | stages | pingpong | overlap | smem (bf16)
 //   ---------+---------------+--------------------+--------+----------+---------+-------------
 //        64  |   192 (3)     | 128                |   2    |   yes    |   yes   | 24 + 2x32 = 88 KB
-//            | (causal, seqlen_q <= 1024: 128 (2), FwdBlockM128)
+//            | (causal, seqlen_q <= 1024: 128 (2), FwdBlockM128, O staged per warp)
 //       128  |   128 (2)     | 176 (causal: 128)  |   2    |   yes    |   yes   | 32 + 2x88 + 16 = 224 KB
 //       256  |   128 (2)     |  80                |   2    |   yes    |   yes   | 64 + 2x80 = 224 KB
 //
@@ -76,7 +79,8 @@ template <bool kCausal> struct FwdTileConfig<64, kCausal> {
   // spilled a few values; with O stored from registers it does not.)
   static constexpr int kBlockM = 192, kBlockN = 128, kStages = 2;
   static constexpr bool kPingpong = true, kIntraWGOverlap = true;
-  static constexpr bool kStageOInQ = false, kOStageWarp = false;
+  // kOStageWarp applies to the 128-row causal kernel (FwdBlockM128) only (kernel_traits.h).
+  static constexpr bool kStageOInQ = false, kOStageWarp = true;
 };
 template <bool kCausal> struct FwdTileConfig<128, kCausal> {
   static constexpr int kBlockM = 128, kBlockN = kCausal ? 128 : 176, kStages = 2;

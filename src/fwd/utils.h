@@ -91,8 +91,7 @@ __device__ __forceinline__ void convert_into(Tensor<Engine, Layout> const& in, O
 // Element offset of (r, c) in a row-major shared-memory tile of kRowElems 16-bit elements per row
 // whose 16-byte chunks are XOR-swizzled by (row + key) % 8 within each group of 8 chunks: the 8
 // rows of one accumulator-order store (same chunk) and the 8 chunks of one row read hit 32
-// distinct banks. `key` only rotates the pattern (the forward passes the tile count, so that
-// ptxas does not hoist the addresses out of the tile loop and spill them).
+// distinct banks. `key` only rotates the pattern.
 template <int kRowElems>
 __device__ __forceinline__ int xor_swizzled_offset(int r, int c, int key = 0) {
   return r * kRowElems + ((((c >> 3) ^ (r + key)) & 7) | ((c >> 3) & ~7)) * 8 + (c & 7);
