@@ -83,7 +83,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   const int warpgroup = cutlass::canonical_warp_group_idx();
   const int thread_in_wg = threadIdx.x % 128;
   const FwdTileScheduler<Traits::kCausal> scheduler(params.seqlen_q, kBlockM, params.nheads,
-                                                    params.batch, params.l2_section);
+                                                    params.batch, params.l2_section, params.l2_tail_first);
   const FwdTileStream<Traits::kDynamicTiles> tiles{params.tile_counter, scheduler.num_tiles};
 
   // Line 1: the pipeline objects over the shared-memory ring, and the two barriers of the Q

@@ -21,6 +21,9 @@ void launch_fwd(const FwdProblem& p, const FwdArgs& args, bool persistent, int* 
   const auto layout_q = qkv_layout(args.q);
   const auto layout_k = qkv_layout(args.k);
   const auto layout_v = qkv_layout(args.v);
+  const long long l2_budget = std::min(kCausalL2Budget, l2_bytes());
+  const int section = causal_section(p.seqlen_k, Traits::kHeadDim, int(sizeof(Element)), l2_budget);
+  const int m_blocks = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
   Params params{
       Traits::make_tma_q(static_cast<const Element*>(args.q.data), layout_q),
       Traits::make_tma_kv(static_cast<const Element*>(args.k.data), layout_k),
@@ -40,8 +43,8 @@ void launch_fwd(const FwdProblem& p, const FwdArgs& args, bool persistent, int* 
       p.seqlen_k,
       p.nheads,
       p.nheads / p.nheads_kv,
-      FwdTileScheduler<Traits::kCausal>::l2_section(p.seqlen_k, Traits::kHeadDim, int(sizeof(Element)),
-                                                    l2_bytes() / 2),
+      section,
+      causal_tail_first(p.nheads * p.batch, section, m_blocks, num_sms()),
       p.softmax_scale,
       float(p.softmax_scale * M_LOG2E),
       persistent ? tile_counter : nullptr,
@@ -52,7 +55,7 @@ void launch_fwd(const FwdProblem& p, const FwdArgs& args, bool persistent, int* 
              "cudaFuncSetAttribute(max dynamic shared memory)");
   // Persistent: one block per SM (the shared memory allows no more), each looping over tiles.
   const FwdTileScheduler<Traits::kCausal> scheduler(p.seqlen_q, Traits::kBlockM, p.nheads, p.batch,
-                                                    params.l2_section);
+                                                    params.l2_section, params.l2_tail_first);
   const int blocks = persistent ? std::min(scheduler.num_tiles, num_sms()) : scheduler.num_tiles;
   const dim3 grid(blocks);
   kernel<<<grid, Traits::kNumThreads, kSmem, args.stream>>>(params);

@@ -6,14 +6,13 @@
 // block per tile is the non-persistent kernel, for the ablation. Tile order:
 //   non-causal: query blocks of one (head, batch) are adjacent, so the blocks running at the
 //               same time share K and V in L2;
-//   causal:     longest-processing-time first (the last query blocks, which see the most keys,
-//               come first, so the short tiles fill the tail), within sections of (head, batch)
-//               pairs whose K and V fit in about half the L2: all (head, batch) pairs at once
-//               would stream every K and V from DRAM (ncu: 73% of DRAM bandwidth at hdim 128,
-//               causal, seqlen 2k, batch 8, 16 heads).
+//   causal:     longest-processing-time first within L2-sized sections of (head, batch) pairs
+//               (causal_order.h).
 #pragma once
 
 #include <cute/tensor.hpp>
+
+#include "fwd/causal_order.h"
 
 namespace flash3::detail {
 
@@ -24,34 +23,22 @@ struct FwdTile {
 template <bool kCausal>
 struct FwdTileScheduler {
   int num_m_blocks, nheads, num_tiles;
-  int section;  // (head, batch) pairs per L2 section (causal)
+  int section;     // (head, batch) pairs per L2 section (causal)
+  int tail_first;  // the first pair of the last section, which takes every pair from there on
 
   __host__ __device__ FwdTileScheduler(int seqlen_q, int block_m, int nheads_, int batch,
-                                       int section_ = 1)
+                                       int section_ = 1, int tail_first_ = -1)
       : num_m_blocks((seqlen_q + block_m - 1) / block_m),
         nheads(nheads_),
         num_tiles(num_m_blocks * nheads_ * batch),
-        section(section_ < 1 ? 1 : section_) {}
-
-  // (head, batch) pairs whose K and V (seqlen_k x head_dim x 2 tensors x elem bytes) fit in
-  // `l2_bytes`.
-  static int l2_section(int seqlen_k, int head_dim, int elem_bytes, long long l2_bytes) {
-    const long long per_pair = (long long)seqlen_k * head_dim * 2 * elem_bytes;
-    const long long n = per_pair > 0 ? l2_bytes / per_pair : 1;
-    return n < 1 ? 1 : (n > (1 << 30) ? (1 << 30) : int(n));
-  }
+        section(section_ < 1 ? 1 : section_),
+        tail_first(tail_first_ < 0 ? (nheads_ * batch - 1) / section * section : tail_first_) {}
 
   __device__ __forceinline__ FwdTile tile(int t) const {
     FwdTile r;
     int hb;
     if constexpr (kCausal) {
-      const int heads_batches = num_tiles / num_m_blocks;
-      const int sec = min(section, heads_batches);
-      const int first_hb = t / (sec * num_m_blocks) * sec;
-      const int in_section = min(sec, heads_batches - first_hb);  // the last may be smaller
-      const int rest = t - first_hb * num_m_blocks;
-      hb = first_hb + rest % in_section;
-      r.m_block = num_m_blocks - 1 - rest / in_section;
+      causal_tile(t, num_m_blocks, num_tiles / num_m_blocks, section, tail_first, r.m_block, hb);
     } else {
       r.m_block = t % num_m_blocks;
       hb = t / num_m_blocks;

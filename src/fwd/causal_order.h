@@ -1,0 +1,61 @@
+// flash3: the order of the causal forward tiles, in plain C++ (no CuTe) so that the CPU tests
+// can check it: the kernels (tile_scheduler.h) and the launcher use these functions.
+//
+// Longest-processing-time first (the last query blocks, which see the most keys, come first, so
+// the short tiles fill the tail), within sections of (head, batch) pairs whose K and V fit in
+// kCausalL2Budget: all pairs at once would stream every K and V from DRAM (ncu: 73% of DRAM
+// bandwidth at hdim 128, causal, seqlen 2k, batch 8, 16 heads). Within a section, the tiles of
+// one query block index are adjacent across its pairs.
+//
+// NOTES: LPT holds within a section only, so the last section's longest tiles start last; when
+// that section is too small to fill the GPU once (e.g. 16 pairs in sections of 3 leave one
+// pair, 64 tiles at seqlen 8k), its longest tiles ran with most SMs idle: the sections before
+// it now join it until it holds at least one tile per SM (it may then exceed the budget).
+// Measured side by side (docs/perf-log.md, step 19): +2-10% at head dims 128 and 256 for seqlen
+// 2k-16k; and a 32 MB budget (FlashAttention-3's figure) ahead of half the L2 (25 MB) by 1-3%
+// at head dim 256 and at head dim 64 8k.
+#pragma once
+
+#if defined(__CUDACC__)
+#define FLASH3_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define FLASH3_HOST_DEVICE inline
+#endif
+
+namespace flash3 {
+
+constexpr long long kCausalL2Budget = 32ll << 20;
+
+// (head, batch) pairs per section: as many as have their K and V (seqlen_k x head_dim x 2
+// tensors x elem_bytes) within `budget` bytes, at least 1.
+inline int causal_section(int seqlen_k, int head_dim, int elem_bytes, long long budget) {
+  const long long per_pair = (long long)seqlen_k * head_dim * 2 * elem_bytes;
+  const long long n = per_pair > 0 ? budget / per_pair : 1;
+  return n < 1 ? 1 : (n > (1 << 30) ? (1 << 30) : int(n));
+}
+
+// The first pair of the last section, which takes every pair from there on (see NOTES).
+inline int causal_tail_first(int pairs, int section, int num_m_blocks, int num_sms) {
+  section = section < 1 ? 1 : section;
+  int tail = (pairs - 1) / section * section;
+  while (tail > 0 && (long long)(pairs - tail) * num_m_blocks < num_sms) tail -= section;
+  return tail < 0 ? 0 : tail;
+}
+
+// Tile t (0 <= t < num_m_blocks x pairs) -> its query block and (head, batch) pair.
+FLASH3_HOST_DEVICE void causal_tile(int t, int num_m_blocks, int pairs, int section, int tail_first,
+                                    int& m_block, int& pair) {
+  int first, count;
+  if (t < tail_first * num_m_blocks) {
+    first = t / (section * num_m_blocks) * section;
+    count = section;
+  } else {
+    first = tail_first;
+    count = pairs - tail_first;
+  }
+  const int rest = t - first * num_m_blocks;
+  pair = first + rest % count;
+  m_block = num_m_blocks - 1 - rest / count;
+}
+
+}  // namespace flash3

@@ -1,0 +1,102 @@
+// flash3: CPU tests of the causal forward tile order (src/fwd/causal_order.h): every tile is
+// handed out once, longest first within each section, sections within the L2 budget, and a last
+// section that fills the GPU at least once.
+#include <gtest/gtest.h>
+
+#include <set>
+#include <utility>
+#include <vector>
+
+#include "fwd/causal_order.h"
+
+namespace {
+
+struct Order {
+  std::vector<std::pair<int, int>> tiles;  // (pair, m_block) in hand-out order
+};
+
+Order order_of(int m_blocks, int pairs, int section, int tail_first) {
+  Order o;
+  for (int t = 0; t < m_blocks * pairs; ++t) {
+    int m = -1, p = -1;
+    flash3::causal_tile(t, m_blocks, pairs, section, tail_first, m, p);
+    o.tiles.emplace_back(p, m);
+  }
+  return o;
+}
+
+// The section of pair p: [first, last) pair range.
+std::pair<int, int> section_of(int p, int pairs, int section, int tail_first) {
+  if (p >= tail_first) return {tail_first, pairs};
+  return {p / section * section, p / section * section + section};
+}
+
+void check_order(int m_blocks, int pairs, int section, int tail_first, int num_sms) {
+  SCOPED_TRACE(testing::Message() << "m_blocks " << m_blocks << " pairs " << pairs << " section "
+                                  << section << " tail_first " << tail_first);
+  ASSERT_GE(tail_first, 0);
+  ASSERT_LT(tail_first, pairs);
+  ASSERT_EQ(tail_first % section, 0);
+  const Order o = order_of(m_blocks, pairs, section, tail_first);
+  std::set<std::pair<int, int>> seen;
+  for (size_t i = 0; i < o.tiles.size(); ++i) {
+    const auto [p, m] = o.tiles[i];
+    ASSERT_GE(p, 0);
+    ASSERT_LT(p, pairs);
+    ASSERT_GE(m, 0);
+    ASSERT_LT(m, m_blocks);
+    ASSERT_TRUE(seen.insert(o.tiles[i]).second) << "tile (" << p << ", " << m << ") twice";
+    if (i > 0) {
+      const auto [pp, pm] = o.tiles[i - 1];
+      const auto sec = section_of(p, pairs, section, tail_first);
+      const auto prev = section_of(pp, pairs, section, tail_first);
+      if (prev == sec) {
+        EXPECT_LE(m, pm) << "not longest first within a section at tile " << i;
+      } else {
+        EXPECT_EQ(prev.second, sec.first) << "sections out of order at tile " << i;
+        EXPECT_EQ(m, m_blocks - 1) << "a section starts with its longest tiles";
+      }
+    }
+  }
+  EXPECT_EQ(int(seen.size()), m_blocks * pairs);
+  // The last section fills the GPU once, unless it is every pair.
+  if (tail_first > 0) {
+    EXPECT_GE((long long)(pairs - tail_first) * m_blocks, num_sms);
+    // ... and is no larger than it needs to be: one section fewer would not fill it.
+    EXPECT_LT((long long)(pairs - tail_first - section) * m_blocks, num_sms);
+  }
+}
+
+TEST(CausalOrder, SectionFitsTheBudget) {
+  // K and V of one pair: seqlen_k x head_dim x 2 tensors x 2 bytes.
+  EXPECT_EQ(flash3::causal_section(8192, 256, 2, 32ll << 20), 4);   // 8 MB per pair
+  EXPECT_EQ(flash3::causal_section(8192, 256, 2, 25ll << 20), 3);
+  EXPECT_EQ(flash3::causal_section(2048, 64, 2, 32ll << 20), 64);   // 0.5 MB per pair
+  EXPECT_EQ(flash3::causal_section(1 << 20, 256, 2, 32ll << 20), 1);  // 1 GB per pair: at least 1
+  EXPECT_EQ(flash3::causal_section(0, 128, 2, 32ll << 20), 1);
+}
+
+TEST(CausalOrder, SmallLastSectionJoinsThePreviousOnes) {
+  // The case that was measured: 16 pairs in sections of 3 left one pair (64 tiles) at the end.
+  EXPECT_EQ(flash3::causal_tail_first(16, 3, 64, 132), 12);  // 4 pairs, 256 tiles
+  EXPECT_EQ(flash3::causal_tail_first(16, 4, 64, 132), 12);  // already full: unchanged
+  EXPECT_EQ(flash3::causal_tail_first(16, 1, 64, 132), 13);  // 3 pairs of one: 192 tiles
+  EXPECT_EQ(flash3::causal_tail_first(16, 3, 4, 132), 0);    // too few tiles in all: one section
+  EXPECT_EQ(flash3::causal_tail_first(1, 1, 1, 132), 0);
+  EXPECT_EQ(flash3::causal_tail_first(7, 100, 64, 132), 0);  // every pair fits one section
+}
+
+TEST(CausalOrder, EveryTileOnceLongestFirstPerSection) {
+  const int sms = 132;
+  for (int m_blocks : {1, 2, 5, 43, 64, 128}) {
+    for (int pairs : {1, 2, 3, 7, 16, 64, 100}) {
+      for (int section : {1, 2, 3, 4, 16, 200}) {
+        const int tail = flash3::causal_tail_first(pairs, section, m_blocks, sms);
+        check_order(m_blocks, pairs, section, tail, sms);
+        if (HasFatalFailure()) return;
+      }
+    }
+  }
+}
+
+}  // namespace
