@@ -11,7 +11,7 @@
 // that section is too small to fill the GPU once (e.g. 16 pairs in sections of 3 leave one
 // pair, 64 tiles at seqlen 8k), its longest tiles ran with most SMs idle: the sections before
 // it now join it until it holds at least one tile per SM (it may then exceed the budget).
-// Measured side by side (docs/perf-log.md, step 19): +2-10% at head dims 128 and 256 for seqlen
+// Measured side by side (docs/perf-log.md, step 20): +2-10% at head dims 128 and 256 for seqlen
 // 2k-16k; and a 32 MB budget (FlashAttention-3's figure) ahead of half the L2 (25 MB) by 1-3%
 // at head dim 256 and at head dim 64 8k.
 #pragma once
