@@ -11,18 +11,15 @@
 
 namespace {
 
-struct Order {
-  std::vector<std::pair<int, int>> tiles;  // (pair, m_block) in hand-out order
-};
-
-Order order_of(int m_blocks, int pairs, int section, int tail_first) {
-  Order o;
+// (pair, m_block) of every tile, in hand-out order.
+std::vector<std::pair<int, int>> order_of(int m_blocks, int pairs, int section, int tail_first) {
+  std::vector<std::pair<int, int>> tiles;
   for (int t = 0; t < m_blocks * pairs; ++t) {
     int m = -1, p = -1;
     flash3::causal_tile(t, m_blocks, pairs, section, tail_first, m, p);
-    o.tiles.emplace_back(p, m);
+    tiles.emplace_back(p, m);
   }
-  return o;
+  return tiles;
 }
 
 // The section of pair p: [first, last) pair range.
@@ -37,17 +34,17 @@ void check_order(int m_blocks, int pairs, int section, int tail_first, int num_s
   ASSERT_GE(tail_first, 0);
   ASSERT_LT(tail_first, pairs);
   ASSERT_EQ(tail_first % section, 0);
-  const Order o = order_of(m_blocks, pairs, section, tail_first);
+  const auto tiles = order_of(m_blocks, pairs, section, tail_first);
   std::set<std::pair<int, int>> seen;
-  for (size_t i = 0; i < o.tiles.size(); ++i) {
-    const auto [p, m] = o.tiles[i];
+  for (size_t i = 0; i < tiles.size(); ++i) {
+    const auto [p, m] = tiles[i];
     ASSERT_GE(p, 0);
     ASSERT_LT(p, pairs);
     ASSERT_GE(m, 0);
     ASSERT_LT(m, m_blocks);
-    ASSERT_TRUE(seen.insert(o.tiles[i]).second) << "tile (" << p << ", " << m << ") twice";
+    ASSERT_TRUE(seen.insert(tiles[i]).second) << "tile (" << p << ", " << m << ") twice";
     if (i > 0) {
-      const auto [pp, pm] = o.tiles[i - 1];
+      const auto [pp, pm] = tiles[i - 1];
       const auto sec = section_of(p, pairs, section, tail_first);
       const auto prev = section_of(pp, pairs, section, tail_first);
       if (prev == sec) {

@@ -108,7 +108,7 @@ struct FwdTraits {
     int64_t lse_head_stride, lse_batch_stride;
     int batch, seqlen_q, seqlen_k, nheads, nheads_per_kv;
     int l2_section;  // (head, batch) pairs per L2 section of the causal tile order
-    int l2_tail_first;  // the first pair of the last section (FwdTileScheduler::plan_tail_first)
+    int l2_tail_first;  // the first pair of the last section (causal_tail_first, causal_order.h)
     float softmax_scale, scale_log2;
     int* tile_counter;  // kDynamicTiles: two ints, zero at launch (null: the static order)
   };

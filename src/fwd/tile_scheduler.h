@@ -27,12 +27,12 @@ struct FwdTileScheduler {
   int tail_first;  // the first pair of the last section, which takes every pair from there on
 
   __host__ __device__ FwdTileScheduler(int seqlen_q, int block_m, int nheads_, int batch,
-                                       int section_ = 1, int tail_first_ = -1)
+                                       int section_, int tail_first_)
       : num_m_blocks((seqlen_q + block_m - 1) / block_m),
         nheads(nheads_),
         num_tiles(num_m_blocks * nheads_ * batch),
         section(section_ < 1 ? 1 : section_),
-        tail_first(tail_first_ < 0 ? (nheads_ * batch - 1) / section * section : tail_first_) {}
+        tail_first(tail_first_) {}
 
   __device__ __forceinline__ FwdTile tile(int t) const {
     FwdTile r;
