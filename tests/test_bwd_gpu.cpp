@@ -311,6 +311,7 @@ TEST(BwdGpuDeterministic, TwentyRunsAreBitwiseEqual) {
   expect_repeatable(deterministic({fp16, 64, false, 2, 1000, 1200, 4, 4}), 32, 20);    // MHA
   expect_repeatable(deterministic({bf16, 256, false, 1, 1024, 2048, 4, 1}), 33, 20);   // MQA
   expect_repeatable(deterministic({fp16, 128, true, 1, 2000, 1000, 4, 4}), 34, 20);    // rows without keys
+  expect_repeatable(deterministic({bf16, 256, true, 1, 4100, 4100, 2, 1}), 35, 20);    // causal, 2 dQ copies
 }
 
 // ---- small and fast ---------------------------------------------------------------------------

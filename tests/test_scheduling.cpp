@@ -1,12 +1,15 @@
 // flash3: CPU tests of the causal forward tile order (src/fwd/causal_order.h): every tile is
 // handed out once, longest first within each section, sections within the L2 budget, and a last
-// section that fills the GPU at least once.
+// section that fills the GPU at least once. And the backward workspace (src/bwd/bwd_config.h):
+// the deterministic mode's dQ copies and a layout whose parts hold them without overlap.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <set>
 #include <utility>
 #include <vector>
 
+#include "bwd/bwd_config.h"
 #include "fwd/causal_order.h"
 
 namespace {
@@ -91,6 +94,60 @@ TEST(CausalOrder, EveryTileOnceLongestFirstPerSection) {
         const int tail = flash3::causal_tail_first(pairs, section, m_blocks, sms);
         check_order(m_blocks, pairs, section, tail, sms);
         if (HasFatalFailure()) return;
+      }
+    }
+  }
+}
+
+// ---- backward workspace ------------------------------------------------------------------------
+
+// Deterministic mode: two copies of the dQ accumulator where the chain of key blocks adding into
+// a tile is long (>= 8 key blocks without a mask, >= 64 causal: measured, docs/perf-log.md B24),
+// one otherwise and always one in the default mode.
+TEST(BwdWorkspace, DeterministicCopiesWhereTheChainIsLong) {
+  EXPECT_EQ(flash3::bwd_dq_groups(false, false, 1000), 1);
+  EXPECT_EQ(flash3::bwd_dq_groups(false, true, 1000), 1);
+  EXPECT_EQ(flash3::bwd_dq_groups(true, false, 7), 1);
+  EXPECT_EQ(flash3::bwd_dq_groups(true, false, 8), 2);
+  EXPECT_EQ(flash3::bwd_dq_groups(true, true, 63), 1);
+  EXPECT_EQ(flash3::bwd_dq_groups(true, true, 64), 2);
+}
+
+// Every part 256-byte aligned, large enough for what the kernels index, disjoint, inside bytes.
+TEST(BwdWorkspace, PartsAreAlignedDisjointAndLargeEnough) {
+  for (int d : {64, 128, 256}) {
+    for (int seqlen_k : {1, 300, 8192}) {
+      for (bool causal : {false, true}) {
+        for (bool det : {false, true}) {
+          for (bool gqa : {false, true}) {
+            const int batch = 3, nheads = 5, seqlen_q = 1000;
+            const flash3::BwdWorkspaceLayout ws(batch, nheads, seqlen_q, seqlen_k, d, causal, det, gqa);
+            SCOPED_TRACE(::testing::Message() << "d " << d << " seqlen_k " << seqlen_k << " causal " << causal
+                                              << " det " << det << " gqa " << gqa);
+            const size_t bh = size_t(batch) * nheads;
+            const int groups = flash3::bwd_dq_groups(det, causal, ws.n_blocks);
+            EXPECT_EQ(ws.dq_groups, groups);
+            EXPECT_EQ(ws.m_blocks, (seqlen_q + ws.block_m - 1) / ws.block_m);
+            EXPECT_EQ(ws.n_blocks, (seqlen_k + ws.block_n - 1) / ws.block_n);
+            EXPECT_EQ(ws.seqlen_q_pad, int64_t(ws.m_blocks) * ws.block_m);
+            // (offset, bytes the kernels use) of every part present.
+            std::vector<std::pair<size_t, size_t>> parts = {
+                {ws.lse_log2, 4 * bh * ws.seqlen_q_pad},
+                {ws.dpsum, 4 * bh * ws.seqlen_q_pad},
+                {ws.dq_accum, 4 * bh * ws.seqlen_q_pad * d * groups}};
+            if (det) parts.emplace_back(ws.dq_sem, 4 * bh * ws.m_blocks * groups);
+            if (gqa) {
+              parts.emplace_back(ws.dk_accum, 4 * bh * ws.seqlen_k_pad * d);
+              parts.emplace_back(ws.dv_accum, 4 * bh * ws.seqlen_k_pad * d);
+            }
+            std::sort(parts.begin(), parts.end());
+            for (size_t i = 0; i < parts.size(); ++i) {
+              EXPECT_EQ(parts[i].first % 256, 0u);
+              const size_t end = parts[i].first + parts[i].second;
+              EXPECT_LE(end, i + 1 < parts.size() ? parts[i + 1].first : ws.bytes);
+            }
+          }
+        }
       }
     }
   }

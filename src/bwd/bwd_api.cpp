@@ -10,7 +10,7 @@ namespace flash3 {
 
 namespace {
 BwdWorkspaceLayout workspace_layout(const BwdProblem& p) {
-  return BwdWorkspaceLayout(p.batch, p.nheads, p.seqlen_q, p.seqlen_k, p.head_dim, p.deterministic,
+  return BwdWorkspaceLayout(p.batch, p.nheads, p.seqlen_q, p.seqlen_k, p.head_dim, p.causal, p.deterministic,
                             p.nheads != p.nheads_kv);
 }
 }  // namespace

@@ -54,28 +54,51 @@ inline int bwd_block_n(int head_dim) {
                         : head_dim == 128 ? BwdTileConfig<128>::kBlockN : BwdTileConfig<256>::kBlockN;
 }
 
+// Deterministic mode: how many copies of the FP32 dQ accumulator the key blocks add into.
+// NOTES: the adds into one dQ tile must come in a fixed order, so key block n waits for key
+// block n - 1's add (poll, add, completion, release: about 0.65 / 0.85 / 1.6 us for the 16 / 32
+// / 64 KB tiles of head dims 64 / 128 / 256, docs/perf-log.md B19). The key blocks of one head
+// run side by side and visit the query tiles in the same order, so the last of k such blocks
+// lags the first by k links: at head dim 256 the mode ran at 0.66-0.84x the default. With G
+// copies, key block n adds into copy n % G after block n - G, so the chain is G times shorter;
+// the postprocess sums the copies in order 0, 1, ..., G - 1 (the result stays bitwise
+// reproducible; it differs from the default mode's, whose add order is whatever ran first). The
+// first add into each copy is a plain store, so no copy needs clearing; the postprocess reads
+// the copies that were written (their counter is > 0). Cost: G x the accumulator's memory
+// (seqlen_q x nheads x d x 4 bytes per batch) and the postprocess reads G tiles per tile, which
+// at short sequences costs more than the chain (docs/perf-log.md B24, measured G = 1, 2, 4 at
+// every sweep point: two copies gained from 8 key blocks on without a mask, and causal from 64
+// on, where the chain is long enough; four were never better than two).
+inline int bwd_dq_groups(bool deterministic, bool causal, int n_blocks) {
+  if (!deterministic) return 1;
+  return n_blocks >= (causal ? 64 : 8) ? 2 : 1;
+}
+
 // The scratch memory of one backward call, carved from one buffer (each part 256-byte aligned):
 //   lse_log2 float [batch][nheads][seqlen_q_pad]   lse * log2(e); +inf on padding rows
 //   dpsum    float [batch][nheads][seqlen_q_pad]   D = rowsum(dO * O); 0 on padding rows
-//   dq_accum float [batch][nheads][m_blocks][kBlockM * d]   FP32 dQ, each tile in the register
-//            order of the dQ GEMM's accumulators (see bwd_kernel.h)
-//   dq_sem   int   [batch][nheads][m_blocks]       deterministic mode only: n_blocks added so far
+//   dq_accum float [batch][nheads][m_blocks][groups][kBlockM * d]   FP32 dQ, each tile in the
+//            register order of the dQ GEMM's accumulators (see bwd_kernel.h); groups copies of
+//            each tile in the deterministic mode (bwd_dq_groups), one otherwise
+//   dq_sem   int   [batch][nheads][m_blocks][groups]  deterministic mode only: the adds into
+//            each copy so far (key block n adds into copy n % groups, as its (n / groups)-th)
 //   dk_accum, dv_accum float [batch][nheads][seqlen_k_pad][d]   GQA/MQA only: per-query-head dK, dV
 // seqlen_q_pad = m_blocks * kBlockM, seqlen_k_pad = n_blocks * kBlockN.
 struct BwdWorkspaceLayout {
-  int block_m = 0, block_n = 0, m_blocks = 0, n_blocks = 0;
+  int block_m = 0, block_n = 0, m_blocks = 0, n_blocks = 0, dq_groups = 1;
   int64_t seqlen_q_pad = 0, seqlen_k_pad = 0;
   size_t lse_log2 = 0, dpsum = 0, dq_accum = 0, dq_sem = 0, dk_accum = 0, dv_accum = 0;  // offsets
   size_t bytes = 0;
 
   BwdWorkspaceLayout(int batch, int nheads, int seqlen_q, int seqlen_k, int head_dim,
-                     bool deterministic, bool gqa) {
+                     bool causal, bool deterministic, bool gqa) {
     block_m = bwd_block_m(head_dim);
     block_n = bwd_block_n(head_dim);
     m_blocks = (seqlen_q + block_m - 1) / block_m;
     n_blocks = (seqlen_k + block_n - 1) / block_n;
     seqlen_q_pad = int64_t(m_blocks) * block_m;
     seqlen_k_pad = int64_t(n_blocks) * block_n;
+    dq_groups = bwd_dq_groups(deterministic, causal, n_blocks);
     const int64_t bh = int64_t(batch) * nheads;
     size_t at = 0;
     auto take = [&at](size_t n) {
@@ -85,8 +108,8 @@ struct BwdWorkspaceLayout {
     };
     lse_log2 = take(sizeof(float) * bh * seqlen_q_pad);
     dpsum = take(sizeof(float) * bh * seqlen_q_pad);
-    dq_accum = take(sizeof(float) * bh * seqlen_q_pad * head_dim);
-    if (deterministic) dq_sem = take(sizeof(int) * bh * m_blocks);
+    dq_accum = take(sizeof(float) * bh * seqlen_q_pad * head_dim * dq_groups);
+    if (deterministic) dq_sem = take(sizeof(int) * bh * m_blocks * dq_groups);
     if (gqa) {
       dk_accum = take(sizeof(float) * bh * seqlen_k_pad * head_dim);
       dv_accum = take(sizeof(float) * bh * seqlen_k_pad * head_dim);

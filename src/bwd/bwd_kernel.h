@@ -84,6 +84,12 @@ __device__ __forceinline__ void bulk_load_1d(void* smem_dst, const void* gmem_sr
       : "memory");
 }
 
+__device__ __forceinline__ void bulk_store_f32(float* gmem_dst, const float* smem_src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(gmem_dst),
+               "r"(cute::cast_smem_ptr_to_uint(smem_src)), "r"(bytes)
+               : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
 __device__ __forceinline__ void bulk_reduce_add_f32(float* gmem_dst, const float* smem_src, uint32_t bytes) {
   asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(gmem_dst),
                "r"(cute::cast_smem_ptr_to_uint(smem_src)), "r"(bytes)
@@ -109,7 +115,7 @@ __device__ __forceinline__ void bwd_store_dq(typename Traits::SharedStorage& sha
     dq_tile[j * Traits::kNumConsumerThreads + tidx] = make_float2(tdQrdQ(2 * j), tdQrdQ(2 * j + 1));
   }
   cutlass::arch::fence_view_async_shared();  // st.shared -> bulk reduce (async proxy)
-  named_barrier_arrive(kBwdDQBarThreads, kBwdBarDQFull + buf);
+  named_barrier_arrive(kBwdDQBarThreads, kBwdBarDQFull + i % Traits::kDQFullBars);
 }
 
 // The consumers' main loop, not swapped (head dim 256): S, dP as (kBlockM, kBlockN); P and dS
@@ -618,28 +624,38 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       // kDQStages), because a bulk reduce's completion can only be waited for by the thread that
       // issued it, blocking: in the deterministic mode each add must be complete before the
       // next key block may add into the same tile, and with one writer the consumers waited for
-      // every completion in turn (deterministic 0.60-0.70x of the default at head dim 64). The
+      // every completion in turn (deterministic 0.60-0.70x of the default at head dim 64; at
+      // head dim 256, one buffer, 0.70-0.83x with one writer, 0.75-0.97x with two, B24). The
       // buffer is handed back to the consumers as soon as it has been read.
       const int writer = warp_in_wg - 1;
-      float* dq_accum = params.dq_accum + bh * params.seqlen_q_pad * kHeadDim;
-      int* sem = params.dq_sem != nullptr ? params.dq_sem + bh * params.m_blocks : nullptr;
+      // Deterministic mode: this key block adds into copy `group` of each tile, as the
+      // `turn`-th (bwd_config.h, bwd_dq_groups); copies are [tile][group], groups = 1 otherwise.
+      const int groups = params.dq_groups, group = n_block % groups, turn = n_block / groups;
+      float* dq_accum = params.dq_accum + (bh * params.m_blocks * groups + group) * Traits::kDQElems;
+      int* sem = params.dq_sem != nullptr ? params.dq_sem + bh * params.m_blocks * groups + group : nullptr;
       for (int i = writer; i < m_count; i += Traits::kDQWriters) {
         const int m = m_at(i), buf = i % Traits::kDQStages;
-        named_barrier_sync(kBwdDQBarThreads, kBwdBarDQFull + buf);
+        named_barrier_sync(kBwdDQBarThreads, kBwdBarDQFull + i % Traits::kDQFullBars);
         if (lane == 0) {
+          float* dst = dq_accum + int64_t(m) * groups * Traits::kDQElems;
+          const float* src = shared.smem_dq + buf * Traits::kDQElems;
           if (sem != nullptr) {
-            // Deterministic: key blocks add into query tile m in the order 0, 1, 2, ...
+            // Deterministic: the key blocks of a group add into query tile m's copy in the
+            // order of their turns 0, 1, 2, ...; turn 0 stores (the copies are not cleared).
             // NOTES: a short sleep between polls, so that the polling of the writers waiting on
             // a tile does not compete in L2 with the adds they wait for.
             for (;;) {
               int seen;
-              asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(sem + m) : "memory");
-              if (seen == n_block) break;
+              asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(sem + m * groups) : "memory");
+              if (seen == turn) break;
               __nanosleep(128);
             }
           }
-          bulk_reduce_add_f32(dq_accum + int64_t(m) * Traits::kDQElems, shared.smem_dq + buf * Traits::kDQElems,
-                              Traits::kDQElems * sizeof(float));
+          if (sem != nullptr && turn == 0) {
+            bulk_store_f32(dst, src, Traits::kDQElems * sizeof(float));
+          } else {
+            bulk_reduce_add_f32(dst, src, Traits::kDQElems * sizeof(float));
+          }
           asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // smem read
         }
         __syncwarp();
@@ -652,7 +668,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
           // the chain of key blocks adding into one tile: deterministic mode 3-11% slower,
           // docs/perf-log.md B20.)
           asm volatile("fence.proxy.async.global;" ::: "memory");
-          asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(sem + m) : "memory");
+          asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(sem + m * groups) : "memory");
         }
         __syncwarp();
       }
@@ -748,6 +764,7 @@ struct BwdAuxParams {
   float* dpsum;
   float* dq_accum;
   int* dq_sem;
+  int dq_groups;
   int batch, seqlen_q, nheads, head_dim, m_blocks;
   int64_t seqlen_q_pad;
   float softmax_scale;
@@ -810,10 +827,13 @@ __global__ void __launch_bounds__(256) bwd_preprocess(const BwdAuxParams p) {
                            : INFINITY;
     }
   }
-  float4* acc = reinterpret_cast<float4*>(p.dq_accum + (bh * p.m_blocks + m) * kBlockM * kHeadDim);
-  CUTLASS_PRAGMA_UNROLL
-  for (int i = threadIdx.x; i < kBlockM * kHeadDim / 4; i += 256) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (p.dq_sem != nullptr && threadIdx.x == 0) p.dq_sem[bh * p.m_blocks + m] = 0;
+  if (p.dq_sem != nullptr) {  // deterministic: each copy's first add is a store (bwd_config.h)
+    if (int(threadIdx.x) < p.dq_groups) p.dq_sem[(bh * p.m_blocks + m) * p.dq_groups + threadIdx.x] = 0;
+  } else {
+    float4* acc = reinterpret_cast<float4*>(p.dq_accum + (bh * p.m_blocks + m) * kBlockM * kHeadDim);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = threadIdx.x; i < kBlockM * kHeadDim / 4; i += 256) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
 }
 
 // dQ = scale * accumulator, from the register order the main kernel stored it in.
@@ -834,11 +854,28 @@ __global__ void __launch_bounds__(256) bwd_postprocess_dq(const BwdAuxParams p) 
   typename Traits::TiledMmadQ mma;
   auto thr = mma.get_thread_slice(threadIdx.x);
   Tensor coords = thr.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  const float2* tile = reinterpret_cast<const float2*>(p.dq_accum + (bh * p.m_blocks + m) * kBlockM * kHeadDim);
+  const int64_t tile_at = (bh * p.m_blocks + m) * p.dq_groups;
+  const float2* tile = reinterpret_cast<const float2*>(p.dq_accum + tile_at * kBlockM * kHeadDim);
   constexpr int kPairs = decltype(size(coords))::value / 2;
   float2 v[kPairs];
-  CUTLASS_PRAGMA_UNROLL
-  for (int j = 0; j < kPairs; ++j) v[j] = tile[j * 256 + threadIdx.x];
+  if (p.dq_sem == nullptr) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < kPairs; ++j) v[j] = tile[j * 256 + threadIdx.x];
+  } else {
+    // Deterministic: the sum of the copies that were written, in order (bwd_config.h).
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < kPairs; ++j) v[j] = make_float2(0.f, 0.f);
+    for (int g = 0; g < p.dq_groups; ++g) {
+      if (p.dq_sem[tile_at + g] == 0) continue;
+      const float2* copy = tile + g * (kBlockM * kHeadDim / 2);
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < kPairs; ++j) {
+        const float2 x = copy[j * 256 + threadIdx.x];
+        v[j].x += x.x;
+        v[j].y += x.y;
+      }
+    }
+  }
   CUTLASS_PRAGMA_UNROLL
   for (int j = 0; j < kPairs; ++j) {
     const int r = get<0>(coords(2 * j)), c = get<1>(coords(2 * j));

@@ -28,6 +28,7 @@ void launch_bwd_main(const BwdProblem& p, const BwdArgs& args, const BwdWorkspac
       reinterpret_cast<const float*>(base + ws.dpsum),
       reinterpret_cast<float*>(base + ws.dq_accum),
       p.deterministic ? reinterpret_cast<int*>(base + ws.dq_sem) : nullptr,
+      ws.dq_groups,
       gqa ? reinterpret_cast<float*>(base + ws.dk_accum) : nullptr,
       gqa ? reinterpret_cast<float*>(base + ws.dv_accum) : nullptr,
       static_cast<Element*>(args.dk.data),
@@ -69,6 +70,7 @@ void run_bwd(const BwdProblem& p, const BwdArgs& args, const BwdWorkspaceLayout&
       reinterpret_cast<float*>(base + ws.dpsum),
       reinterpret_cast<float*>(base + ws.dq_accum),
       p.deterministic ? reinterpret_cast<int*>(base + ws.dq_sem) : nullptr,
+      ws.dq_groups,
       p.batch, p.seqlen_q, p.nheads, p.head_dim, ws.m_blocks, ws.seqlen_q_pad, p.softmax_scale,
   };
   const int64_t aux_blocks = int64_t(ws.m_blocks) * p.nheads * p.batch;

@@ -139,8 +139,11 @@ struct BwdTraits {
   // (in deterministic mode the writer waits for the previous key block's adds).
   static constexpr int kDQStages = Config::kDQStages;
   // dQ writer warps (warps 1.. of warpgroup 0): warp 1 + w takes the tiles i with i % kDQWriters = w.
-  static constexpr int kDQWriters = kDQStages < 2 ? kDQStages : 2;
-  static_assert(kDQStages >= 1 && kDQStages <= 4 && kDQStages % kDQWriters == 0);
+  // Tile i's "full" barrier is kBwdBarDQFull + i % kDQFullBars: with one buffer and two writers
+  // the two writers' phases must not mix, so odd and even tiles use their own barrier.
+  static constexpr int kDQWriters = 2;
+  static constexpr int kDQFullBars = kDQStages > kDQWriters ? kDQStages : kDQWriters;
+  static_assert(kDQStages >= 1 && kDQStages <= 4 && (kDQStages == 1 || kDQStages % kDQWriters == 0));
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = typename cutlass::PipelineState<kStages>;
@@ -153,6 +156,7 @@ struct BwdTraits {
     const float* dpsum;
     float* dq_accum;
     int* dq_sem;                   // deterministic mode, else null
+    int dq_groups;                 // copies of each dQ tile (bwd_dq_groups); 1 without dq_sem
     float* dk_accum;               // GQA/MQA: per-query-head FP32 dK, dV; else null
     float* dv_accum;
     Element* dk;                   // MHA: written directly
