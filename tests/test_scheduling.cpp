@@ -113,6 +113,22 @@ TEST(BwdWorkspace, DeterministicCopiesWhereTheChainIsLong) {
   EXPECT_EQ(flash3::bwd_dq_groups(true, true, 64), 2);
 }
 
+// The first add into a dQ tile is a store (no clear) always in the deterministic mode; in the
+// default mode where key block 0 leads (non-causal at head dims 64, 128; causal visited last to
+// first, i.e. head dim 256) and the head has at most 32 key blocks (docs/perf-log.md B25).
+TEST(BwdWorkspace, StoreFirstWhereKeyBlockZeroLeads) {
+  for (int n : {1, 32, 33, 1000}) {
+    for (int d : {64, 128, 256}) {
+      for (bool causal : {false, true}) {
+        EXPECT_TRUE(flash3::bwd_dq_store_first(causal, true, d, n));
+        const bool leads = causal ? d == 256 : d != 256;
+        EXPECT_EQ(flash3::bwd_dq_store_first(causal, false, d, n), leads && n <= 32)
+            << "d " << d << " causal " << causal << " n_blocks " << n;
+      }
+    }
+  }
+}
+
 // Every part 256-byte aligned, large enough for what the kernels index, disjoint, inside bytes.
 TEST(BwdWorkspace, PartsAreAlignedDisjointAndLargeEnough) {
   for (int d : {64, 128, 256}) {
@@ -135,7 +151,8 @@ TEST(BwdWorkspace, PartsAreAlignedDisjointAndLargeEnough) {
                 {ws.lse_log2, 4 * bh * ws.seqlen_q_pad},
                 {ws.dpsum, 4 * bh * ws.seqlen_q_pad},
                 {ws.dq_accum, 4 * bh * ws.seqlen_q_pad * d * groups}};
-            if (det) parts.emplace_back(ws.dq_sem, 4 * bh * ws.m_blocks * groups);
+            EXPECT_EQ(ws.dq_store_first, flash3::bwd_dq_store_first(causal, det, d, ws.n_blocks));
+            if (ws.dq_store_first) parts.emplace_back(ws.dq_sem, 4 * bh * ws.m_blocks * groups);
             if (gqa) {
               parts.emplace_back(ws.dk_accum, 4 * bh * ws.seqlen_k_pad * d);
               parts.emplace_back(ws.dv_accum, 4 * bh * ws.seqlen_k_pad * d);

@@ -74,18 +74,45 @@ inline int bwd_dq_groups(bool deterministic, bool causal, int n_blocks) {
   return n_blocks >= (causal ? 64 : 8) ? 2 : 1;
 }
 
+// Causal query-block order (bwd_kernel.h, m_at): last to first at head dim 256 and in the
+// deterministic mode, first to last otherwise (docs/perf-log.md, B8).
+inline bool bwd_last_to_first(bool causal, bool deterministic, int head_dim) {
+  return causal && (deterministic || head_dim == 256);
+}
+
+// Whether the first add into each dQ tile (copy) is a store, so that the accumulator needs no
+// clear: always in the deterministic mode; in the default mode where key block 0 of a head, the
+// first of its blocks to be dispatched, also visits every tile no later than the others
+// (non-causal, or causal visited last to first): its writer stores and releases the tile, the
+// other key blocks' writers add once it has (bwd_kernel.h). With the causal first-to-last order
+// the other key blocks reach their first tiles long before key block 0 does, so there the
+// accumulator is cleared as before. The preprocess then writes 4 bytes per tile instead of the
+// tile (at 16k tokens x hidden 2048, 134 MB: about 35 us). But every key block of a head then
+// moves at key block 0's pace: measured (docs/perf-log.md B25), +1-4% at non-causal head dims
+// 64 and 128 up to 32 key blocks and +2-9% at causal head dim 256 up to 32, 1-6% slower at 128
+// key blocks and more, and 1-2% slower at non-causal head dim 256 (one dQ buffer: the writer's
+// wait stalls the consumers at once). So in the default mode only up to 32 key blocks.
+inline bool bwd_dq_store_first(bool causal, bool deterministic, int head_dim, int n_blocks) {
+  if (deterministic) return true;
+  if (n_blocks > 32) return false;
+  return causal ? bwd_last_to_first(causal, deterministic, head_dim) : head_dim != 256;
+}
+
 // The scratch memory of one backward call, carved from one buffer (each part 256-byte aligned):
 //   lse_log2 float [batch][nheads][seqlen_q_pad]   lse * log2(e); +inf on padding rows
 //   dpsum    float [batch][nheads][seqlen_q_pad]   D = rowsum(dO * O); 0 on padding rows
 //   dq_accum float [batch][nheads][m_blocks][groups][kBlockM * d]   FP32 dQ, each tile in the
 //            register order of the dQ GEMM's accumulators (see bwd_kernel.h); groups copies of
 //            each tile in the deterministic mode (bwd_dq_groups), one otherwise
-//   dq_sem   int   [batch][nheads][m_blocks][groups]  deterministic mode only: the adds into
-//            each copy so far (key block n adds into copy n % groups, as its (n / groups)-th)
+//   dq_sem   int   [batch][nheads][m_blocks][groups]  where the first add is a store
+//            (bwd_dq_store_first): deterministic, the adds into each copy so far (key block n
+//            adds into copy n % groups, as its (n / groups)-th); default, 1 once key block 0
+//            has stored the tile
 //   dk_accum, dv_accum float [batch][nheads][seqlen_k_pad][d]   GQA/MQA only: per-query-head dK, dV
 // seqlen_q_pad = m_blocks * kBlockM, seqlen_k_pad = n_blocks * kBlockN.
 struct BwdWorkspaceLayout {
   int block_m = 0, block_n = 0, m_blocks = 0, n_blocks = 0, dq_groups = 1;
+  bool dq_store_first = false;  // dq_sem is there (bwd_dq_store_first)
   int64_t seqlen_q_pad = 0, seqlen_k_pad = 0;
   size_t lse_log2 = 0, dpsum = 0, dq_accum = 0, dq_sem = 0, dk_accum = 0, dv_accum = 0;  // offsets
   size_t bytes = 0;
@@ -99,6 +126,7 @@ struct BwdWorkspaceLayout {
     seqlen_q_pad = int64_t(m_blocks) * block_m;
     seqlen_k_pad = int64_t(n_blocks) * block_n;
     dq_groups = bwd_dq_groups(deterministic, causal, n_blocks);
+    dq_store_first = bwd_dq_store_first(causal, deterministic, head_dim, n_blocks);
     const int64_t bh = int64_t(batch) * nheads;
     size_t at = 0;
     auto take = [&at](size_t n) {
@@ -109,7 +137,7 @@ struct BwdWorkspaceLayout {
     lse_log2 = take(sizeof(float) * bh * seqlen_q_pad);
     dpsum = take(sizeof(float) * bh * seqlen_q_pad);
     dq_accum = take(sizeof(float) * bh * seqlen_q_pad * head_dim * dq_groups);
-    if (deterministic) dq_sem = take(sizeof(int) * bh * m_blocks * dq_groups);
+    if (dq_store_first) dq_sem = take(sizeof(int) * bh * m_blocks * dq_groups);
     if (gqa) {
       dk_accum = take(sizeof(float) * bh * seqlen_k_pad * head_dim);
       dv_accum = take(sizeof(float) * bh * seqlen_k_pad * head_dim);

@@ -1,7 +1,8 @@
 // flash3: the backward pass, Algorithm 3 of the FlashAttention-3 paper (shared/paper, Appendix
 // B.1), as three kernels:
-//   bwd_preprocess  D = rowsum(dO * O), lse * log2(e) (both padded per query tile), dQ accumulator
-//                   and the deterministic-mode counters cleared;
+//   bwd_preprocess  D = rowsum(dO * O), lse * log2(e) (both padded per query tile), and the dQ
+//                   accumulator cleared, or only its tiles' counters where the first add into a
+//                   tile is a store (bwd_config.h, bwd_dq_store_first);
 //   bwd_kernel      one block per (kBlockN keys, head, batch), warp-specialized:
 //                     warp 0      producer: TMA loads K_j, V_j once, then streams Q_i, dO_i (with
 //                                 their lse and D) through a kStages-deep ring of buffers;
@@ -639,17 +640,20 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         if (lane == 0) {
           float* dst = dq_accum + int64_t(m) * groups * Traits::kDQElems;
           const float* src = shared.smem_dq + buf * Traits::kDQElems;
-          if (sem != nullptr) {
-            // Deterministic: the key blocks of a group add into query tile m's copy in the
-            // order of their turns 0, 1, 2, ...; turn 0 stores (the copies are not cleared).
+          if (sem != nullptr && turn > 0) {
+            // Turn 0 stores (the tiles are not cleared, bwd_config.h). Deterministic: the key
+            // blocks of a group add into query tile m's copy in the order of their turns 0, 1,
+            // 2, ...; default: in any order once turn 0 (key block 0) has stored the tile.
             // NOTES: a short sleep between polls, so that the polling of the writers waiting on
             // a tile does not compete in L2 with the adds they wait for.
             for (;;) {
               int seen;
               asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(sem + m * groups) : "memory");
-              if (seen == turn) break;
+              if (params.dq_ordered ? seen == turn : seen > 0) break;
               __nanosleep(128);
             }
+            // The acquired store (or adds) before this thread's bulk add (async proxy).
+            asm volatile("fence.proxy.async.global;" ::: "memory");
           }
           if (sem != nullptr && turn == 0) {
             bulk_store_f32(dst, src, Traits::kDQElems * sizeof(float));
@@ -660,7 +664,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         }
         __syncwarp();
         if (i + Traits::kDQStages < m_count) named_barrier_arrive(kBwdDQBarThreads, kBwdBarDQEmpty + buf);
-        if (sem != nullptr && lane == 0) {
+        if (sem != nullptr && lane == 0 && (params.dq_ordered || turn == 0)) {
           asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // the adds are done
           // NOTES: the proxy fence orders the completed bulk adds (async proxy) before this
           // thread's generic-proxy release; the release itself is the gpu-scope fence. (A
@@ -827,7 +831,7 @@ __global__ void __launch_bounds__(256) bwd_preprocess(const BwdAuxParams p) {
                            : INFINITY;
     }
   }
-  if (p.dq_sem != nullptr) {  // deterministic: each copy's first add is a store (bwd_config.h)
+  if (p.dq_sem != nullptr) {  // each copy's first add is a store (bwd_config.h)
     if (int(threadIdx.x) < p.dq_groups) p.dq_sem[(bh * p.m_blocks + m) * p.dq_groups + threadIdx.x] = 0;
   } else {
     float4* acc = reinterpret_cast<float4*>(p.dq_accum + (bh * p.m_blocks + m) * kBlockM * kHeadDim);
@@ -862,7 +866,7 @@ __global__ void __launch_bounds__(256) bwd_postprocess_dq(const BwdAuxParams p) 
     CUTLASS_PRAGMA_UNROLL
     for (int j = 0; j < kPairs; ++j) v[j] = tile[j * 256 + threadIdx.x];
   } else {
-    // Deterministic: the sum of the copies that were written, in order (bwd_config.h).
+    // The sum of the copies that were written, in order (bwd_config.h); 0 where none was.
     CUTLASS_PRAGMA_UNROLL
     for (int j = 0; j < kPairs; ++j) v[j] = make_float2(0.f, 0.f);
     for (int g = 0; g < p.dq_groups; ++g) {

@@ -27,8 +27,9 @@ void launch_bwd_main(const BwdProblem& p, const BwdArgs& args, const BwdWorkspac
       reinterpret_cast<const float*>(base + ws.lse_log2),
       reinterpret_cast<const float*>(base + ws.dpsum),
       reinterpret_cast<float*>(base + ws.dq_accum),
-      p.deterministic ? reinterpret_cast<int*>(base + ws.dq_sem) : nullptr,
+      ws.dq_store_first ? reinterpret_cast<int*>(base + ws.dq_sem) : nullptr,
       ws.dq_groups,
+      int(p.deterministic),
       gqa ? reinterpret_cast<float*>(base + ws.dk_accum) : nullptr,
       gqa ? reinterpret_cast<float*>(base + ws.dv_accum) : nullptr,
       static_cast<Element*>(args.dk.data),
@@ -40,9 +41,7 @@ void launch_bwd_main(const BwdProblem& p, const BwdArgs& args, const BwdWorkspac
       // Q and dO of one (head, batch) pair, in half the L2.
       int(std::max<long long>(1, current_device_info().l2_bytes / 2 /
                                     (2LL * p.seqlen_q * p.head_dim * int64_t(sizeof(Element))))),
-      // Causal query-block order (bwd_kernel.h, m_at): last to first at head dim 256 and in the
-      // deterministic mode, first to last otherwise (docs/perf-log.md, B8).
-      int(p.causal && (p.deterministic || p.head_dim == 256)),
+      int(bwd_last_to_first(p.causal, p.deterministic, p.head_dim)),
       ws.seqlen_q_pad, ws.seqlen_k_pad,
       p.softmax_scale,
       float(p.softmax_scale * M_LOG2E),
@@ -69,7 +68,7 @@ void run_bwd(const BwdProblem& p, const BwdArgs& args, const BwdWorkspaceLayout&
       reinterpret_cast<float*>(base + ws.lse_log2),
       reinterpret_cast<float*>(base + ws.dpsum),
       reinterpret_cast<float*>(base + ws.dq_accum),
-      p.deterministic ? reinterpret_cast<int*>(base + ws.dq_sem) : nullptr,
+      ws.dq_store_first ? reinterpret_cast<int*>(base + ws.dq_sem) : nullptr,
       ws.dq_groups,
       p.batch, p.seqlen_q, p.nheads, p.head_dim, ws.m_blocks, ws.seqlen_q_pad, p.softmax_scale,
   };

@@ -155,8 +155,9 @@ struct BwdTraits {
     const float* lse_log2;         // workspace (bwd_config.h)
     const float* dpsum;
     float* dq_accum;
-    int* dq_sem;                   // deterministic mode, else null
+    int* dq_sem;                   // the first add into a tile is a store (bwd_dq_store_first), else null
     int dq_groups;                 // copies of each dQ tile (bwd_dq_groups); 1 without dq_sem
+    int dq_ordered;                // deterministic: the adds into a tile in key-block order
     float* dk_accum;               // GQA/MQA: per-query-head FP32 dK, dV; else null
     float* dv_accum;
     Element* dk;                   // MHA: written directly
