@@ -434,16 +434,22 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
     }
   };
   // dV += P^T dO_m; dS^T to shared memory; dK += dS^T Q_m; once both warpgroups' dS^T are
-  // stored, dQ_m = dS K (three commit groups).
+  // stored, dQ_m = dS K (three commit groups). With kDQFirst the dQ GEMM comes before dK's (so
+  // that the dQ store can run while dK does): dV, dQ, dK.
   auto issue_grads = [&](int i, int stage_q, int stage_do) __attribute__((always_inline)) {
     const int ds_stage = i % Traits::kDSStages;
     gemm(cute::false_type{}, mma_dkv, tPrP, tdVrdOt(_, _, _, stage_do), tdVrdV);  // last read of dO_m
     convert_into<Element>(tdPrdP, tPrdS);
     copy(smem_copy_ds, thr_copy_ds.retile_S(tdSrdS), tdSsdS(_, _, _, ds_stage));
-    gemm(cute::false_type{}, mma_dkv, tPrdS, tdKrQt(_, _, _, stage_q), tdKrdK);  // last read of Q_m
+    if constexpr (!Traits::kDQFirst) {
+      gemm(cute::false_type{}, mma_dkv, tPrdS, tdKrQt(_, _, _, stage_q), tdKrdK);  // last read of Q_m
+    }
     cutlass::arch::fence_view_async_shared();  // stmatrix -> WGMMA (async proxy)
     named_barrier_sync(Traits::kNumConsumerThreads, kBwdBarPReady);
     gemm(cute::true_type{}, mma_dq, tdQrdS(_, _, _, ds_stage), tdQrKt, tdQrdQ);
+    if constexpr (Traits::kDQFirst) {
+      gemm(cute::false_type{}, mma_dkv, tPrdS, tdKrQt(_, _, _, stage_q), tdKrdK);  // last read of Q_m
+    }
   };
 
   PipelineState read_q, read_do;
@@ -457,13 +463,22 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
       warpgroup_wait<0>();  // dP^T
       compute_ds(read_do.index());
       issue_grads(i, read_q.index(), read_do.index());
-      warpgroup_wait<1>();  // dV, dK
-      pipeline_q.consumer_release(read_q);
-      pipeline_do.consumer_release(read_do);
+      if constexpr (Traits::kDQFirst) {
+        // dQ_m to shared memory while dK runs (head dim 128: +3-7%, docs/perf-log.md B26).
+        warpgroup_wait<1>();  // dV, dQ_m
+        pipeline_do.consumer_release(read_do);
+        bwd_store_dq<Traits>(shared, tdQrdQ, i, tidx);
+        warpgroup_wait<0>();  // dK
+        pipeline_q.consumer_release(read_q);
+      } else {
+        warpgroup_wait<1>();  // dV, dK
+        pipeline_q.consumer_release(read_q);
+        pipeline_do.consumer_release(read_do);
+        warpgroup_wait<0>();  // dQ_m
+        bwd_store_dq<Traits>(shared, tdQrdQ, i, tidx);
+      }
       ++read_q;
       ++read_do;
-      warpgroup_wait<0>();  // dQ_m
-      bwd_store_dq<Traits>(shared, tdQrdQ, i, tidx);
     }
   } else {
     // Overlapped (head dim 64): the S^T, dP^T GEMMs of block i+1 are issued right behind the

@@ -24,6 +24,9 @@ struct BwdTraits {
   // The overlapped loop schedule of the swapped main loop (bwd_kernel.h); needs two stages.
   static constexpr bool kOverlapBlocks = kHeadDim == 64 && Config::kSdPSwapAB;
   static_assert(!kOverlapBlocks || kStages >= 2);
+  // The in-order swapped loop issues dQ before dK (bwd_config.h).
+  static constexpr bool kDQFirst = Config::kDQFirst;
+  static_assert(!kDQFirst || (Config::kSdPSwapAB && !kOverlapBlocks));
 
   // Warpgroup 0: warp 0 is the producer (TMA), warps 1.. the dQ writers; warpgroups 1 and 2 are the
   // consumers, which split every GEMM between them.
