@@ -5,8 +5,9 @@ block's softmax must sit between `WARPGROUP.DEPBAR.LE gsb0, 0x1` (S is ready, PV
 0x2 in the 3-stage pipeline, where the next S GEMM runs too) and `WARPGROUP.DEPBAR.LE gsb0, 0x0`
 (PV done).
 
-The backward kernels at head dim 64 (the overlapped schedule of bwd_kernel.h) are checked the
-same way: P^T's exponentials between the waits for S^T (0x1) and dP^T (0x0).
+The backward kernels at head dim 64 are checked the same way: P^T's exponentials between the
+waits for S^T (0x1) and dP^T (0x0), i.e. computed while the dP^T GEMM runs (ptxas 13.0 keeps 6
+of the 32 there in the in-order loop; docs/perf-log.md B27).
 
 usage: cuobjdump --dump-sass build/libflash3.so | tools/check_overlap.py
 Prints one line per forward kernel and per head-dim-64 backward kernel; exits 1 if a kernel

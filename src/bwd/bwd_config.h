@@ -10,15 +10,13 @@
 // only dS^T goes to shared memory (two buffers); otherwise P and dS both go through shared
 // memory. (Head dim 64 with kBlockM = 128, swapped: ptxas serialized the WGMMAs, C7512, at 240
 // registers; with dS computed from the 16-bit P it fit but measured 1-5% slower than 64 x 128
-// with the overlapped schedule, docs/perf-log.md B13; not swapped it spilled.) Shared memory
+// with the overlapped schedule of then, docs/perf-log.md B13; not swapped it spilled.) Shared memory
 // (bf16): K, V (kBlockN x d each), kStages x (Q, dO) (kBlockM x d each), P and dS or 2 x dS^T
 // (kBlockM x kBlockN each), kDQStages x dQ in FP32 (kBlockM x d). Registers (setmaxnreg)
-// producer / consumers: see bwd_traits.h. kDQFirst (in-order swapped loop, bwd_kernel.h): the
-// dQ GEMM is issued before dK's, so that dQ goes to shared memory while dK still runs
-// (FlashAttention-3's order); measured at every head dim (docs/perf-log.md B26): +3-7% at head
-// dim 128, but 2-6% slower at 64 (whose overlapped loop already stores dQ behind the next
-// block's GEMMs) and 25-40% slower at 256 (dQ, dK, dV there: with one Q/dO stage, Q was
-// released only after dQ and dK).
+// producer / consumers: see bwd_traits.h. The swapped loop issues the gradient GEMMs as dV, dQ,
+// dK (FlashAttention-3's order: dQ goes to shared memory while dK still runs); at head dim 256
+// (not swapped, one Q/dO stage) dK, dV, dQ, so that Q and dO are released as early as possible
+// (dK, dQ, dV measured 25-40% slower there: docs/perf-log.md B26).
 //
 //   head dim | kBlockM | kBlockN | stages | dQ stages | swapped | regs (dK+dV, S+dP, dQ) | smem
 //   ---------+---------+---------+--------+-----------+---------+------------------------+-------
@@ -36,17 +34,17 @@ template <int kHeadDim>
 struct BwdTileConfig;
 template <> struct BwdTileConfig<64> {
   static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2, kDQStages = 4;
-  static constexpr bool kSdPSwapAB = true, kKVInRegs = true, kDQFirst = false;
+  static constexpr bool kSdPSwapAB = true, kKVInRegs = true;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
 };
 template <> struct BwdTileConfig<128> {
   static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2, kDQStages = 2;
-  static constexpr bool kSdPSwapAB = true, kKVInRegs = false, kDQFirst = true;
+  static constexpr bool kSdPSwapAB = true, kKVInRegs = false;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
 };
 template <> struct BwdTileConfig<256> {
   static constexpr int kBlockM = 64, kBlockN = 64, kStages = 1, kDQStages = 1;
-  static constexpr bool kSdPSwapAB = false, kKVInRegs = false, kDQFirst = false;
+  static constexpr bool kSdPSwapAB = false, kKVInRegs = false;
   static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
 };
 

@@ -348,23 +348,10 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
   constexpr int kRows = decltype(size<0>(tSrS_rc))::value;
   constexpr int kCols = decltype(size<1>(tSrS_rc))::value;
 
-  // One tile GEMM, committed as one group and not waited for. In order: operand fences right
-  // after the commit (warpgroup_gemm). Overlapped: accumulators fenced after the waits
-  // (warpgroup_gemm_async; a fence on an accumulator in flight serializes every WGMMA, C7514),
-  // a register A operand before the issue.
+  // One tile GEMM, committed as one group and not waited for (operand fences right after the
+  // commit).
   auto gemm = [&](auto zero_init, auto& mma, auto&& tA, auto const& tB, auto& tC) __attribute__((always_inline)) {
-    constexpr bool kZero = decltype(zero_init)::value;
-    if constexpr (Traits::kOverlapBlocks) {
-      if constexpr (kOperandInRegisters<decltype(tA)>) {
-        warpgroup_fence_operand(tA);
-      }
-      warpgroup_gemm_async<kZero>(mma, tA, tB, tC);
-    } else {
-      warpgroup_gemm<kZero, -1>(mma, tA, tB, tC);
-    }
-  };
-  auto fence_after_wait = [&](auto& t) __attribute__((always_inline)) {
-    if constexpr (Traits::kOverlapBlocks) warpgroup_fence_operand(t);
+    warpgroup_gemm<decltype(zero_init)::value, -1>(mma, tA, tB, tC);
   };
   // S^T = K Q_m^T and dP^T = V dO_m^T (two commit groups).
   auto issue_sdp = [&](PipelineState const& rq, PipelineState const& rdo) __attribute__((always_inline)) {
@@ -400,18 +387,6 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
       CUTLASS_PRAGMA_UNROLL
       for (int r = 0; r < kRows; ++r) tSrS_rc(r, j) = fast_exp2(tSrS_rc(r, j) * params.scale_log2 - col_lse);
     }
-    // Overlapped loop: pins the exponentials here, between the waits for S^T and dP^T: ptxas
-    // (13.0) otherwise hoisted the second wait above 25 of the 32 MUFU.EX2 (SASS), as in the
-    // forward kernel (fwd_kernel.h, pin_before_wait). A shared-memory store of the XOR of all
-    // of P^T (16 three-input LOP3s) stays before the wait. (In the in-order loop at head dim
-    // 128 the pin measured 1-5% slower at every sweep point; left out there.)
-    if constexpr (Traits::kOverlapBlocks) {
-      uint32_t x = 0;
-      CUTLASS_PRAGMA_UNROLL
-      for (int k = 0; k < size(tSrS); ++k) x ^= __float_as_uint(tSrS(k));
-      asm volatile("st.shared.u32 [%0], %1;" ::"r"(cute::cast_smem_ptr_to_uint(&shared.pin[tidx])), "r"(x)
-                   : "memory");
-    }
   };
   auto compute_ds = [&](int stage) __attribute__((always_inline)) {
     // dS^T = P^T (dP^T - D) in place of dP^T, and P^T to 16 bits in the same pass (S^T dies
@@ -433,98 +408,40 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
       }
     }
   };
-  // dV += P^T dO_m; dS^T to shared memory; dK += dS^T Q_m; once both warpgroups' dS^T are
-  // stored, dQ_m = dS K (three commit groups). With kDQFirst the dQ GEMM comes before dK's (so
-  // that the dQ store can run while dK does): dV, dQ, dK.
+  // dV += P^T dO_m; dS^T to shared memory; once both warpgroups' dS^T are stored, dQ_m = dS K;
+  // dK += dS^T Q_m (three commit groups).
   auto issue_grads = [&](int i, int stage_q, int stage_do) __attribute__((always_inline)) {
     const int ds_stage = i % Traits::kDSStages;
     gemm(cute::false_type{}, mma_dkv, tPrP, tdVrdOt(_, _, _, stage_do), tdVrdV);  // last read of dO_m
     convert_into<Element>(tdPrdP, tPrdS);
     copy(smem_copy_ds, thr_copy_ds.retile_S(tdSrdS), tdSsdS(_, _, _, ds_stage));
-    if constexpr (!Traits::kDQFirst) {
-      gemm(cute::false_type{}, mma_dkv, tPrdS, tdKrQt(_, _, _, stage_q), tdKrdK);  // last read of Q_m
-    }
     cutlass::arch::fence_view_async_shared();  // stmatrix -> WGMMA (async proxy)
     named_barrier_sync(Traits::kNumConsumerThreads, kBwdBarPReady);
     gemm(cute::true_type{}, mma_dq, tdQrdS(_, _, _, ds_stage), tdQrKt, tdQrdQ);
-    if constexpr (Traits::kDQFirst) {
-      gemm(cute::false_type{}, mma_dkv, tPrdS, tdKrQt(_, _, _, stage_q), tdKrdK);  // last read of Q_m
-    }
+    gemm(cute::false_type{}, mma_dkv, tPrdS, tdKrQt(_, _, _, stage_q), tdKrdK);  // last read of Q_m
   };
 
+  // NOTES: in order, one query block at a time, with FlashAttention-3's order of the gradient
+  // GEMMs: dV, dQ, dK, so that dQ_m goes to shared memory while dK still runs; measured
+  // (docs/perf-log.md B26, B27) +3-7% at head dim 128 over dV, dK, dQ, and at head dim 64 +4-7%
+  // over the overlapped schedule it replaced (block i+1's S^T, dP^T GEMMs issued behind block
+  // i's gradient GEMMs, B10). (Issuing block i+1's S^T GEMM behind block i's gradient GEMMs at
+  // head dim 128: ptxas serialized the WGMMAs, C7512, and spilled 80 bytes; B11.)
   PipelineState read_q, read_do;
-  if constexpr (!Traits::kOverlapBlocks) {
-    // In order. (Issuing block i+1's S^T GEMM behind block i's gradient GEMMs, at head dim
-    // 128: ptxas serialized the WGMMAs, C7512, and spilled 80 bytes; docs/perf-log.md B11.)
-    for (int i = 0; i < m_count; ++i) {
-      issue_sdp(read_q, read_do);
-      warpgroup_wait<1>();  // S^T
-      compute_p(bwd_m_at(m_base, i), read_q.index());
-      warpgroup_wait<0>();  // dP^T
-      compute_ds(read_do.index());
-      issue_grads(i, read_q.index(), read_do.index());
-      if constexpr (Traits::kDQFirst) {
-        // dQ_m to shared memory while dK runs (head dim 128: +3-7%, docs/perf-log.md B26).
-        warpgroup_wait<1>();  // dV, dQ_m
-        pipeline_do.consumer_release(read_do);
-        bwd_store_dq<Traits>(shared, tdQrdQ, i, tidx);
-        warpgroup_wait<0>();  // dK
-        pipeline_q.consumer_release(read_q);
-      } else {
-        warpgroup_wait<1>();  // dV, dK
-        pipeline_q.consumer_release(read_q);
-        pipeline_do.consumer_release(read_do);
-        warpgroup_wait<0>();  // dQ_m
-        bwd_store_dq<Traits>(shared, tdQrdQ, i, tidx);
-      }
-      ++read_q;
-      ++read_do;
-    }
-  } else {
-    // Overlapped (head dim 64): the S^T, dP^T GEMMs of block i+1 are issued right behind the
-    // gradient GEMMs of block i, so the tensor cores run them while dQ_i is stored and the
-    // buffers of block i released, and dP^T of block i+1 while its P^T is computed.
-    // The S^T, dP^T GEMMs of the i-th visit are in flight: P^T, then dS^T.
-    auto p_and_ds = [&](int i) __attribute__((always_inline)) {
-      warpgroup_wait<1>();  // S^T
-      fence_after_wait(tSrS);
-      compute_p(bwd_m_at(m_base, i), read_q.index());
-      warpgroup_wait<0>();  // dP^T
-      fence_after_wait(tdPrdP);
-      compute_ds(read_do.index());
-    };
-    // Block i's gradient GEMMs are complete: release its Q, dO and hand dQ_i to the writer.
-    auto finish_block = [&](int i) __attribute__((always_inline)) {
-      fence_after_wait(tdVrdV);
-      fence_after_wait(tdKrdK);
-      fence_after_wait(tdQrdQ);
-      pipeline_q.consumer_release(read_q);
-      pipeline_do.consumer_release(read_do);
-      bwd_store_dq<Traits>(shared, tdQrdQ, i, tidx);
-    };
-    if (m_count > 0) {
-      issue_sdp(read_q, read_do);
-      p_and_ds(0);
-    }
-    // NOTES: one branch per iteration (with the wait for block i+1 under a second test of the
-    // same condition, ptxas saw a path leaving the loop with S^T in flight: C7515, serialized).
-    for (int i = 0; i < m_count; ++i) {
-      issue_grads(i, read_q.index(), read_do.index());
-      if (i + 1 < m_count) {
-        PipelineState next_q = read_q, next_do = read_do;
-        ++next_q;
-        ++next_do;
-        issue_sdp(next_q, next_do);
-        warpgroup_wait<2>();  // dV, dK, dQ of block i
-        finish_block(i);
-        read_q = next_q;
-        read_do = next_do;
-        p_and_ds(i + 1);
-      } else {
-        warpgroup_wait<0>();
-        finish_block(i);
-      }
-    }
+  for (int i = 0; i < m_count; ++i) {
+    issue_sdp(read_q, read_do);
+    warpgroup_wait<1>();  // S^T
+    compute_p(bwd_m_at(m_base, i), read_q.index());
+    warpgroup_wait<0>();  // dP^T
+    compute_ds(read_do.index());
+    issue_grads(i, read_q.index(), read_do.index());
+    warpgroup_wait<1>();  // dV, dQ_m
+    pipeline_do.consumer_release(read_do);
+    bwd_store_dq<Traits>(shared, tdQrdQ, i, tidx);
+    warpgroup_wait<0>();  // dK
+    pipeline_q.consumer_release(read_q);
+    ++read_q;
+    ++read_do;
   }
 }
 

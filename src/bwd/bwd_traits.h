@@ -21,12 +21,6 @@ struct BwdTraits {
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kStages = Config::kStages;
   static constexpr bool kCausal = kCausal_;
-  // The overlapped loop schedule of the swapped main loop (bwd_kernel.h); needs two stages.
-  static constexpr bool kOverlapBlocks = kHeadDim == 64 && Config::kSdPSwapAB;
-  static_assert(!kOverlapBlocks || kStages >= 2);
-  // The in-order swapped loop issues dQ before dK (bwd_config.h).
-  static constexpr bool kDQFirst = Config::kDQFirst;
-  static_assert(!kDQFirst || (Config::kSdPSwapAB && !kOverlapBlocks));
 
   // Warpgroup 0: warp 0 is the producer (TMA), warps 1.. the dQ writers; warpgroups 1 and 2 are the
   // consumers, which split every GEMM between them.
@@ -186,7 +180,6 @@ struct BwdTraits {
     alignas(128) float smem_dq[kDQStages * kDQElems];
     alignas(16) float smem_lse[kStages * kBlockM];
     alignas(16) float smem_dpsum[kStages * kBlockM];
-    uint32_t pin[kNumConsumerThreads];  // swapped loop: see bwd_mainloop_swapped
     cutlass::arch::ClusterTransactionBarrier barrier_kv;
     typename Pipeline::SharedStorage pipeline_q;
     typename Pipeline::SharedStorage pipeline_do;
