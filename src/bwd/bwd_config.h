@@ -77,28 +77,22 @@ inline int bwd_dq_groups(bool deterministic, bool causal, int n_blocks) {
   return n_blocks >= (causal ? 64 : 8) ? 2 : 1;
 }
 
-// Causal query-block order (bwd_kernel.h, m_at): last to first at head dim 256 and in the
-// deterministic mode, first to last otherwise (docs/perf-log.md, B8).
-inline bool bwd_last_to_first(bool causal, bool deterministic, int head_dim) {
-  return causal && (deterministic || head_dim == 256);
-}
-
 // Whether the first add into each dQ tile (copy) is a store, so that the accumulator needs no
-// clear: always in the deterministic mode; in the default mode where key block 0 of a head, the
-// first of its blocks to be dispatched, also visits every tile no later than the others
-// (non-causal, or causal visited last to first): its writer stores and releases the tile, the
-// other key blocks' writers add once it has (bwd_kernel.h). With the causal first-to-last order
-// the other key blocks reach their first tiles long before key block 0 does, so there the
-// accumulator is cleared as before. The preprocess then writes 4 bytes per tile instead of the
-// tile (at 16k tokens x hidden 2048, 134 MB: about 35 us). But every key block of a head then
-// moves at key block 0's pace: measured (docs/perf-log.md B25), +1-4% at non-causal head dims
-// 64 and 128 up to 32 key blocks and +2-9% at causal head dim 256 up to 32, 1-6% slower at 128
-// key blocks and more, and 1-2% slower at non-causal head dim 256 (one dQ buffer: the writer's
-// wait stalls the consumers at once). So in the default mode only up to 32 key blocks.
+// clear: always in the deterministic mode; in the default mode key block 0 of a head, the first
+// of its blocks to be dispatched, also visits every tile no later than the others (non-causal
+// first to last, causal last to first: bwd_kernel.h), so its writer stores and releases each
+// tile and the other key blocks' writers add once it has. The preprocess then writes 4 bytes
+// per tile instead of the tile (at 16k tokens x hidden 2048, 134 MB: about 35 us). But every key
+// block of a head then moves at key block 0's pace: measured (docs/perf-log.md B25), +1-4% at
+// non-causal head dims 64 and 128 up to 32 key blocks and +2-9% at causal head dim 256 up to 32,
+// 1-6% slower at 128 key blocks and more, and 1-2% slower at non-causal head dim 256 (one dQ
+// buffer: the writer's wait stalls the consumers at once). So in the default mode only up to 32
+// key blocks. (Causal head dims 64 and 128 were visited first to last, and cleared, until
+// B28.)
 inline bool bwd_dq_store_first(bool causal, bool deterministic, int head_dim, int n_blocks) {
   if (deterministic) return true;
   if (n_blocks > 32) return false;
-  return causal ? bwd_last_to_first(causal, deterministic, head_dim) : head_dim != 256;
+  return causal || head_dim != 256;
 }
 
 // The scratch memory of one backward call, carved from one buffer (each part 256-byte aligned):

@@ -464,19 +464,20 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   const int head_kv = head / params.nheads_per_kv;
   int m_begin, m_end;
   query_block_range<Traits>(n_block, params.seqlen_q, params.seqlen_k, m_begin, m_end);
-  // The i-th query block this block visits. NOTES: with params.last_to_first (causal only) the
-  // blocks running at the same time (consecutive key blocks of one head, whose first query
-  // blocks differ) all start at the last query block and move in step, reading each Q, dO tile
-  // from L2 together and adding into the same dQ tile one after another, as in the non-causal
-  // case; first to last, block n runs one query block ahead of block n + 1, so the blocks of a
-  // head stream the whole head's Q, dO and dQ accumulator through L2 at once, and in the
-  // deterministic mode each block waits a step for its predecessor. Measured (docs/perf-log.md,
-  // B8): last to first wins at head dim 256 (+50% at 8k-16k) and in the deterministic mode, and
-  // loses 6-11% at head dim 128 in the default mode; the launcher picks per call.
+  // The i-th query block this block visits: first to last, but last to first where causal.
+  // NOTES: causal, the blocks running at the same time (consecutive key blocks of one head,
+  // whose first query blocks differ) then all start at the last query block and move in step,
+  // reading each Q, dO tile from L2 together and adding into the same dQ tile one after another,
+  // as in the non-causal case; first to last, block n runs one query block ahead of block n + 1,
+  // so the blocks of a head stream the whole head's Q, dO and dQ accumulator through L2 at once,
+  // and in the deterministic mode each block waits a step for its predecessor. Measured
+  // (docs/perf-log.md B8, B28): last to first +50% at head dim 256 at 8k-16k, and since the
+  // in-order loop of B26-B27 also at head dims 64 and 128 (+2-8% at 512-2k, with the store-first
+  // of bwd_dq_store_first it allows; within 3% either way from 4k).
   const int m_count = m_end - m_begin;
   // One register for both orders: |base - i| is m_end - 1 - i with base = m_end - 1, and
   // m_begin + i with base = -m_begin. (A flag and both bounds cost a spill at head dim 128.)
-  const int m_base = Traits::kCausal && params.last_to_first ? m_end - 1 : -m_begin;
+  const int m_base = Traits::kCausal ? m_end - 1 : -m_begin;
   auto m_at = [&](int i) { return bwd_m_at(m_base, i); };
   const int64_t bh = int64_t(batch) * params.nheads + head;
 

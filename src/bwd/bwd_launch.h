@@ -41,7 +41,6 @@ void launch_bwd_main(const BwdProblem& p, const BwdArgs& args, const BwdWorkspac
       // Q and dO of one (head, batch) pair, in half the L2.
       int(std::max<long long>(1, current_device_info().l2_bytes / 2 /
                                     (2LL * p.seqlen_q * p.head_dim * int64_t(sizeof(Element))))),
-      int(bwd_last_to_first(p.causal, p.deterministic, p.head_dim)),
       ws.seqlen_q_pad, ws.seqlen_k_pad,
       p.softmax_scale,
       float(p.softmax_scale * M_LOG2E),

@@ -164,7 +164,6 @@ struct BwdTraits {
     int batch, seqlen_q, seqlen_k, nheads, nheads_per_kv;
     int m_blocks, n_blocks;
     int l2_section;  // causal block order: (head, batch) pairs per L2 section
-    int last_to_first;  // causal: visit the query blocks last to first (see bwd_kernel.h)
     int64_t seqlen_q_pad, seqlen_k_pad;
     float softmax_scale, scale_log2;
   };
