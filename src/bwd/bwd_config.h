@@ -10,7 +10,8 @@
 // only dS^T goes to shared memory (two buffers); otherwise P and dS both go through shared
 // memory. (Head dim 64 with kBlockM = 128, swapped: ptxas serialized the WGMMAs, C7512, at 240
 // registers; with dS computed from the 16-bit P it fit but measured 1-5% slower than 64 x 128
-// with the overlapped schedule of then, docs/perf-log.md B13; not swapped it spilled.) Shared memory
+// with the overlapped schedule of then (docs/perf-log.md B13), and 7-10% slower than 64 x 128
+// with the in-order loop of now (B27); not swapped it spilled.) Shared memory
 // (bf16): K, V (kBlockN x d each), kStages x (Q, dO) (kBlockM x d each), P and dS or 2 x dS^T
 // (kBlockM x kBlockN each), kDQStages x dQ in FP32 (kBlockM x d). Registers (setmaxnreg)
 // producer / consumers: see bwd_traits.h. The swapped loop issues the gradient GEMMs as dV, dQ,
