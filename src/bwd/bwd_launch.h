@@ -2,12 +2,12 @@
 // kernel (causal or not), postprocess.
 #pragma once
 
-#include <algorithm>
 #include <cmath>
 #include <string>
 
 #include "bwd/bwd_dispatch.h"
 #include "bwd/bwd_kernel.h"
+#include "fwd/causal_order.h"
 #include "fwd/fwd_dispatch.h"
 
 namespace flash3::detail {
@@ -38,9 +38,8 @@ void launch_bwd_main(const BwdProblem& p, const BwdArgs& args, const BwdWorkspac
       args.dv.stride[1], args.dv.stride[2], args.dv.stride[0],
       p.batch, p.seqlen_q, p.seqlen_k, p.nheads, p.nheads / p.nheads_kv,
       ws.m_blocks, ws.n_blocks,
-      // Q and dO of one (head, batch) pair, in half the L2.
-      int(std::max<long long>(1, current_device_info().l2_bytes / 2 /
-                                    (2LL * p.seqlen_q * p.head_dim * int64_t(sizeof(Element))))),
+      // (head, batch) pairs whose Q and dO fit in half the L2.
+      causal_section(p.seqlen_q, p.head_dim, int(sizeof(Element)), current_device_info().l2_bytes / 2),
       ws.seqlen_q_pad, ws.seqlen_k_pad,
       p.softmax_scale,
       float(p.softmax_scale * M_LOG2E),

@@ -28,9 +28,10 @@ constexpr bool kOperandInRegisters =
 
 // Issues one tile GEMM C (+)= A * B as a batch of WGMMAs for the calling warpgroup and commits
 // it, without waiting and without operand fences after the commit: the caller fences C after
-// the wait that completes it. NOTES: in the backward kernel's overlapped schedule, a fence on an
-// accumulator still in flight made ptxas serialize every WGMMA of the kernel (C7514: "non wgmma
-// instructions reading accumulator registers ... between start and end of the pipeline stage").
+// the wait that completes it. NOTES: in the backward kernel's overlapped schedule of then
+// (docs/perf-log.md B2, B10; since replaced), a fence on an accumulator still in flight made
+// ptxas serialize every WGMMA of the kernel (C7514: "non wgmma instructions reading accumulator
+// registers ... between start and end of the pipeline stage").
 template <bool kZeroInit, class TiledMma, class TA, class TB, class TC>
 __device__ __forceinline__ void warpgroup_gemm_async(TiledMma& mma, TA const& tA, TB const& tB, TC& tC) {
   warpgroup_fence_operand(tC);
