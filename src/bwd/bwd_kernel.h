@@ -34,6 +34,14 @@ enum : int { kBwdBarPReady = 1, kBwdBarPFree = 2, kBwdBarDQFull = 3, kBwdBarDQEm
              kBwdBarEpilogue = 11 };
 constexpr int kBwdDQBarThreads = 256 + 32;  // consumers + the writer warp of the tile
 
+// Programmatic dependent launch (griddepcontrol; bwd_launch.h launches the main kernel and the
+// dQ postprocess with it): let the next kernel of the stream start launching (its blocks take
+// SMs as this kernel's blocks leave them, and run up to their pdl_wait), and wait until the
+// previous kernel has completed with its writes visible. Both are no-ops in a kernel launched
+// without the attribute.
+__device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
 // The query blocks [m_begin, m_end) that key block n_block must visit: causal skips the query
 // blocks whose rows all lie before the block's first key (bottom-right aligned mask).
 template <class Traits>
@@ -457,6 +465,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
 
   extern __shared__ __align__(1024) char smem_raw[];
   auto& shared = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
+  pdl_launch_dependents();
 
   int n_block, head, batch;
   bwd_block_coords<Traits::kCausal>(params.n_blocks, params.nheads, params.batch, params.l2_section,
@@ -529,6 +538,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       shared.barrier_kv.arrive_and_expect_tx(Traits::kTmaBytesKV);
       copy(params.tma_k.with(kv_bar), get<0>(k_parts), get<1>(k_parts));
       copy(params.tma_v.with(kv_bar), get<0>(v_parts), get<1>(v_parts));
+      pdl_wait();  // the preprocess's lse, D (K, V are inputs: loaded before)
       const float* lse = params.lse_log2 + bh * params.seqlen_q_pad;
       const float* dpsum = params.dpsum + bh * params.seqlen_q_pad;
       constexpr uint32_t kRowBytes = kBlockM * sizeof(float);
@@ -562,6 +572,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       // head dim 256, one buffer, 0.70-0.83x with one writer, 0.75-0.97x with two, B24). The
       // buffer is handed back to the consumers as soon as it has been read.
       const int writer = warp_in_wg - 1;
+      pdl_wait();  // the preprocess's clear of the accumulator, or of its counters
       // Deterministic mode: this key block adds into copy `group` of each tile, as the
       // `turn`-th (bwd_config.h, bwd_dq_groups); copies are [tile][group], groups = 1 otherwise.
       const int groups = params.dq_groups, group = n_block % groups, turn = n_block / groups;
@@ -707,11 +718,20 @@ struct BwdAuxParams {
   float softmax_scale;
 };
 
+// Block -> (query tile, head, batch), the last (head, batch) first.
+// NOTES: the main kernel starts with the first (head, batch) pairs and ends with the last, so
+// the preprocess, in reverse, leaves the first pairs' dO and cleared dQ tiles (or counters) in
+// L2 for the main kernel's start, and the postprocess, in reverse, reads the tiles the main
+// kernel added into last while they are still in L2 (50 MB, about a third of the FP32 dQ at
+// 16k tokens x hidden 2048). With programmatic dependent launch (bwd_launch.h): +0.3-2% at
+// 512-4k, docs/perf-log.md B31.
 __device__ __forceinline__ void aux_block_coords(int m_blocks, int nheads, int& m, int& head, int& batch) {
-  m = blockIdx.x % m_blocks;
-  head = (blockIdx.x / m_blocks) % nheads;
-  batch = (blockIdx.x / m_blocks) / nheads;
+  const int b = int(gridDim.x) - 1 - int(blockIdx.x);
+  m = b % m_blocks;
+  head = (b / m_blocks) % nheads;
+  batch = (b / m_blocks) / nheads;
 }
+
 
 // 16 bytes of 16-bit elements as 8 floats, and back.
 template <class Element>
@@ -728,6 +748,7 @@ __device__ __forceinline__ void load8(const Element* src, float (&x)[8]) {
 // per warp, measured 81 us at 16k tokens x 16 heads x 128, against 71 us for cuDNN's.)
 template <class Element, int kBlockM, int kHeadDim>
 __global__ void __launch_bounds__(256) bwd_preprocess(const BwdAuxParams p) {
+  pdl_launch_dependents();
   int m, head, batch;
   aux_block_coords(p.m_blocks, p.nheads, m, head, batch);
   const int64_t bh = int64_t(batch) * p.nheads + head;
@@ -781,6 +802,7 @@ __global__ void __launch_bounds__(256) bwd_preprocess(const BwdAuxParams p) {
 // takes 57, at 16k tokens x 16 heads x 128.)
 template <class Traits>
 __global__ void __launch_bounds__(256) bwd_postprocess_dq(const BwdAuxParams p) {
+  pdl_wait();  // the main kernel's adds
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim, kStride = kHeadDim + 8;
   extern __shared__ float4 smem_dq_raw[];

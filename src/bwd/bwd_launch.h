@@ -12,6 +12,27 @@
 
 namespace flash3::detail {
 
+// A launch with programmatic dependent launch: the kernel may start while the previous kernel
+// of the stream finishes, and waits for it with griddepcontrol.wait where it reads that kernel's
+// output (bwd_kernel.h, pdl_wait). The main kernel's prologue (barriers, K and V loads) then
+// runs under the preprocess's last blocks, and the postprocess launches under the main kernel's
+// last blocks (docs/perf-log.md B31).
+template <class... KArgs, class... Args>
+void launch_pdl(void (*kernel)(KArgs...), dim3 grid, int threads, int smem, cudaStream_t stream,
+                const char* what, Args const&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(unsigned(threads));
+  cfg.dynamicSmemBytes = size_t(smem);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  check_cuda(cudaLaunchKernelEx(&cfg, kernel, args...), what);
+}
+
 template <class Traits>
 void launch_bwd_main(const BwdProblem& p, const BwdArgs& args, const BwdWorkspaceLayout& ws, char* base) {
   using Element = typename Traits::Element;
@@ -49,8 +70,7 @@ void launch_bwd_main(const BwdProblem& p, const BwdArgs& args, const BwdWorkspac
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
              "cudaFuncSetAttribute(max dynamic shared memory)");
   const int64_t blocks = int64_t(ws.n_blocks) * p.nheads * p.batch;
-  kernel<<<dim3(unsigned(blocks)), Traits::kNumThreads, kSmem, args.stream>>>(params);
-  check_cuda(cudaGetLastError(), "backward kernel launch");
+  launch_pdl(kernel, dim3(unsigned(blocks)), Traits::kNumThreads, kSmem, args.stream, "backward kernel launch", params);
 }
 
 template <class Element, int kHeadDim>
@@ -86,8 +106,8 @@ void run_bwd(const BwdProblem& p, const BwdArgs& args, const BwdWorkspaceLayout&
                                     kPostSmem),
                "cudaFuncSetAttribute(backward postprocess shared memory)");
   }
-  bwd_postprocess_dq<Traits><<<dim3(unsigned(aux_blocks)), 256, kPostSmem, args.stream>>>(aux);
-  check_cuda(cudaGetLastError(), "backward postprocess (dq) launch");
+  launch_pdl(bwd_postprocess_dq<Traits>, dim3(unsigned(aux_blocks)), 256, kPostSmem, args.stream,
+             "backward postprocess (dq) launch", aux);
   if (p.nheads != p.nheads_kv && p.seqlen_k > 0) {
     const int64_t total = int64_t(p.batch) * p.seqlen_k * p.nheads_kv * (p.head_dim / 2);
     const int threads = 256;
