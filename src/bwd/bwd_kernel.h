@@ -34,14 +34,6 @@ enum : int { kBwdBarPReady = 1, kBwdBarPFree = 2, kBwdBarDQFull = 3, kBwdBarDQEm
              kBwdBarEpilogue = 11 };
 constexpr int kBwdDQBarThreads = 256 + 32;  // consumers + the writer warp of the tile
 
-// Programmatic dependent launch (griddepcontrol; bwd_launch.h launches the main kernel and the
-// dQ postprocess with it): let the next kernel of the stream start launching (its blocks take
-// SMs as this kernel's blocks leave them, and run up to their pdl_wait), and wait until the
-// previous kernel has completed with its writes visible. Both are no-ops in a kernel launched
-// without the attribute.
-__device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-
 // The query blocks [m_begin, m_end) that key block n_block must visit: causal skips the query
 // blocks whose rows all lie before the block's first key (bottom-right aligned mask).
 template <class Traits>

@@ -12,27 +12,6 @@
 
 namespace flash3::detail {
 
-// A launch with programmatic dependent launch: the kernel may start while the previous kernel
-// of the stream finishes, and waits for it with griddepcontrol.wait where it reads that kernel's
-// output (bwd_kernel.h, pdl_wait). The main kernel's prologue (barriers, K and V loads) then
-// runs under the preprocess's last blocks, and the postprocess launches under the main kernel's
-// last blocks (docs/perf-log.md B31).
-template <class... KArgs, class... Args>
-void launch_pdl(void (*kernel)(KArgs...), dim3 grid, int threads, int smem, cudaStream_t stream,
-                const char* what, Args const&... args) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(unsigned(threads));
-  cfg.dynamicSmemBytes = size_t(smem);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  check_cuda(cudaLaunchKernelEx(&cfg, kernel, args...), what);
-}
-
 template <class Traits>
 void launch_bwd_main(const BwdProblem& p, const BwdArgs& args, const BwdWorkspaceLayout& ws, char* base) {
   using Element = typename Traits::Element;

@@ -7,6 +7,7 @@
 #include <cutlass/numeric_types.h>
 
 #include "flash3/flash3.h"
+#include "fwd/fwd_dispatch.h"
 
 namespace flash3::detail {
 
@@ -114,6 +115,32 @@ __device__ __forceinline__ void named_barrier_sync(int threads, int id) {
 }
 __device__ __forceinline__ void named_barrier_arrive(int threads, int id) {
   asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Programmatic dependent launch (griddepcontrol; launch_pdl below): let the next kernel of the
+// stream start launching (its blocks take SMs as this kernel's blocks leave them, and run up to
+// their pdl_wait), and wait until the previous kernel has completed with its writes visible.
+// Both are no-ops in a kernel launched without the attribute.
+__device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
+// A launch with programmatic dependent launch: the kernel may start while the previous kernel of
+// the stream finishes, and must call pdl_wait before it reads that kernel's output or writes what
+// that kernel may read (docs/perf-log.md B31, step 24).
+template <class... KArgs, class... Args>
+void launch_pdl(void (*kernel)(KArgs...), dim3 grid, int threads, int smem, cudaStream_t stream,
+                const char* what, Args const&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(unsigned(threads));
+  cfg.dynamicSmemBytes = size_t(smem);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  check_cuda(cudaLaunchKernelEx(&cfg, kernel, args...), what);
 }
 
 // NOTES: MUFU.EX2 directly; exp(x) is computed as exp2(x * log2(e)) with the softmax scale
