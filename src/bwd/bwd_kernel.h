@@ -457,6 +457,9 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
 
   extern __shared__ __align__(1024) char smem_raw[];
   auto& shared = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
+  // Programmatic dependent launch (bwd_launch.h): the producer and the dQ writers wait for the
+  // preprocess where they first read its output (pdl_wait below); the consumers read only what
+  // the producer loaded after its wait, and write dK, dV, which the preprocess does not touch.
   pdl_launch_dependents();
 
   int n_block, head, batch;
@@ -723,7 +726,6 @@ __device__ __forceinline__ void aux_block_coords(int m_blocks, int nheads, int& 
   head = (b / m_blocks) % nheads;
   batch = (b / m_blocks) / nheads;
 }
-
 
 // 16 bytes of 16-bit elements as 8 floats, and back.
 template <class Element>

@@ -1,5 +1,6 @@
 // flash3: small device helpers shared by the forward and backward kernels: the WGMMA issue wrapper, register
-// layout conversions of the WGMMA accumulator, type conversion, quad reductions, exp2.
+// layout conversions of the WGMMA accumulator, type conversion, quad reductions, exp2, and the
+// programmatic-dependent-launch pair (device side, and the host launch that enables it).
 #pragma once
 
 #include <cute/tensor.hpp>
