@@ -120,9 +120,9 @@ TEST(BwdWorkspace, StoreFirstWhereKeyBlockZeroLeads) {
   for (int n : {1, 32, 33, 1000}) {
     for (int d : {64, 128, 256}) {
       for (bool causal : {false, true}) {
-        EXPECT_TRUE(flash3::bwd_dq_store_first(causal, true, d, n));
+        EXPECT_TRUE(flash3::bwd_dq_store_first(true, causal, d, n));
         const bool leads = causal || d != 256;
-        EXPECT_EQ(flash3::bwd_dq_store_first(causal, false, d, n), leads && n <= 32)
+        EXPECT_EQ(flash3::bwd_dq_store_first(false, causal, d, n), leads && n <= 32)
             << "d " << d << " causal " << causal << " n_blocks " << n;
       }
     }
@@ -151,7 +151,7 @@ TEST(BwdWorkspace, PartsAreAlignedDisjointAndLargeEnough) {
                 {ws.lse_log2, 4 * bh * ws.seqlen_q_pad},
                 {ws.dpsum, 4 * bh * ws.seqlen_q_pad},
                 {ws.dq_accum, 4 * bh * ws.seqlen_q_pad * d * groups}};
-            EXPECT_EQ(ws.dq_store_first, flash3::bwd_dq_store_first(causal, det, d, ws.n_blocks));
+            EXPECT_EQ(ws.dq_store_first, flash3::bwd_dq_store_first(det, causal, d, ws.n_blocks));
             if (ws.dq_store_first) parts.emplace_back(ws.dq_sem, 4 * bh * ws.m_blocks * groups);
             if (gqa) {
               parts.emplace_back(ws.dk_accum, 4 * bh * ws.seqlen_k_pad * d);

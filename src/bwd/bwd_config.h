@@ -90,7 +90,7 @@ inline int bwd_dq_groups(bool deterministic, bool causal, int n_blocks) {
 // buffer: the writer's wait stalls the consumers at once). So in the default mode only up to 32
 // key blocks. (Causal head dims 64 and 128 were visited first to last, and cleared, until
 // B28.)
-inline bool bwd_dq_store_first(bool causal, bool deterministic, int head_dim, int n_blocks) {
+inline bool bwd_dq_store_first(bool deterministic, bool causal, int head_dim, int n_blocks) {
   if (deterministic) return true;
   if (n_blocks > 32) return false;
   return causal || head_dim != 256;
@@ -124,7 +124,7 @@ struct BwdWorkspaceLayout {
     seqlen_q_pad = int64_t(m_blocks) * block_m;
     seqlen_k_pad = int64_t(n_blocks) * block_n;
     dq_groups = bwd_dq_groups(deterministic, causal, n_blocks);
-    dq_store_first = bwd_dq_store_first(causal, deterministic, head_dim, n_blocks);
+    dq_store_first = bwd_dq_store_first(deterministic, causal, head_dim, n_blocks);
     const int64_t bh = int64_t(batch) * nheads;
     size_t at = 0;
     auto take = [&at](size_t n) {
