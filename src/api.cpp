@@ -75,6 +75,39 @@ int* tile_counter(cudaStream_t stream) {
   return pair;
 }
 
+void* stream_scratch(cudaStream_t stream, size_t bytes, size_t zeroed) {
+  // NOTES: one buffer per (device, stream), as for the tile counters: kernels on one stream run
+  // in order, so they may share it. It only grows: the old buffer is freed once the stream's
+  // work so far is done. Its first `zeroed` bytes are cleared when it is allocated; the kernels
+  // that use them leave them zero.
+  struct Scratch {
+    void* ptr = nullptr;
+    size_t bytes = 0;
+  };
+  static std::mutex mutex;
+  static std::map<std::pair<int, cudaStream_t>, Scratch> buffers;
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  std::lock_guard<std::mutex> lock(mutex);
+  Scratch& buf = buffers[std::make_pair(device, stream)];
+  if (buf.bytes >= bytes) return buf.ptr;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess || capture != cudaStreamCaptureStatusNone) {
+    cudaGetLastError();
+    return nullptr;
+  }
+  if (buf.ptr != nullptr) {
+    check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize (growing scratch memory)");
+    check_cuda(cudaFree(buf.ptr), "cudaFree(scratch memory)");
+    buf = Scratch{};
+  }
+  void* ptr = nullptr;
+  check_cuda(cudaMalloc(&ptr, bytes), "cudaMalloc(scratch memory)");
+  check_cuda(cudaMemsetAsync(ptr, 0, zeroed, stream), "cudaMemsetAsync(scratch memory)");
+  buf = Scratch{ptr, bytes};
+  return ptr;
+}
+
 void require_hopper(const char* op) {
   const DeviceInfo& info = current_device_info();
   if (info.major != 9) {

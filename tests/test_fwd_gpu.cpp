@@ -240,6 +240,23 @@ TEST(FwdGpuPersistent, ManyTilesPerBlock) {
   }
 }
 
+// The non-causal tail split (src/fwd/tail_split.h): the last partial wave of tiles cut along the
+// keys over all SMs by the tail kernel and combined. On a 132-SM GPU: (a) 136 tiles = one full
+// wave + 4 tiles of 18 key blocks, cut into 72 pieces of one key block; (b) 72 tiles of 63 key
+// blocks, no full wave, pieces of 34-35 blocks; (c) 8 tiles of 24 blocks on 132 blocks. The last
+// key block is partly past seqlen_k (masked inside a piece), the last query block partly past
+// seqlen_q. run_case also runs each twice and checks the output is bitwise the same.
+TEST(FwdGpuTailSplit, PiecesCombineToTheReference) {
+  FLASH3_REQUIRE_HOPPER();
+  uint64_t seed = 7171;
+  run_case(Case{DType::kBFloat16, 128, false, 1, 2112, 3000, 8, 2}, seed++);
+  run_case(Case{DType::kFloat16, 128, false, 1, 2112, 3000, 8, 8}, seed++);
+  run_case(Case{DType::kFloat16, 256, false, 1, 1100, 5000, 8, 2}, seed++);
+  run_case(Case{DType::kBFloat16, 256, false, 1, 1100, 5000, 8, 1, /*pad=*/8}, seed++);
+  run_case(Case{DType::kBFloat16, 128, false, 2, 100, 4100, 4, 4}, seed++);
+  run_case(Case{DType::kBFloat16, 256, false, 2, 100, 4100, 4, 4}, seed++);
+}
+
 // Causal head dim 64 runs 128-row tiles up to seqlen_q 1024 and 192-row tiles beyond
 // (tile_config.h, kFwdCausal64ShortMax): both sides of the switch, seqlen_k longer and shorter,
 // and the 128-row kernel under the static persistent and the one-block-per-tile schedules too.

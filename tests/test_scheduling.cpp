@@ -11,6 +11,7 @@
 
 #include "bwd/bwd_config.h"
 #include "fwd/causal_order.h"
+#include "fwd/tail_split.h"
 
 namespace {
 
@@ -165,6 +166,94 @@ TEST(BwdWorkspace, PartsAreAlignedDisjointAndLargeEnough) {
             }
           }
         }
+      }
+    }
+  }
+}
+
+// ---- the non-causal forward's tail split (src/fwd/tail_split.h) ----------------------------
+
+TEST(TailSplit, SplitsOnlyWhereItSavesEnough) {
+  // The sweep's hdim 128 shape at 16k: 2048 tiles of 94 key blocks on 132 SMs: 15 waves and 68
+  // tiles; each SM's share of the tail is 49 key blocks, 45 fewer than a whole tile.
+  const flash3::TailSplit s = flash3::make_tail_split(2048, 94, 132);
+  EXPECT_EQ(s.full_tiles, 15 * 132);
+  EXPECT_EQ(s.tail_tiles, 68);
+  EXPECT_EQ(flash3::make_tail_split(2048, 24, 132).tail_tiles, 0);   // 4k: saves 24 - 13 = 11
+  EXPECT_EQ(flash3::make_tail_split(2048, 47, 132).tail_tiles, 68);  // 8k: saves 47 - 25 = 22
+  EXPECT_EQ(flash3::make_tail_split(1024, 103, 132).tail_tiles, 100);  // hdim 256 8k: saves 24
+  EXPECT_EQ(flash3::make_tail_split(264, 94, 132).tail_tiles, 0);      // whole waves
+  EXPECT_EQ(flash3::make_tail_split(264, 94, 132).full_tiles, 264);
+  EXPECT_EQ(flash3::make_tail_split(15 * 132 + 128, 94, 132).tail_tiles, 0);  // saves 94 - 92 = 2
+  // Fewer tiles than SMs: all tail, every tile split over the keys.
+  const flash3::TailSplit small = flash3::make_tail_split(8, 47, 132);
+  EXPECT_EQ(small.full_tiles, 0);
+  EXPECT_EQ(small.tail_tiles, 8);
+  EXPECT_EQ(flash3::make_tail_split(8, 12, 132).tail_tiles, 0);  // 12 - 1 = 11 saved: too little
+  EXPECT_EQ(flash3::make_tail_split(0, 47, 132).tail_tiles, 0);
+}
+
+// Every (tail tile, key block) exactly once; each block's work within one key block of every
+// other's, in at most two pieces; a cut tile's pieces are exactly those of blocks
+// tail_first_block..tail_last_block, each in its own slot, which tail_slot names.
+void check_split(int num_tiles, int n_blocks, int grid) {
+  const flash3::TailSplit s = flash3::make_tail_split(num_tiles, n_blocks, grid);
+  ASSERT_EQ(s.full_tiles + s.tail_tiles, num_tiles);
+  if (s.tail_tiles == 0) return;
+  ASSERT_LT(s.tail_tiles, grid);
+  ASSERT_EQ(s.full_tiles % grid, 0) << "the main kernel runs whole waves";
+  ASSERT_LE(s.grid, grid);
+  ASSERT_EQ(s.grid, std::min(grid, s.tail_tiles * n_blocks));
+  std::vector<int> seen(size_t(s.tail_tiles) * n_blocks, 0);
+  std::vector<std::set<int>> holders(s.tail_tiles);
+  std::vector<std::vector<std::pair<int, int>>> slots(s.tail_tiles);  // (block, slot)
+  std::set<int> used_slots;
+  int min_work = 1 << 30, max_work = 0;
+  for (int b = 0; b < s.grid; ++b) {
+    const int count = flash3::tail_piece_count(s, b);
+    ASSERT_GE(count, 1) << "every tail block holds a piece";
+    ASSERT_LE(count, 2);
+    int work = 0;
+    for (int k = 0; k < count; ++k) {
+      const flash3::TailPiece p = flash3::tail_piece(s, b, k);
+      ASSERT_GE(p.tile, s.full_tiles);
+      ASSERT_LT(p.tile, num_tiles);
+      ASSERT_GE(p.n_lo, 0);
+      ASSERT_LT(p.n_lo, p.n_hi);
+      ASSERT_LE(p.n_hi, n_blocks);
+      const int i = p.tile - s.full_tiles;
+      for (int n = p.n_lo; n < p.n_hi; ++n) ++seen[size_t(i) * n_blocks + n];
+      work += p.n_hi - p.n_lo;
+      holders[i].insert(b);
+      EXPECT_EQ(p.part >= 0, p.n_hi - p.n_lo < n_blocks) << "only cut tiles have slots";
+      if (p.part >= 0) {
+        EXPECT_LT(p.part, 2);
+        EXPECT_TRUE(used_slots.insert(2 * b + p.part).second) << "slot used twice";
+        slots[i].push_back({b, 2 * b + p.part});
+      }
+    }
+    min_work = std::min(min_work, work);
+    max_work = std::max(max_work, work);
+  }
+  for (size_t x = 0; x < seen.size(); ++x) ASSERT_EQ(seen[x], 1) << "tile " << x / n_blocks << " block " << x % n_blocks;
+  EXPECT_LE(max_work - min_work, 1);
+  EXPECT_GE(n_blocks - max_work, flash3::kTailSplitMinSaved);
+  for (int i = 0; i < s.tail_tiles; ++i) {
+    const int first = flash3::tail_first_block(s, i), last = flash3::tail_last_block(s, i);
+    EXPECT_EQ(*holders[i].begin(), first);
+    EXPECT_EQ(*holders[i].rbegin(), last);
+    EXPECT_EQ(int(holders[i].size()), last - first + 1);
+    ASSERT_EQ(int(slots[i].size()), last - first + 1);
+    for (const auto& [b, slot] : slots[i]) EXPECT_EQ(flash3::tail_slot(s, i, b), slot);
+  }
+}
+
+TEST(TailSplit, EveryKeyBlockOnceAndSlotsConsistent) {
+  for (int grid : {1, 7, 78, 132}) {
+    for (int n_blocks : {1, 13, 24, 47, 94, 205, 1000}) {
+      for (int num_tiles : {1, 5, 8, 64, 68, 131, 133, 200, 2048, 2752}) {
+        check_split(num_tiles, n_blocks, grid);
+        if (HasFatalFailure()) return;
       }
     }
   }

@@ -36,6 +36,11 @@ const DeviceInfo& current_device_info();
 // while the stream is being captured into a CUDA graph and none exists yet for it.
 int* tile_counter(cudaStream_t stream);
 
+// At least `bytes` of device memory for kernels launched on `stream` of the current device, its
+// first `zeroed` bytes zero between launches (the kernels that use them leave them zero);
+// nullptr while the stream is being captured into a CUDA graph and the buffer would have to grow.
+void* stream_scratch(cudaStream_t stream, size_t bytes, size_t zeroed);
+
 // Throws flash3::CudaError unless the current device is Hopper (compute capability 9.x);
 // `op` ("flash3::fwd") starts the message.
 void require_hopper(const char* op);

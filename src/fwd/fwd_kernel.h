@@ -84,7 +84,34 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   const int thread_in_wg = threadIdx.x % 128;
   const FwdTileScheduler<Traits::kCausal> scheduler(params.seqlen_q, kBlockM, params.nheads,
                                                     params.batch, params.l2_section, params.l2_tail_first);
-  const FwdTileStream<Traits::kDynamicTiles> tiles{params.tile_counter, scheduler.num_tiles};
+  const int tiles_end = params.tiles_end;
+  const FwdTileStream<Traits::kDynamicTiles> tiles{params.tile_counter, tiles_end};
+  // This block's k-th piece of work: key blocks [n_lo, n_hi) of tile `tile`; tile >= tiles_end:
+  // no more. The main kernel: whole tiles from the tile stream (n_lo = 0, known at compile
+  // time, so that its code is that of a kernel without pieces). The tail kernel: its pieces of
+  // the last wave's tiles (tail_split.h).
+  const int tail_pieces = Traits::kTailPieces ? tail_piece_count(params.split, int(blockIdx.x)) : 0;
+  auto piece_at = [&](int k) {
+    TailPiece piece{};
+    if constexpr (Traits::kTailPieces) {
+      if (k < tail_pieces) return tail_piece(params.split, int(blockIdx.x), k);
+      piece.tile = tiles_end;
+    } else {
+      piece.tile = tiles.tile(k, shared);  // n_lo, n_hi: see key_blocks
+      piece.part = -1;
+    }
+    return piece;
+  };
+  // The key blocks [n_lo, n_hi) of `piece` of `tile`.
+  auto key_blocks = [&](const TailPiece& piece, const FwdTile& tile, int& n_lo, int& n_hi) {
+    if constexpr (Traits::kTailPieces) {
+      n_lo = piece.n_lo;
+      n_hi = piece.n_hi;
+    } else {
+      n_lo = 0;
+      n_hi = num_key_blocks<Traits>(tile.m_block, params.seqlen_q, params.seqlen_k);
+    }
+  };
 
   // Line 1: the pipeline objects over the shared-memory ring, and the two barriers of the Q
   // buffer: "Q has landed" (producer -> consumers) and "Q is free" (consumers -> producer,
@@ -113,6 +140,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   Pipeline pipeline_k(shared.pipeline_k, pipe_params, Shape<_1, _1, _1>{});
   Pipeline pipeline_v(shared.pipeline_v, pipe_params, Shape<_1, _1, _1>{});
   __syncthreads();
+  // The tail kernel, if one follows, may take each SM as soon as this kernel's block leaves it.
+  if constexpr (!Traits::kCausal && !Traits::kTailPieces) pdl_launch_dependents();
 
   Tensor sQ = make_tensor(make_smem_ptr(shared.smem_q.data()), typename Traits::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(shared.smem_k.data()), typename Traits::SmemLayoutK{});
@@ -131,7 +160,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         if (k > 0) shared.tile_request.wait((k - 1) & 1);
         const int t = tiles.draw(k);
         tiles.publish(k, t, shared.tile_ring, shared.tile_full, shared.tile_empty);
-        if (t >= scheduler.num_tiles) break;
+        if (t >= tiles_end) break;
       }
       return;
     }
@@ -142,11 +171,12 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     PipelineState write_k = cutlass::make_producer_start_state<Pipeline>();
     PipelineState write_v = cutlass::make_producer_start_state<Pipeline>();
     for (int tiles_done = 0;; ++tiles_done) {
-      const int t = tiles.tile(tiles_done, shared);
-      if (t >= scheduler.num_tiles) break;
-      const FwdTile tile = scheduler.tile(t);
+      const TailPiece piece = piece_at(tiles_done);
+      if (piece.tile >= tiles_end) break;
+      const FwdTile tile = scheduler.tile(piece.tile);
       const int head_kv = tile.head / params.nheads_per_kv;  // GQA/MQA by indexing
-      const int n_block_max = num_key_blocks<Traits>(tile.m_block, params.seqlen_q, params.seqlen_k);
+      int n_lo, n_block_max;  // key blocks n_block_max - 1 down to n_lo
+      key_blocks(piece, tile, n_lo, n_block_max);
       Tensor gQ = local_tile(mQ(_, _, tile.head, tile.batch), TileQ{}, make_coord(tile.m_block, _0{}));
       Tensor gK = local_tile(mK(_, _, head_kv, tile.batch), TileKV{}, make_coord(_, _0{}));
       Tensor gV = local_tile(mV(_, _, head_kv, tile.batch), TileKV{}, make_coord(_, _0{}));
@@ -174,7 +204,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       // as the previous tile's last S = Q K^T has completed, while its last PV GEMM, softmax
       // finalization and O store still run (with kStageOInQ: once its O store has read the
       // Q buffer).
-      if (n_block_max > 0) load_k(n_block_max - 1);
+      if (n_block_max > n_lo) load_k(n_block_max - 1);
       if (tiles_done > 0) shared.barrier_q_free.wait((tiles_done - 1) & 1);
       // Lines 4-5: Q_i, loaded for every tile (also one with no visible key), so that Q loads
       // and "Q is free" signals strictly alternate.
@@ -190,14 +220,18 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
           load_v(n_block + 1);
         }
       } else {
-        for (int n_block = n_block_max - 2; n_block >= 0; --n_block) {
+        for (int n_block = n_block_max - 2; n_block >= n_lo; --n_block) {
           load_k(n_block);
           load_v(n_block + 1);
         }
       }
-      if (n_block_max > 0) load_v(0);
+      if (n_block_max > n_lo) load_v(n_lo);
       if constexpr (Traits::kDynamicTiles) shared.tile_request.arrive();  // the next tile, please
     }
+    // NOTES: the tail kernel is launched behind the main one with programmatic dependent launch
+    // (fwd_launch.h) and reads nothing the main kernel writes; this wait only keeps it from
+    // completing before the main kernel does, so that the stream's next work waits for both.
+    if constexpr (Traits::kTailPieces) pdl_wait();
     return;
   }
 
@@ -228,10 +262,11 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   PingpongScheduler<Traits> turns(warpgroup - 1);
   PipelineState read_k, read_v;
   for (int tiles_done = 0;; ++tiles_done) {
-    const int t = tiles.tile(tiles_done, shared);
-    if (t >= scheduler.num_tiles) break;
-    const FwdTile tile = scheduler.tile(t);
-    const int n_block_max = num_key_blocks<Traits>(tile.m_block, params.seqlen_q, params.seqlen_k);
+    const TailPiece piece = piece_at(tiles_done);
+    if (piece.tile >= tiles_end) break;
+    const FwdTile tile = scheduler.tile(piece.tile);
+    int n_lo, n_block_max;  // key blocks n_block_max - 1 down to n_lo
+    key_blocks(piece, tile, n_lo, n_block_max);
     const int row0 = tile.m_block * kBlockM;
     OnlineSoftmax<kRows> softmax(params.scale_log2);  // line 13
     clear(tOrO);
@@ -288,8 +323,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     float inv_sum[kRows], lse[kRows];
     bool finalized = false;
     shared.barrier_q.wait(tiles_done & 1);  // line 14
-    if (n_block_max <= 0) release_q();
-    if (n_block_max > 0) {
+    if (n_block_max <= n_lo) release_q();
+    if (n_block_max > n_lo) {
       if constexpr (Traits::kThreeStage) {
         // Appendix B.3 (Algorithm 4): while the softmax of block j runs, the tensor cores run
         // both S_{j-1} = Q K_{j-1}^T and O += P_{j+1} V_{j+1}. Two score tiles alternate roles
@@ -377,10 +412,10 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         // block j+1 runs on the FP32 and exp units. The first S is computed alone.
         float rescale[kRows];
         qk_alone();
-        if (n_block_max == 1) release_q();
+        if (n_block_max - n_lo == 1) release_q();
         softmax_step(n_block_max - 1, rescale);  // O is 0: no rescale needed
         convert_into<Element>(tSrS, tOrP);
-        for (int n_block = n_block_max - 2; n_block >= 0; --n_block) {
+        for (int n_block = n_block_max - 2; n_block >= n_lo; --n_block) {
           pipeline_k.consumer_wait(read_k);
           turns.before_gemms();
           gemm_qk();
@@ -390,7 +425,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
           warpgroup_wait<1>();  // S_{j+1} is ready; O += P_j V_j may still be running
           pipeline_k.consumer_release(read_k);
           ++read_k;
-          if (n_block == 0) release_q();
+          if (n_block == n_lo) release_q();
           softmax_step(n_block, rescale);
           // NOTES: pin the softmax before the wait below; otherwise ptxas (13.0) hoists
           // wgmma.wait_group 0 above the exponentials and the overlap of Algorithm 2 is gone
@@ -428,6 +463,77 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     // Line 24: O / rowsum, LSE = m + log(rowsum).
     if (!finalized) softmax.finalize(params.softmax_scale, inv_sum, lse);
     scale_rows(tOrO_rc, inv_sum);
+
+    if constexpr (Traits::kTailPieces) {
+      if (piece.part >= 0) {
+        // A piece of a cut tile (tail_split.h): its normalized O and lse go to its slot; the
+        // last piece of the tile to get here combines every piece's slot, in piece order, as
+        // O = sum_p exp(lse_p - lse) O_p with lse = log sum_p exp(lse_p), and writes the tile.
+        // NOTES: its own piece is read back from its slot too, so that the sums run in the
+        // same order whichever piece finishes last: the output is the same from run to run.
+        constexpr int N = Traits::kNumConsumerThreads;
+        constexpr int kCols = decltype(size<1>(tOrO_rc))::value;
+        static_assert(kRows * kCols * N + kRows * N <= Traits::kSplitSlotFloats);
+        const TailSplit& sp = params.split;
+        const int i = piece.tile - sp.full_tiles;
+        auto slot_of = [&](int s) { return params.split_o + size_t(s) * Traits::kSplitSlotFloats; };
+        float* mine = slot_of(2 * int(blockIdx.x) + piece.part);
+        CUTLASS_PRAGMA_UNROLL
+        for (int m = 0; m < kRows; ++m) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int n = 0; n < kCols; ++n) __stcg(mine + (m * kCols + n) * N + tidx, tOrO_rc(m, n));
+          __stcg(mine + (kRows * kCols + m) * N + tidx, lse[m]);
+        }
+        __threadfence();
+        named_barrier_sync(N, kBarrierEpilogue);
+        const int first = tail_first_block(sp, i), last = tail_last_block(sp, i);
+        if (tidx == 0) {
+          const int done = atomicAdd(params.split_counter + i, 1);
+          const int is_last = done == last - first;
+          if (is_last) params.split_counter[i] = 0;  // left zero for the next launch
+          *reinterpret_cast<volatile int*>(&shared.tile_ring[0]) = is_last;
+        }
+        named_barrier_sync(N, kBarrierEpilogue);
+        if (!*reinterpret_cast<volatile int*>(&shared.tile_ring[0])) {
+          // Not the last: no output. (With O staged in the Q buffer the O store frees Q; here
+          // nothing else does.)
+          if constexpr (Traits::kStageOInQ) {
+            if (tidx == 0) shared.barrier_q_free.arrive();
+          }
+          continue;
+        }
+        __threadfence();
+        float lse_max[kRows], weight_sum[kRows];
+        CUTLASS_PRAGMA_UNROLL
+        for (int m = 0; m < kRows; ++m) {
+          lse_max[m] = -INFINITY;
+          weight_sum[m] = 0.f;
+        }
+        for (int p = first; p <= last; ++p) {
+          const float* other = slot_of(tail_slot(sp, i, p));
+          CUTLASS_PRAGMA_UNROLL
+          for (int m = 0; m < kRows; ++m) lse_max[m] = fmaxf(lse_max[m], __ldcg(other + (kRows * kCols + m) * N + tidx));
+        }
+        clear(tOrO);
+        for (int p = first; p <= last; ++p) {
+          const float* other = slot_of(tail_slot(sp, i, p));
+          CUTLASS_PRAGMA_UNROLL
+          for (int m = 0; m < kRows; ++m) {
+            const float w = expf(__ldcg(other + (kRows * kCols + m) * N + tidx) - lse_max[m]);
+            weight_sum[m] += w;
+            CUTLASS_PRAGMA_UNROLL
+            for (int n = 0; n < kCols; ++n) tOrO_rc(m, n) += w * __ldcg(other + (m * kCols + n) * N + tidx);
+          }
+        }
+        CUTLASS_PRAGMA_UNROLL
+        for (int m = 0; m < kRows; ++m) {
+          const float inv = 1.0f / weight_sum[m];
+          CUTLASS_PRAGMA_UNROLL
+          for (int n = 0; n < kCols; ++n) tOrO_rc(m, n) *= inv;
+          lse[m] = lse_max[m] + logf(weight_sum[m]);
+        }
+      }
+    }
 
     // Line 25: the log-sum-exp straight from registers (one thread of each quad owns a row) ...
     if (params.lse != nullptr && thread_in_wg % 4 == 0) {

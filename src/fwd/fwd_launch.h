@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <type_traits>
 
 #include "fwd/fwd_dispatch.h"
 #include "fwd/fwd_kernel.h"
@@ -15,16 +16,15 @@ inline long long l2_bytes() { return current_device_info().l2_bytes; }
 inline int num_sms() { return current_device_info().sms; }
 
 template <class Traits>
-void launch_fwd(const FwdProblem& p, const FwdArgs& args, bool persistent, int* tile_counter) {
+typename Traits::Params make_fwd_params(const FwdProblem& p, const FwdArgs& args, int* tile_counter) {
   using Element = typename Traits::Element;
-  using Params = typename Traits::Params;
   const auto layout_q = qkv_layout(args.q);
   const auto layout_k = qkv_layout(args.k);
   const auto layout_v = qkv_layout(args.v);
   const long long l2_budget = std::min(kCausalL2Budget, l2_bytes());
   const int section = causal_section(p.seqlen_k, Traits::kHeadDim, int(sizeof(Element)), l2_budget);
   const int m_blocks = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
-  Params params{
+  return typename Traits::Params{
       Traits::make_tma_q(static_cast<const Element*>(args.q.data), layout_q),
       Traits::make_tma_kv(static_cast<const Element*>(args.k.data), layout_k),
       Traits::make_tma_kv(static_cast<const Element*>(args.v.data), layout_v),
@@ -47,19 +47,79 @@ void launch_fwd(const FwdProblem& p, const FwdArgs& args, bool persistent, int* 
       causal_tail_first(p.nheads * p.batch, section, m_blocks, num_sms()),
       p.softmax_scale,
       float(p.softmax_scale * M_LOG2E),
-      persistent ? tile_counter : nullptr,
+      tile_counter,
+      m_blocks * p.nheads * p.batch,  // tiles_end: all tiles
+      TailSplit{},
+      nullptr,
+      nullptr,
   };
+}
+
+// TailTraits (non-causal, default variant; void: none): the kernel of the tail split
+// (tail_split.h), launched behind the main one where the split pays.
+template <class Traits, class TailTraits = void>
+void launch_fwd(const FwdProblem& p, const FwdArgs& args, bool persistent, int* tile_counter) {
+  using Params = typename Traits::Params;
+  Params params = make_fwd_params<Traits>(p, args, persistent ? tile_counter : nullptr);
   auto kernel = &fwd_kernel<Traits>;
   constexpr int kSmem = Traits::kSmemBytes;
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
              "cudaFuncSetAttribute(max dynamic shared memory)");
+  const int num_tiles = params.tiles_end;
+  TailSplit split = make_tail_split(num_tiles, 1, 1);  // none
+  int* split_counter = nullptr;
+  float* split_o = nullptr;
+  if constexpr (!std::is_void_v<TailTraits>) {
+    static_assert(!Traits::kCausal && TailTraits::kTailPieces && TailTraits::kBlockM == Traits::kBlockM &&
+                  TailTraits::kBlockN == Traits::kBlockN);
+    if (persistent) {
+      const int n_blocks = (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
+      const TailSplit s = make_tail_split(num_tiles, n_blocks, num_sms());
+      if (s.tail_tiles > 0) {
+        // Scratch: one counter per tail tile (at most one per SM), then 2 slots per tail block;
+        // without it (a stream capture that would need it to grow), whole tiles.
+        const size_t counter_bytes = (sizeof(int) * size_t(num_sms()) + 255) / 256 * 256;
+        const size_t slot_bytes = sizeof(float) * size_t(TailTraits::kSplitSlotFloats) * 2 * size_t(s.grid);
+        char* scratch = static_cast<char*>(stream_scratch(args.stream, counter_bytes + slot_bytes, counter_bytes));
+        if (scratch != nullptr) {
+          split = s;
+          split_counter = reinterpret_cast<int*>(scratch);
+          split_o = reinterpret_cast<float*>(scratch + counter_bytes);
+        }
+      }
+    }
+  }
   // Persistent: one block per SM (the shared memory allows no more), each looping over tiles.
-  const FwdTileScheduler<Traits::kCausal> scheduler(p.seqlen_q, Traits::kBlockM, p.nheads, p.batch,
-                                                    params.l2_section, params.l2_tail_first);
-  const int blocks = persistent ? std::min(scheduler.num_tiles, num_sms()) : scheduler.num_tiles;
-  const dim3 grid(blocks);
-  kernel<<<grid, Traits::kNumThreads, kSmem, args.stream>>>(params);
-  check_cuda(cudaGetLastError(), "forward kernel launch");
+  params.tiles_end = split.full_tiles;
+  if (split.full_tiles > 0) {
+    const int blocks = persistent ? std::min(split.full_tiles, num_sms()) : split.full_tiles;
+    kernel<<<dim3(blocks), Traits::kNumThreads, kSmem, args.stream>>>(params);
+    check_cuda(cudaGetLastError(), "forward kernel launch");
+  }
+  if constexpr (!std::is_void_v<TailTraits>) {
+    if (split.tail_tiles > 0) {
+      typename TailTraits::Params tail = make_fwd_params<TailTraits>(p, args, nullptr);
+      tail.tiles_end = num_tiles;
+      tail.split = split;
+      tail.split_counter = split_counter;
+      tail.split_o = split_o;
+      auto tail_kernel = &fwd_kernel<TailTraits>;
+      check_cuda(cudaFuncSetAttribute(tail_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      TailTraits::kSmemBytes),
+                 "cudaFuncSetAttribute(max dynamic shared memory)");
+      // NOTES: right behind the main kernel it is launched with programmatic dependent launch
+      // (it reads nothing the main kernel writes, and the main kernel lets it start at once), so
+      // its blocks take the SMs as the main kernel's blocks leave them. Without a main kernel
+      // the kernel before it in the stream may have written q, k or v: a plain launch then.
+      if (split.full_tiles > 0) {
+        launch_pdl(tail_kernel, dim3(split.grid), TailTraits::kNumThreads, TailTraits::kSmemBytes, args.stream,
+                   "forward tail kernel launch", tail);
+      } else {
+        tail_kernel<<<dim3(split.grid), TailTraits::kNumThreads, TailTraits::kSmemBytes, args.stream>>>(tail);
+        check_cuda(cudaGetLastError(), "forward tail kernel launch");
+      }
+    }
+  }
 }
 
 template <class Element, int kHeadDim, bool kAblations = false>
@@ -106,6 +166,12 @@ void run_fwd(const FwdProblem& p, const FwdArgs& args) {
     }
     launch_fwd<FwdTraits<Element, kHeadDim, true>>(p, args, persistent, counter);
   } else {
+    if constexpr (kHeadDim != 64) {  // FwdTailPieces (tile_config.h)
+      if (args.variant == FwdVariant::kDefault) {
+        return launch_fwd<FwdTraits<Element, kHeadDim, false>, FwdTraits<Element, kHeadDim, false, FwdTailPieces>>(
+            p, args, persistent, counter);
+      }
+    }
     launch_fwd<FwdTraits<Element, kHeadDim, false>>(p, args, persistent, counter);
   }
 }

@@ -6,6 +6,7 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
+#include "fwd/tail_split.h"
 #include "fwd/tile_config.h"
 
 namespace flash3::detail {
@@ -28,6 +29,8 @@ struct FwdTraits {
   static constexpr bool kIntraWGOverlap =
       Variant::kIntraWGOverlap < 0 ? Config::kIntraWGOverlap : bool(Variant::kIntraWGOverlap);
   static constexpr bool kThreeStage = Variant::kThreeStage;
+  // The tail kernel of the non-causal split: pieces of tiles (tail_split.h), combined in FP32.
+  static constexpr bool kTailPieces = Variant::kTailPieces;
 
   // Warpgroup 0 is the producer (TMA); warpgroups 1.. are consumers, 64 query rows each.
   static constexpr int kNumConsumerWG = kBlockM / 64;
@@ -111,6 +114,12 @@ struct FwdTraits {
     int l2_tail_first;  // the first pair of the last section (causal_tail_first, causal_order.h)
     float softmax_scale, scale_log2;
     int* tile_counter;  // kDynamicTiles: two ints, zero at launch (null: the static order)
+    int tiles_end;      // the main kernel computes tiles [0, tiles_end), whole
+    // kTailPieces: the pieces (tail_split.h); split_counter: one int per tail tile, zero at
+    // launch and left zero; split_o: 2 slots per block of kSplitSlotFloats.
+    TailSplit split;
+    int* split_counter;
+    float* split_o;
   };
 
   // kOStageWarp (O from registers): each consumer warp stages its 16 rows of O, kOStageCols
@@ -120,6 +129,12 @@ struct FwdTraits {
   static constexpr bool kOStageWarp = !kStageOInQ && Config::kOStageWarp && kNumConsumerWG == 2;
   static constexpr int kOStageCols = kHeadDim < 64 ? kHeadDim : 64;
   static constexpr int kOStageElems = !kOStageWarp ? 8 : (kNumConsumerThreads / 32) * 16 * kOStageCols;
+
+  // One slot of a cut tile's piece: its normalized O (FP32) and log-sum-exps, in the consumer
+  // threads' register order (element-major, so that a warp's accesses are contiguous).
+  static constexpr int kSplitSlotFloats = kBlockM * kHeadDim + 2 * kNumConsumerThreads;
+  static_assert(!kTailPieces || (kIntraWGOverlap && !kThreeStage && !kCausal),
+                "the tail kernel is the default non-causal pipeline");
 
   struct SharedStorage {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> smem_q;
@@ -131,7 +146,7 @@ struct FwdTraits {
     // consumers through a two-slot ring (full: scheduler -> all, empty: all -> scheduler);
     // the producer asks for the next one (request) when it has issued a tile's last load.
     cutlass::arch::ClusterBarrier tile_full[2], tile_empty[2], tile_request;
-    int tile_ring[2];
+    int tile_ring[2];  // (kTailPieces: [0] passes "this piece is the last of its tile")
     float softmax_pin[kNumConsumerThreads];  // see pin_before_wait
     alignas(128) cute::array_aligned<Element, kOStageElems> smem_o_stage;
     typename Pipeline::SharedStorage pipeline_k;

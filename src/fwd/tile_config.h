@@ -45,6 +45,7 @@ struct FwdDefaultVariant {
   static constexpr bool kThreeStage = false;  // Appendix B.3's 3-stage pipeline instead
   static constexpr int kBlockN = 0;           // > 0: overrides the tile config's
   static constexpr int kBlockM = 0;           // likewise
+  static constexpr bool kTailPieces = false;  // the tail kernel of the split (tail_split.h)
 };
 struct FwdNoPingpong : FwdDefaultVariant { static constexpr int kPingpong = 0; };
 struct FwdNoOverlap : FwdDefaultVariant { static constexpr int kIntraWGOverlap = 0; };
@@ -69,6 +70,12 @@ struct FwdTwoStageBlockN96 : FwdDefaultVariant { static constexpr int kBlockN = 
 // picks the 128-row kernel for seqlen_q <= kFwdCausal64ShortMax.
 struct FwdBlockM128 : FwdDefaultVariant { static constexpr int kBlockM = 128; };
 constexpr int kFwdCausal64ShortMax = 1024;
+
+// Non-causal: the last partial wave of tiles cut along the keys over all SMs, by a kernel of its
+// own launched behind the main one (tail_split.h; docs/perf-log.md step 25). Head dims 128 and
+// 256 only: with 192-row tiles, hdim 64's sweep shapes leave last waves of 112 of 132 tiles,
+// where a split gains little (measured +-1% in session 11, step 22).
+struct FwdTailPieces : FwdDefaultVariant { static constexpr bool kTailPieces = true; };
 
 template <int kHeadDim, bool kCausal>
 struct FwdTileConfig;

@@ -1,9 +1,11 @@
 // flash3: which (query block, head, batch) tiles each block of the forward kernel computes.
 //
 // The kernel is persistent when the grid has fewer blocks than tiles (one block per SM). The
-// non-causal kernels hand out tiles statically: block i computes tiles i, i + gridDim.x, ...; the
-// causal kernels, whose tiles differ in length, dynamically (FwdTileStream below). A grid of one
-// block per tile is the non-persistent kernel, for the ablation. Tile order:
+// non-causal kernels hand out tiles statically: block i computes tiles i, i + gridDim.x, ...
+// (where the last wave is partial and its tiles long, only the full waves' tiles: the rest go to
+// the tail kernel in pieces, tail_split.h); the causal kernels, whose tiles differ in length,
+// dynamically (FwdTileStream below). A grid of one block per tile is the non-persistent kernel,
+// for the ablation. Tile order:
 //   non-causal: query blocks of one (head, batch) are adjacent, so the blocks running at the
 //               same time share K and V in L2;
 //   causal:     longest-processing-time first within L2-sized sections of (head, batch) pairs
