@@ -329,6 +329,78 @@ TEST(FwdGpuStreams, CausalCallsOnTwoStreamsAtOnceMatchCallsAlone) {
   for (auto& st : streams) FLASH3_CUDA_OK(cudaStreamDestroy(st));
 }
 
+// CUDA graphs: a forward call captured on a stream that has never run one may not allocate the
+// per-stream memory of the tail split and of the dynamic causal scheduler, so it captures whole
+// tiles in the static order instead; replayed, it gives what the same kernels give eagerly
+// (non-causal: the static persistent kernel, FwdVariant::kPersistent; causal: any order of the
+// same tiles gives the same bits). Then, captured again on the stream after an eager call (the
+// memory exists now), the split and the dynamic scheduler are in the graph: the eager default
+// result, bitwise. (tests/test_torch.py captures forward and backward through PyTorch.)
+TEST(FwdGpuGraphs, CaptureOnFreshAndWarmStreams) {
+  FLASH3_REQUIRE_HOPPER();
+  for (bool causal : {false, true}) {
+    SCOPED_TRACE(causal ? "causal" : "non-causal");
+    const int b = 1, sq = causal ? 1536 : 2112, sk = causal ? 1536 : 3000, h = 8, hk = 2, d = 128;
+    const size_t nq = size_t(b) * sq * h * d, nkv = size_t(b) * sk * hk * d;
+    DeviceBuffer q(nq * 2), k(nkv * 2), v(nkv * 2), out(nq * 2);
+    std::mt19937_64 rng(causal ? 31 : 37);
+    std::vector<uint16_t> bits;
+    std::vector<double> vals;
+    random_tensor(DType::kBFloat16, nq, rng, bits, vals);
+    q.upload(bits);
+    for (DeviceBuffer* t : {&k, &v}) {
+      random_tensor(DType::kBFloat16, nkv, rng, bits, vals);
+      t->upload(bits);
+    }
+    FwdArgs args;
+    args.q = TensorRef::contiguous(q.ptr, DType::kBFloat16, {b, sq, h, d});
+    args.k = TensorRef::contiguous(k.ptr, DType::kBFloat16, {b, sk, hk, d});
+    args.v = TensorRef::contiguous(v.ptr, DType::kBFloat16, {b, sk, hk, d});
+    args.out = TensorRef::contiguous(out.ptr, DType::kBFloat16, {b, sq, h, d});
+    args.causal = causal;
+    cudaStream_t stream;
+    FLASH3_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    args.stream = stream;
+    auto eager = [&](FwdVariant variant, std::vector<uint16_t>& result) {
+      FwdArgs a = args;
+      a.variant = variant;
+      a.stream = nullptr;  // the default stream: leaves `stream` fresh
+      FLASH3_CUDA_OK(cudaMemset(out.ptr, 0xFF, nq * 2));
+      ASSERT_NO_THROW(fwd(a));
+      FLASH3_CUDA_OK(cudaDeviceSynchronize());
+      result = out.download<uint16_t>(nq);
+      for (uint16_t x : result) ASSERT_NE(x, 0xFFFF) << "output not written";
+    };
+    std::vector<uint16_t> want_default, want_static;
+    eager(FwdVariant::kDefault, want_default);
+    eager(causal ? FwdVariant::kDefault : FwdVariant::kPersistent, want_static);
+    auto capture_and_replay = [&](const std::vector<uint16_t>& want, const char* what) {
+      cudaGraph_t graph;
+      cudaGraphExec_t exec;
+      FLASH3_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+      ASSERT_NO_THROW(fwd(args));
+      FLASH3_CUDA_OK(cudaStreamEndCapture(stream, &graph));
+      FLASH3_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+      for (int replay = 0; replay < 2; ++replay) {
+        FLASH3_CUDA_OK(cudaMemset(out.ptr, 0xFF, nq * 2));
+        FLASH3_CUDA_OK(cudaGraphLaunch(exec, stream));
+        FLASH3_CUDA_OK(cudaStreamSynchronize(stream));
+        EXPECT_TRUE(out.download<uint16_t>(nq) == want) << what << ", replay " << replay;
+      }
+      FLASH3_CUDA_OK(cudaGraphExecDestroy(exec));
+      FLASH3_CUDA_OK(cudaGraphDestroy(graph));
+    };
+    capture_and_replay(want_static, "captured on a fresh stream");
+    FLASH3_CUDA_OK(cudaMemset(out.ptr, 0xFF, nq * 2));
+    ASSERT_NO_THROW(fwd(args));  // eager on the stream: its memory is allocated
+    FLASH3_CUDA_OK(cudaStreamSynchronize(stream));
+    EXPECT_TRUE(out.download<uint16_t>(nq) == want_default) << "eager on the stream";
+    capture_and_replay(want_default, "captured on a warm stream");
+    FLASH3_CUDA_OK(cudaStreamDestroy(stream));
+    if (HasFatalFailure()) return;
+  }
+}
+
 TEST(FwdGpuSmall, NoKeysGivesZeroAndInfiniteLse) {
   FLASH3_REQUIRE_HOPPER();
   const int b = 2, sq = 5, h = 2, d = 64;
