@@ -41,6 +41,19 @@ const DeviceInfo& current_device_info() {
   return cache[device];
 }
 
+namespace {
+// Whether `stream` is being captured into a CUDA graph (allocating and clearing memory is not
+// allowed then); an error of the query counts as capturing, and is cleared.
+bool stream_capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) {
+    cudaGetLastError();
+    return true;
+  }
+  return capture != cudaStreamCaptureStatusNone;
+}
+}  // namespace
+
 int* tile_counter(cudaStream_t stream) {
   // NOTES: the dynamic tile scheduler's two counters (next tile, blocks done) must not be shared
   // by kernels that may run at the same time, so each (device, stream) gets its own pair; the
@@ -57,11 +70,7 @@ int* tile_counter(cudaStream_t stream) {
   if (auto it = counters.find(key); it != counters.end()) return it->second;
   // Allocating (and clearing) is not allowed while the stream is being captured into a graph:
   // the caller falls back to a schedule without counters then.
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess || capture != cudaStreamCaptureStatusNone) {
-    cudaGetLastError();
-    return nullptr;
-  }
+  if (stream_capturing(stream)) return nullptr;
   auto& chunk = chunks[device];
   if (chunk.first == nullptr || chunk.second == kPairsPerChunk) {
     int* ptr = nullptr;
@@ -91,11 +100,7 @@ void* stream_scratch(cudaStream_t stream, size_t bytes, size_t zeroed) {
   std::lock_guard<std::mutex> lock(mutex);
   Scratch& buf = buffers[std::make_pair(device, stream)];
   if (buf.bytes >= bytes) return buf.ptr;
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess || capture != cudaStreamCaptureStatusNone) {
-    cudaGetLastError();
-    return nullptr;
-  }
+  if (stream_capturing(stream)) return nullptr;
   if (buf.ptr != nullptr) {
     check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize (growing scratch memory)");
     check_cuda(cudaFree(buf.ptr), "cudaFree(scratch memory)");

@@ -66,12 +66,13 @@ void launch_fwd(const FwdProblem& p, const FwdArgs& args, bool persistent, int* 
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
              "cudaFuncSetAttribute(max dynamic shared memory)");
   const int num_tiles = params.tiles_end;
-  TailSplit split = make_tail_split(num_tiles, 1, 1);  // none
+  TailSplit split;  // none: every tile whole in the main kernel
+  split.full_tiles = num_tiles;
   int* split_counter = nullptr;
   float* split_o = nullptr;
   if constexpr (!std::is_void_v<TailTraits>) {
     static_assert(!Traits::kCausal && TailTraits::kTailPieces && TailTraits::kBlockM == Traits::kBlockM &&
-                  TailTraits::kBlockN == Traits::kBlockN);
+                  TailTraits::kBlockN == Traits::kBlockN && std::is_same_v<typename TailTraits::Params, Params>);
     if (persistent) {
       const int n_blocks = (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
       const TailSplit s = make_tail_split(num_tiles, n_blocks, num_sms());
@@ -98,7 +99,8 @@ void launch_fwd(const FwdProblem& p, const FwdArgs& args, bool persistent, int* 
   }
   if constexpr (!std::is_void_v<TailTraits>) {
     if (split.tail_tiles > 0) {
-      typename TailTraits::Params tail = make_fwd_params<TailTraits>(p, args, nullptr);
+      Params tail = params;  // the same TMA descriptors
+      tail.tile_counter = nullptr;
       tail.tiles_end = num_tiles;
       tail.split = split;
       tail.split_counter = split_counter;

@@ -13,6 +13,30 @@ namespace flash3::detail {
 
 using namespace cute;
 
+// The kernel's parameters (FwdTraits::Params).
+template <class Element, class TmaQ, class TmaKV, class TmaO, class LayoutQKV>
+struct FwdParams {
+  TmaQ tma_q;
+  TmaKV tma_k, tma_v;
+  TmaO tma_o;
+  LayoutQKV layout_q, layout_k;  // logical shapes (TMA bounds) and strides
+  Element* out;
+  int64_t out_row_stride, out_head_stride, out_batch_stride;
+  float* lse;  // may be null
+  int64_t lse_head_stride, lse_batch_stride;
+  int batch, seqlen_q, seqlen_k, nheads, nheads_per_kv;
+  int l2_section;  // (head, batch) pairs per L2 section of the causal tile order
+  int l2_tail_first;  // the first pair of the last section (causal_tail_first, causal_order.h)
+  float softmax_scale, scale_log2;
+  int* tile_counter;  // causal (kDynamicTiles): two ints, zero at launch (null: the static order)
+  int tiles_end;      // the main kernel computes tiles [0, tiles_end), whole
+  // kTailPieces: the pieces (tail_split.h); split_counter: one int per tail tile, zero at
+  // launch and left zero; split_o: 2 slots per block of FwdTraits::kSplitSlotFloats.
+  TailSplit split;
+  int* split_counter;
+  float* split_o;
+};
+
 template <class Element_, int kHeadDim_, bool kCausal_, class Variant = FwdDefaultVariant>
 struct FwdTraits {
   using Element = Element_;
@@ -100,27 +124,9 @@ struct FwdTraits {
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = typename cutlass::PipelineState<kStages>;
 
-  struct Params {
-    TmaQ tma_q;
-    TmaKV tma_k, tma_v;
-    TmaO tma_o;
-    LayoutQKV layout_q, layout_k;  // logical shapes (TMA bounds) and strides
-    Element* out;
-    int64_t out_row_stride, out_head_stride, out_batch_stride;
-    float* lse;  // may be null
-    int64_t lse_head_stride, lse_batch_stride;
-    int batch, seqlen_q, seqlen_k, nheads, nheads_per_kv;
-    int l2_section;  // (head, batch) pairs per L2 section of the causal tile order
-    int l2_tail_first;  // the first pair of the last section (causal_tail_first, causal_order.h)
-    float softmax_scale, scale_log2;
-    int* tile_counter;  // kDynamicTiles: two ints, zero at launch (null: the static order)
-    int tiles_end;      // the main kernel computes tiles [0, tiles_end), whole
-    // kTailPieces: the pieces (tail_split.h); split_counter: one int per tail tile, zero at
-    // launch and left zero; split_o: 2 slots per block of kSplitSlotFloats.
-    TailSplit split;
-    int* split_counter;
-    float* split_o;
-  };
+  // One type for every variant with the same tiles: the tail kernel's parameters are the main
+  // kernel's (fwd_launch.h).
+  using Params = FwdParams<Element, TmaQ, TmaKV, TmaO, LayoutQKV>;
 
   // kOStageWarp (O from registers): each consumer warp stages its 16 rows of O, kOStageCols
   // columns at a time, in a buffer of its own, so that the global stores write whole row
