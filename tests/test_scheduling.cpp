@@ -179,7 +179,8 @@ TEST(TailSplit, SplitsOnlyWhereItSavesEnough) {
   const flash3::TailSplit s = flash3::make_tail_split(2048, 94, 132);
   EXPECT_EQ(s.full_tiles, 15 * 132);
   EXPECT_EQ(s.tail_tiles, 68);
-  EXPECT_EQ(flash3::make_tail_split(2048, 24, 132).tail_tiles, 0);   // 4k: saves 24 - 13 = 11
+  EXPECT_EQ(flash3::make_tail_split(2048, 24, 132).tail_tiles, 68);  // 4k: saves 24 - 13 = 11
+  EXPECT_EQ(flash3::make_tail_split(2048, 12, 132).tail_tiles, 0);   // 2k: saves 12 - 7 = 5
   EXPECT_EQ(flash3::make_tail_split(2048, 47, 132).tail_tiles, 68);  // 8k: saves 47 - 25 = 22
   EXPECT_EQ(flash3::make_tail_split(1024, 103, 132).tail_tiles, 100);  // hdim 256 8k: saves 24
   EXPECT_EQ(flash3::make_tail_split(264, 94, 132).tail_tiles, 0);      // whole waves
@@ -189,7 +190,8 @@ TEST(TailSplit, SplitsOnlyWhereItSavesEnough) {
   const flash3::TailSplit small = flash3::make_tail_split(8, 47, 132);
   EXPECT_EQ(small.full_tiles, 0);
   EXPECT_EQ(small.tail_tiles, 8);
-  EXPECT_EQ(flash3::make_tail_split(8, 12, 132).tail_tiles, 0);  // 12 - 1 = 11 saved: too little
+  EXPECT_EQ(flash3::make_tail_split(8, 12, 132).tail_tiles, 8);  // 12 - 1 = 11 saved
+  EXPECT_EQ(flash3::make_tail_split(8, 10, 132).tail_tiles, 0);  // 10 - 1 = 9 saved: too little
   EXPECT_EQ(flash3::make_tail_split(0, 47, 132).tail_tiles, 0);
 }
 
