@@ -1,4 +1,5 @@
 // flash3: the public forward entry point: validate, then dispatch on (dtype, head dim).
+#include <algorithm>
 #include <map>
 #include <mutex>
 #include <utility>
@@ -54,63 +55,44 @@ bool stream_capturing(cudaStream_t stream) {
 }
 }  // namespace
 
-int* tile_counter(cudaStream_t stream) {
-  // NOTES: the dynamic tile scheduler's two counters (next tile, blocks done) must not be shared
-  // by kernels that may run at the same time, so each (device, stream) gets its own pair; the
-  // kernel sets them back to 0 when it ends, so the next launch on the stream finds them clear.
-  // Pairs come out of chunks of 256 allocated once per device and kept for the process.
-  static std::mutex mutex;
-  static std::map<std::pair<int, cudaStream_t>, int*> counters;
-  static std::map<int, std::pair<int*, int>> chunks;  // device -> (chunk, pairs used)
-  constexpr int kPairsPerChunk = 256;
-  int device = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  std::lock_guard<std::mutex> lock(mutex);
-  const auto key = std::make_pair(device, stream);
-  if (auto it = counters.find(key); it != counters.end()) return it->second;
-  // Allocating (and clearing) is not allowed while the stream is being captured into a graph:
-  // the caller falls back to a schedule without counters then.
-  if (stream_capturing(stream)) return nullptr;
-  auto& chunk = chunks[device];
-  if (chunk.first == nullptr || chunk.second == kPairsPerChunk) {
-    int* ptr = nullptr;
-    check_cuda(cudaMalloc(reinterpret_cast<void**>(&ptr), sizeof(int) * 2 * kPairsPerChunk),
-               "cudaMalloc(tile counters)");
-    chunk = {ptr, 0};
-  }
-  int* pair = chunk.first + 2 * chunk.second++;
-  check_cuda(cudaMemsetAsync(pair, 0, sizeof(int) * 2, stream), "cudaMemsetAsync(tile counters)");
-  counters.emplace(key, pair);
-  return pair;
-}
-
-void* stream_scratch(cudaStream_t stream, size_t bytes, size_t zeroed) {
-  // NOTES: one buffer per (device, stream), as for the tile counters: kernels on one stream run
-  // in order, so they may share it. It only grows: the old buffer is freed once the stream's
-  // work so far is done. Its first `zeroed` bytes are cleared when it is allocated; the kernels
-  // that use them leave them zero.
-  struct Scratch {
-    void* ptr = nullptr;
-    size_t bytes = 0;
+StreamMemory stream_memory(cudaStream_t stream, size_t scratch_bytes, size_t scratch_zeroed) {
+  // NOTES: one buffer per (device, stream): kernels on one stream run in order, so they may
+  // share it, while kernels on other streams may run at the same time and get their own. Its
+  // head holds the dynamic tile scheduler's two counters (next tile, blocks done), the scratch
+  // follows. It only grows, at least twofold, into a new buffer with its head and first zeroed
+  // bytes cleared; the old one is kept, not freed, for the life of the process: a CUDA graph
+  // captured on the stream may still use it (the kernels leave the counters and zeroed bytes
+  // zero when they end, so it stays usable). The scratch is bounded (at most two tail slots per
+  // SM), so the buffers kept are too.
+  constexpr size_t kHead = 256;  // the counters, padded to keep the scratch aligned
+  struct Buffer {
+    char* ptr = nullptr;
+    size_t scratch_bytes = 0, scratch_zeroed = 0;
   };
   static std::mutex mutex;
-  static std::map<std::pair<int, cudaStream_t>, Scratch> buffers;
+  static std::map<std::pair<int, cudaStream_t>, Buffer> buffers;
   int device = 0;
   check_cuda(cudaGetDevice(&device), "cudaGetDevice");
   std::lock_guard<std::mutex> lock(mutex);
-  Scratch& buf = buffers[std::make_pair(device, stream)];
-  if (buf.bytes >= bytes) return buf.ptr;
-  if (stream_capturing(stream)) return nullptr;
-  if (buf.ptr != nullptr) {
-    check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize (growing scratch memory)");
-    check_cuda(cudaFree(buf.ptr), "cudaFree(scratch memory)");
-    buf = Scratch{};
+  Buffer& buf = buffers[std::make_pair(device, stream)];
+  auto view = [&buf](bool with_scratch) {
+    StreamMemory m;
+    if (buf.ptr != nullptr) m.tile_counter = reinterpret_cast<int*>(buf.ptr);
+    if (with_scratch && buf.ptr != nullptr) m.scratch = buf.ptr + kHead;
+    return m;
+  };
+  if (buf.ptr != nullptr && buf.scratch_bytes >= scratch_bytes && buf.scratch_zeroed >= scratch_zeroed) {
+    return view(true);
   }
-  void* ptr = nullptr;
-  check_cuda(cudaMalloc(&ptr, bytes), "cudaMalloc(scratch memory)");
-  check_cuda(cudaMemsetAsync(ptr, 0, zeroed, stream), "cudaMemsetAsync(scratch memory)");
-  buf = Scratch{ptr, bytes};
-  return ptr;
+  // Allocating (and clearing) is not allowed while the stream is being captured into a graph:
+  // what exists already is handed out, the caller does without the rest.
+  if (stream_capturing(stream)) return view(false);
+  const Buffer want{nullptr, std::max(scratch_bytes, 2 * buf.scratch_bytes), std::max(scratch_zeroed, buf.scratch_zeroed)};
+  char* ptr = nullptr;
+  check_cuda(cudaMalloc(reinterpret_cast<void**>(&ptr), kHead + want.scratch_bytes), "cudaMalloc(per-stream memory)");
+  check_cuda(cudaMemsetAsync(ptr, 0, kHead + want.scratch_zeroed, stream), "cudaMemsetAsync(per-stream memory)");
+  buf = Buffer{ptr, want.scratch_bytes, want.scratch_zeroed};
+  return view(true);
 }
 
 void require_hopper(const char* op) {

@@ -401,6 +401,80 @@ TEST(FwdGpuGraphs, CaptureOnFreshAndWarmStreams) {
   }
 }
 
+// A graph keeps the per-stream memory it was captured with: a causal call captured on a warm
+// stream (its dynamic scheduler's counters in the stream's buffer), then an eager non-causal
+// call whose tail split makes the buffer grow; the graph, replayed after, still gives the eager
+// result (the old buffer is kept, not freed: compute-sanitizer's memcheck runs this test).
+TEST(FwdGpuGraphs, GraphOutlivesTheStreamMemoryGrowing) {
+  FLASH3_REQUIRE_HOPPER();
+  const int b = 1, h = 8, d = 128;
+  struct Call {
+    int sq, sk;
+    bool causal;
+    DeviceBuffer q, k, v, out;
+    FwdArgs args;
+    std::vector<uint16_t> want;
+  };
+  auto make = [&](int sq, int sk, bool causal, uint64_t seed) {
+    std::unique_ptr<Call> c(new Call{sq, sk, causal, DeviceBuffer(size_t(b) * sq * h * d * 2),
+                                     DeviceBuffer(size_t(b) * sk * h * d * 2), DeviceBuffer(size_t(b) * sk * h * d * 2),
+                                     DeviceBuffer(size_t(b) * sq * h * d * 2), FwdArgs{}, {}});
+    std::mt19937_64 rng(seed);
+    std::vector<uint16_t> bits;
+    std::vector<double> vals;
+    for (DeviceBuffer* t : {&c->q, &c->k, &c->v}) {
+      random_tensor(DType::kBFloat16, t->bytes / 2, rng, bits, vals);
+      t->upload(bits);
+    }
+    c->args.q = TensorRef::contiguous(c->q.ptr, DType::kBFloat16, {b, sq, h, d});
+    c->args.k = TensorRef::contiguous(c->k.ptr, DType::kBFloat16, {b, sk, h, d});
+    c->args.v = TensorRef::contiguous(c->v.ptr, DType::kBFloat16, {b, sk, h, d});
+    c->args.out = TensorRef::contiguous(c->out.ptr, DType::kBFloat16, {b, sq, h, d});
+    c->args.causal = causal;
+    return c;
+  };
+  // 12 x 8 causal tiles; 17 x 8 = 136 non-causal tiles of 18 key blocks: 4 in the tail, split.
+  auto causal = make(1536, 1536, true, 41);
+  auto noncausal = make(2112, 3000, false, 43);
+  auto run = [&](Call& c, cudaStream_t st) {
+    FLASH3_CUDA_OK(cudaMemsetAsync(c.out.ptr, 0xFF, c.out.bytes, st));
+    FwdArgs a = c.args;
+    a.stream = st;
+    ASSERT_NO_THROW(fwd(a));
+    FLASH3_CUDA_OK(cudaStreamSynchronize(st));
+  };
+  auto result = [](Call& c) { return c.out.download<uint16_t>(c.out.bytes / 2); };
+  for (Call* c : {causal.get(), noncausal.get()}) {
+    run(*c, nullptr);  // the default stream
+    c->want = result(*c);
+    for (uint16_t x : c->want) ASSERT_NE(x, 0xFFFF) << "output not written";
+  }
+  cudaStream_t stream;
+  FLASH3_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  run(*causal, stream);  // the stream's buffer: the counters only
+  EXPECT_TRUE(result(*causal) == causal->want) << "eager causal on the stream";
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  FwdArgs a = causal->args;
+  a.stream = stream;
+  FLASH3_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  ASSERT_NO_THROW(fwd(a));
+  FLASH3_CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  FLASH3_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  run(*noncausal, stream);  // the tail split's scratch: the buffer grows
+  EXPECT_TRUE(result(*noncausal) == noncausal->want) << "eager non-causal on the stream";
+  for (int replay = 0; replay < 2; ++replay) {
+    FLASH3_CUDA_OK(cudaMemsetAsync(causal->out.ptr, 0xFF, causal->out.bytes, stream));
+    FLASH3_CUDA_OK(cudaGraphLaunch(exec, stream));
+    run(*noncausal, stream);
+    EXPECT_TRUE(result(*causal) == causal->want) << "causal graph, replay " << replay;
+    EXPECT_TRUE(result(*noncausal) == noncausal->want) << "eager non-causal after replay " << replay;
+  }
+  FLASH3_CUDA_OK(cudaGraphExecDestroy(exec));
+  FLASH3_CUDA_OK(cudaGraphDestroy(graph));
+  FLASH3_CUDA_OK(cudaStreamDestroy(stream));
+}
+
 TEST(FwdGpuSmall, NoKeysGivesZeroAndInfiniteLse) {
   FLASH3_REQUIRE_HOPPER();
   const int b = 2, sq = 5, h = 2, d = 64;

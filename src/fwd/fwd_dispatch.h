@@ -31,15 +31,17 @@ struct DeviceInfo {
 };
 const DeviceInfo& current_device_info();
 
-// Two ints in device memory, zero between launches, for the dynamic tile scheduler of kernels
-// launched on `stream` of the current device (kernels that use them leave them zero); nullptr
-// while the stream is being captured into a CUDA graph and none exists yet for it.
-int* tile_counter(cudaStream_t stream);
-
-// At least `bytes` of device memory for kernels launched on `stream` of the current device, its
-// first `zeroed` bytes zero between launches (the kernels that use them leave them zero);
-// nullptr while the stream is being captured into a CUDA graph and the buffer would have to grow.
-void* stream_scratch(cudaStream_t stream, size_t bytes, size_t zeroed);
+// Device memory for kernels launched on `stream` of the current device, one buffer per
+// (device, stream): `tile_counter`, two ints for the dynamic tile scheduler, and `scratch`, at
+// least `scratch_bytes` whose first `scratch_zeroed` bytes are zero; both zero between launches
+// (the kernels that use them leave them zero). While the stream is being captured into a CUDA
+// graph nothing can be allocated: `scratch` is nullptr if the buffer would have to grow, and both
+// are nullptr if the stream has none yet.
+struct StreamMemory {
+  int* tile_counter = nullptr;
+  char* scratch = nullptr;
+};
+StreamMemory stream_memory(cudaStream_t stream, size_t scratch_bytes, size_t scratch_zeroed);
 
 // Throws flash3::CudaError unless the current device is Hopper (compute capability 9.x);
 // `op` ("flash3::fwd") starts the message.

@@ -81,7 +81,7 @@ void launch_fwd(const FwdProblem& p, const FwdArgs& args, bool persistent, int* 
         // without it (a stream capture that would need it to grow), whole tiles.
         const size_t counter_bytes = (sizeof(int) * size_t(num_sms()) + 255) / 256 * 256;
         const size_t slot_bytes = sizeof(float) * size_t(TailTraits::kSplitSlotFloats) * 2 * size_t(s.grid);
-        char* scratch = static_cast<char*>(stream_scratch(args.stream, counter_bytes + slot_bytes, counter_bytes));
+        char* scratch = stream_memory(args.stream, counter_bytes + slot_bytes, counter_bytes).scratch;
         if (scratch != nullptr) {
           split = s;
           split_counter = reinterpret_cast<int*>(scratch);
@@ -134,7 +134,7 @@ void run_fwd(const FwdProblem& p, const FwdArgs& args) {
   // graph capture) the earlier rule, measured in step 6: static persistent while seqlen_k <=
   // 1024, one block per tile beyond. FwdVariant::kPersistent forces the static persistent loop.
   int* counter = nullptr;
-  if (p.causal && args.variant == FwdVariant::kDefault) counter = tile_counter(args.stream);
+  if (p.causal && args.variant == FwdVariant::kDefault) counter = stream_memory(args.stream, 0, 0).tile_counter;
   const bool persistent =
       args.variant == FwdVariant::kPersistent || counter != nullptr ||
       (args.variant != FwdVariant::kNoPersistent && (!p.causal || p.seqlen_k <= 1024));
