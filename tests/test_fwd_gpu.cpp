@@ -23,6 +23,10 @@ struct Case {
   int batch, seqlen_q, seqlen_k, nheads, nheads_kv;
   int pad = 0;  // extra elements at the end of every (seqlen) row of q, k, v and out
   FwdVariant variant = FwdVariant::kDefault;
+  // > 0: key row j scaled by 1 + key_ramp * (seqlen_k - 1 - j) / seqlen_k, and keys
+  // [seqlen_k / 2, seqlen_k / 2 + 16) by 3 more, so that the row max of the scores rises from
+  // key block to key block (the kernel visits them last to first) and jumps once.
+  double key_ramp = 0;
 };
 
 std::string describe(const Case& c) {
@@ -30,7 +34,8 @@ std::string describe(const Case& c) {
          (c.causal ? " causal" : "") + " b=" + std::to_string(c.batch) +
          " sq=" + std::to_string(c.seqlen_q) + " sk=" + std::to_string(c.seqlen_k) +
          " h=" + std::to_string(c.nheads) + " hk=" + std::to_string(c.nheads_kv) +
-         " pad=" + std::to_string(c.pad) + " variant=" + std::to_string(int(c.variant));
+         " pad=" + std::to_string(c.pad) + " variant=" + std::to_string(int(c.variant)) +
+         (c.key_ramp > 0 ? " key_ramp=" + std::to_string(c.key_ramp) : "");
 }
 
 // Query rows the reference computes: all of them for small problems, else a sample that
@@ -62,6 +67,15 @@ void run_case(const Case& c, uint64_t seed) {
   random_tensor(c.dtype, nq, rng, q_bits, q_dev_vals);
   random_tensor(c.dtype, nkv, rng, k_bits, k_dev_vals);
   random_tensor(c.dtype, nkv, rng, v_bits, v_dev_vals);
+  if (c.key_ramp > 0) {
+    for (size_t i = 0; i < nkv; ++i) {
+      const int j = int((i / kv_row) % sk);
+      double f = 1.0 + c.key_ramp * double(sk - 1 - j) / sk;
+      if (j >= sk / 2 && j < sk / 2 + 16) f *= 3.0;
+      k_bits[i] = to_bits(c.dtype, k_dev_vals[i] * f);
+      k_dev_vals[i] = from_bits(c.dtype, k_bits[i]);
+    }
+  }
   // Dense copies for the reference.
   auto dense = [&](const std::vector<double>& src, int s, int heads, int64_t row) {
     std::vector<double> out(size_t(b) * s * heads * d);
@@ -195,6 +209,26 @@ INSTANTIATE_TEST_SUITE_P(All, FwdGpu,
                                             ::testing::Values(64, 128, 256), ::testing::Bool(),
                                             ::testing::Values(8, 2, 1)),
                          combo_name);
+
+// The online softmax keeps a row's reference max until a key block's scores exceed it by more
+// than 2^8 in the exponential (softmax.h): scores rising from block to block (most blocks then
+// compute P up to 2^8 against a stale max) and one jump (the max moves, O is rescaled) must give
+// the same accuracy as everywhere else. Scores reach ~30 here, so the plain low-precision
+// reference is coarse; the lse is also held to 1e-3 absolute.
+TEST(FwdGpuSmall, RunningMaxRisesAcrossKeyBlocks) {
+  FLASH3_REQUIRE_HOPPER();
+  uint64_t seed = 4321;
+  for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
+    for (int d : {64, 128, 256}) {
+      for (bool causal : {false, true}) {
+        Case c{dtype, d, causal, 1, 256, 2048, 2, 1};
+        c.key_ramp = 5.0;
+        run_case(c, seed++);
+        if (HasFatalFailure()) return;
+      }
+    }
+  }
+}
 
 // ---- small cases: strided (padded) tensors; also the subset run under compute-sanitizer -------
 TEST(FwdGpuSmall, PaddedStridesAndRaggedShapes) {

@@ -272,8 +272,9 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     clear(tOrO);
 
     // S = Q K_j^T landed in tSrS: mask it where the block crosses the end of the keys or the
-    // causal diagonal, then the online softmax (lines 18-19), which returns the O rescale.
-    auto softmax_step_on = [&](decltype(tSrS_rc)& s_rc, int n_block, float (&rescale)[kRows]) {
+    // causal diagonal, then the online softmax (lines 18-19), which gives the O rescale factors
+    // and whether any row of the warp needs them (softmax.h).
+    auto softmax_step_on = [&](decltype(tSrS_rc)& s_rc, int n_block, float (&rescale)[kRows]) -> bool {
       const int col0 = n_block * kBlockN;
       bool need_mask = col0 + kBlockN > params.seqlen_k;
       if constexpr (Traits::kCausal) {
@@ -282,9 +283,11 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       if (need_mask) {
         apply_mask<Traits::kCausal>(s_rc, tScS_rc, row0, col0, params.seqlen_q, params.seqlen_k);
       }
-      softmax.step(s_rc, rescale);
+      return softmax.step(s_rc, rescale);
     };
-    auto softmax_step = [&](int n_block, float (&rescale)[kRows]) { softmax_step_on(tSrS_rc, n_block, rescale); };
+    auto softmax_step = [&](int n_block, float (&rescale)[kRows]) -> bool {
+      return softmax_step_on(tSrS_rc, n_block, rescale);
+    };
     auto gemm_qk_into = [&](decltype(tSrS)& s) {
       warpgroup_gemm</*zero_init=*/true, /*wait=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), s);
     };
@@ -371,14 +374,14 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
           pipeline_k.consumer_release(k_cur);
           k_cur = k_next;
           if (j == 0) release_q();
-          softmax_step_on(s_cur_rc, j, rescale);
+          const bool rescale_o = softmax_step_on(s_cur_rc, j, rescale);
           pin_before_wait(&shared.softmax_pin[tidx], softmax.row_sum);
           warpgroup_wait<0>();
           warpgroup_fence_operand(tOrO);
           warpgroup_fence_operand(tOrP);
           pipeline_v.consumer_release(read_v);
           ++read_v;
-          scale_rows(tOrO_rc, rescale);
+          if (rescale_o) scale_rows(tOrO_rc, rescale);
           convert_into<Element>(s_cur, tOrP);
         };
         if (n_block_max > 1) {
@@ -402,8 +405,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
           qk_alone();  // lines 16-17
           if (n_block == 0) release_q();
           float rescale[kRows];
-          softmax_step(n_block, rescale);
-          scale_rows(tOrO_rc, rescale);
+          if (softmax_step(n_block, rescale)) scale_rows(tOrO_rc, rescale);
           convert_into<Element>(tSrS, tOrP);
           pv_alone();  // lines 20-22
         }
@@ -426,7 +428,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
           pipeline_k.consumer_release(read_k);
           ++read_k;
           if (n_block == n_lo) release_q();
-          softmax_step(n_block, rescale);
+          const bool rescale_o = softmax_step(n_block, rescale);
           // NOTES: pin the softmax before the wait below; otherwise ptxas (13.0) hoists
           // wgmma.wait_group 0 above the exponentials and the overlap of Algorithm 2 is gone
           // (seen in the SASS: WARPGROUP.DEPBAR.LE gsb0, 0x0 ahead of every MUFU.EX2; the
@@ -436,7 +438,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
           warpgroup_wait<0>();  // O += P_j V_j is done: P_j's registers are free
           pipeline_v.consumer_release(read_v);
           ++read_v;
-          scale_rows(tOrO_rc, rescale);
+          if (rescale_o) scale_rows(tOrO_rc, rescale);
           convert_into<Element>(tSrS, tOrP);
         }
         if constexpr (Traits::kLastPvOwnTurn) {

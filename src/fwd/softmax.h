@@ -17,22 +17,37 @@ struct OnlineSoftmax {
     for (int m = 0; m < kRows; ++m) { row_max[m] = -INFINITY; row_sum[m] = 0.f; }
   }
 
-  // S -> P = exp(scale * (S - rowmax)) in place; returns, per row, the factor by which the
-  // running output must be rescaled (exp(scale * (m_old - m_new))).
+  // The reference max moves only by more than this (log2 units): see step().
+  static constexpr float kMoveThreshold = 8.f;
+
+  // S -> P = exp(scale * (S - m)) in place, m the row's reference max; returns whether the
+  // running output of any row of this warp must be rescaled (the same for the whole warp), and
+  // per row the factor (exp(scale * (m_old - m_new)), 1 where m stays).
+  // NOTES: as in FlashAttention-4, m moves only when the block's max exceeds it by more than
+  // kMoveThreshold = 8 (log2 units): P then stays <= 2^8, which FP32 sums and 16-bit P hold
+  // without loss (a float format: the relative rounding is the same at any size), and the final
+  // 1 / rowsum and lse = m + log(rowsum) are exact for any m. Once the max has settled, most
+  // blocks skip the O rescale (a multiply per output register) and its latency between the
+  // PV GEMM's wait and the next GEMM issue.
   template <class TensorS>
-  __device__ __forceinline__ void step(TensorS& s, float (&rescale)[kRows]) {
+  __device__ __forceinline__ bool step(TensorS& s, float (&rescale)[kRows]) {
     static_assert(decltype(size<0>(s))::value == kRows);
+    bool moved = false;
     CUTLASS_PRAGMA_UNROLL
     for (int m = 0; m < kRows; ++m) {
       float mx = row_max[m];
       CUTLASS_PRAGMA_UNROLL
       for (int n = 0; n < size<1>(s); ++n) mx = fmaxf(mx, s(m, n));
       mx = quad_max(mx);
+      // -inf to finite: +inf > threshold, moves; -inf to -inf: NaN, stays.
+      const bool move = (mx - row_max[m]) * scale_log2 > kMoveThreshold;
+      const float ref = move ? mx : row_max[m];
       // NOTES: a row that has seen only masked keys keeps max = -inf; use 0 as its offset so
       // that exp2(-inf - offset) = 0 instead of NaN.
-      const float offset = mx == -INFINITY ? 0.f : mx * scale_log2;
-      rescale[m] = fast_exp2(row_max[m] * scale_log2 - offset);
-      row_max[m] = mx;
+      const float offset = ref == -INFINITY ? 0.f : ref * scale_log2;
+      rescale[m] = move ? fast_exp2(row_max[m] * scale_log2 - offset) : 1.f;
+      row_max[m] = ref;
+      moved |= move;
       float sum = 0.f;
       CUTLASS_PRAGMA_UNROLL
       for (int n = 0; n < size<1>(s); ++n) {
@@ -41,6 +56,7 @@ struct OnlineSoftmax {
       }
       row_sum[m] = row_sum[m] * rescale[m] + sum;
     }
+    return __any_sync(0xffffffffu, moved);
   }
 
   // Line 24: the final 1 / rowsum and the log-sum-exp (natural log) of the scaled scores.
