@@ -309,54 +309,54 @@ TEST(FwdGpuVariants, Causal64TileSwitch) {
   }
 }
 
+// One bf16 forward call on its own contiguous (b, s, heads, d) tensors, q, k, v fresh N(0,1), and
+// the output it is expected to give (`want`, filled by the test).
+struct BF16Call {
+  DeviceBuffer q, k, v, out;
+  FwdArgs args;
+  std::vector<uint16_t> want;
+  BF16Call(int b, int sq, int sk, int h, int d, bool causal, uint64_t seed)
+      : q(size_t(b) * sq * h * d * 2), k(size_t(b) * sk * h * d * 2), v(size_t(b) * sk * h * d * 2),
+        out(size_t(b) * sq * h * d * 2) {
+    std::mt19937_64 rng(seed);
+    std::vector<uint16_t> bits;
+    std::vector<double> vals;
+    for (DeviceBuffer* t : {&q, &k, &v}) {
+      random_tensor(DType::kBFloat16, t->bytes / 2, rng, bits, vals);
+      t->upload(bits);
+    }
+    args.q = TensorRef::contiguous(q.ptr, DType::kBFloat16, {b, sq, h, d});
+    args.k = TensorRef::contiguous(k.ptr, DType::kBFloat16, {b, sk, h, d});
+    args.v = TensorRef::contiguous(v.ptr, DType::kBFloat16, {b, sk, h, d});
+    args.out = TensorRef::contiguous(out.ptr, DType::kBFloat16, {b, sq, h, d});
+    args.causal = causal;
+  }
+  std::vector<uint16_t> result() const { return out.download<uint16_t>(out.bytes / 2); }
+};
+
 // The causal kernels draw tiles from a counter per stream (tile_scheduler.h): causal calls on
 // two streams at once, repeated, must give exactly what each gives alone, and later calls on
 // either stream must still see the counters cleared.
 TEST(FwdGpuStreams, CausalCallsOnTwoStreamsAtOnceMatchCallsAlone) {
   FLASH3_REQUIRE_HOPPER();
-  struct One {
-    int b, s, h, d;
-    DeviceBuffer q, k, v, out;
-    FwdArgs args;
-    std::vector<uint16_t> alone;
-  };
-  auto make = [](int b, int s, int h, int d, uint64_t seed) {
-    const size_t bytes = size_t(b) * s * h * d * 2;
-    std::unique_ptr<One> o(new One{b, s, h, d, DeviceBuffer(bytes), DeviceBuffer(bytes), DeviceBuffer(bytes),
-                                   DeviceBuffer(bytes), FwdArgs{}, {}});
-    std::mt19937_64 rng(seed);
-    const size_t n = size_t(b) * s * h * d;
-    std::vector<uint16_t> bits;
-    std::vector<double> vals;
-    for (DeviceBuffer* t : {&o->q, &o->k, &o->v}) {
-      random_tensor(DType::kBFloat16, n, rng, bits, vals);
-      t->upload(bits);
-    }
-    o->args.q = TensorRef::contiguous(o->q.ptr, DType::kBFloat16, {b, s, h, d});
-    o->args.k = TensorRef::contiguous(o->k.ptr, DType::kBFloat16, {b, s, h, d});
-    o->args.v = TensorRef::contiguous(o->v.ptr, DType::kBFloat16, {b, s, h, d});
-    o->args.out = TensorRef::contiguous(o->out.ptr, DType::kBFloat16, {b, s, h, d});
-    o->args.causal = true;
-    return o;
-  };
-  auto a = make(4, 1536, 16, 128, 1), c = make(2, 2048, 8, 64, 2);
+  BF16Call a(4, 1536, 1536, 16, 128, true, 1), c(2, 2048, 2048, 8, 64, true, 2);
   cudaStream_t streams[2];
   for (auto& st : streams) FLASH3_CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-  One* ones[2] = {a.get(), c.get()};
+  BF16Call* ones[2] = {&a, &c};
   for (int i = 0; i < 2; ++i) {  // each alone
     ones[i]->args.stream = streams[i];
     FLASH3_CUDA_OK(cudaMemset(ones[i]->out.ptr, 0xFF, ones[i]->out.bytes));
     ASSERT_NO_THROW(fwd(ones[i]->args));
     FLASH3_CUDA_OK(cudaDeviceSynchronize());
-    ones[i]->alone = ones[i]->out.download<uint16_t>(ones[i]->out.bytes / 2);
-    for (uint16_t bits : ones[i]->alone) ASSERT_NE(bits, 0xFFFF) << "output not written (alone)";
+    ones[i]->want = ones[i]->result();
+    for (uint16_t bits : ones[i]->want) ASSERT_NE(bits, 0xFFFF) << "output not written (alone)";
   }
   for (int round = 0; round < 5; ++round) {  // both at once, the order of issue alternating
-    for (One* o : ones) FLASH3_CUDA_OK(cudaMemsetAsync(o->out.ptr, 0xFF, o->out.bytes, o->args.stream));
+    for (BF16Call* o : ones) FLASH3_CUDA_OK(cudaMemsetAsync(o->out.ptr, 0xFF, o->out.bytes, o->args.stream));
     for (int i = 0; i < 2; ++i) ASSERT_NO_THROW(fwd(ones[(i + round) % 2]->args));
     FLASH3_CUDA_OK(cudaDeviceSynchronize());
-    for (One* o : ones) {
-      ASSERT_TRUE(o->out.download<uint16_t>(o->out.bytes / 2) == o->alone)
+    for (BF16Call* o : ones) {
+      ASSERT_TRUE(o->result() == o->want)
           << "round " << round << ": output differs from the call alone";
     }
   }
@@ -441,68 +441,40 @@ TEST(FwdGpuGraphs, CaptureOnFreshAndWarmStreams) {
 // result (the old buffer is kept, not freed: compute-sanitizer's memcheck runs this test).
 TEST(FwdGpuGraphs, GraphOutlivesTheStreamMemoryGrowing) {
   FLASH3_REQUIRE_HOPPER();
-  const int b = 1, h = 8, d = 128;
-  struct Call {
-    int sq, sk;
-    bool causal;
-    DeviceBuffer q, k, v, out;
-    FwdArgs args;
-    std::vector<uint16_t> want;
-  };
-  auto make = [&](int sq, int sk, bool causal, uint64_t seed) {
-    std::unique_ptr<Call> c(new Call{sq, sk, causal, DeviceBuffer(size_t(b) * sq * h * d * 2),
-                                     DeviceBuffer(size_t(b) * sk * h * d * 2), DeviceBuffer(size_t(b) * sk * h * d * 2),
-                                     DeviceBuffer(size_t(b) * sq * h * d * 2), FwdArgs{}, {}});
-    std::mt19937_64 rng(seed);
-    std::vector<uint16_t> bits;
-    std::vector<double> vals;
-    for (DeviceBuffer* t : {&c->q, &c->k, &c->v}) {
-      random_tensor(DType::kBFloat16, t->bytes / 2, rng, bits, vals);
-      t->upload(bits);
-    }
-    c->args.q = TensorRef::contiguous(c->q.ptr, DType::kBFloat16, {b, sq, h, d});
-    c->args.k = TensorRef::contiguous(c->k.ptr, DType::kBFloat16, {b, sk, h, d});
-    c->args.v = TensorRef::contiguous(c->v.ptr, DType::kBFloat16, {b, sk, h, d});
-    c->args.out = TensorRef::contiguous(c->out.ptr, DType::kBFloat16, {b, sq, h, d});
-    c->args.causal = causal;
-    return c;
-  };
   // 12 x 8 causal tiles; 17 x 8 = 136 non-causal tiles of 18 key blocks: 4 in the tail, split.
-  auto causal = make(1536, 1536, true, 41);
-  auto noncausal = make(2112, 3000, false, 43);
-  auto run = [&](Call& c, cudaStream_t st) {
+  BF16Call causal(1, 1536, 1536, 8, 128, true, 41), noncausal(1, 2112, 3000, 8, 128, false, 43);
+  auto run = [&](BF16Call& c, cudaStream_t st) {
     FLASH3_CUDA_OK(cudaMemsetAsync(c.out.ptr, 0xFF, c.out.bytes, st));
     FwdArgs a = c.args;
     a.stream = st;
     ASSERT_NO_THROW(fwd(a));
     FLASH3_CUDA_OK(cudaStreamSynchronize(st));
   };
-  auto result = [](Call& c) { return c.out.download<uint16_t>(c.out.bytes / 2); };
-  for (Call* c : {causal.get(), noncausal.get()}) {
+  for (BF16Call* c : {&causal, &noncausal}) {
     run(*c, nullptr);  // the default stream
-    c->want = result(*c);
+    c->want = c->result();
     for (uint16_t x : c->want) ASSERT_NE(x, 0xFFFF) << "output not written";
   }
   cudaStream_t stream;
   FLASH3_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  run(*causal, stream);  // the stream's buffer: the counters only
-  EXPECT_TRUE(result(*causal) == causal->want) << "eager causal on the stream";
+  run(causal, stream);  // the stream's buffer: the counters only
+  EXPECT_TRUE(causal.result() == causal.want) << "eager causal on the stream";
   cudaGraph_t graph;
   cudaGraphExec_t exec;
-  FwdArgs a = causal->args;
+  FwdArgs a = causal.args;
   a.stream = stream;
   FLASH3_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
   ASSERT_NO_THROW(fwd(a));
   FLASH3_CUDA_OK(cudaStreamEndCapture(stream, &graph));
   FLASH3_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-  run(*noncausal, stream);  // the tail split's scratch: the buffer grows
-  EXPECT_TRUE(result(*noncausal) == noncausal->want) << "eager non-causal on the stream";
+  run(noncausal, stream);  // the tail split's scratch: the buffer grows
+  EXPECT_TRUE(noncausal.result() == noncausal.want) << "eager non-causal on the stream";
   for (int replay = 0; replay < 2; ++replay) {
-    FLASH3_CUDA_OK(cudaMemsetAsync(causal->out.ptr, 0xFF, causal->out.bytes, stream));
+    FLASH3_CUDA_OK(cudaMemsetAsync(causal.out.ptr, 0xFF, causal.out.bytes, stream));
     FLASH3_CUDA_OK(cudaGraphLaunch(exec, stream));
-    run(*noncausal, stream);
-    EXPECT_TRUE(result(*causal) == causal->want) << "causal graph, replay " << replay;
-    EXPECT_TRUE(result(*noncausal) == noncausal->want) << "eager non-causal after replay " << replay;
+    run(noncausal, stream);
+    EXPECT_TRUE(causal.result() == causal.want) << "causal graph, replay " << replay;
+    EXPECT_TRUE(noncausal.result() == noncausal.want) << "eager non-causal after replay " << replay;
   }
   FLASH3_CUDA_OK(cudaGraphExecDestroy(exec));
   FLASH3_CUDA_OK(cudaGraphDestroy(graph));
