@@ -1,8 +1,9 @@
 // flash3: the warp-specialized forward kernel, Algorithm 1 of the FlashAttention-3 paper
 // (shared/paper, §3.1), with pingpong (§3.1), the intra-warpgroup overlap (Algorithm 2, §3.2) and
 // a persistent tile loop (tile_scheduler.h). A tile is (kBlockM query rows, head, batch) of O.
-//   warpgroup 0      producer: TMA loads of Q_i once and of K_j, V_j into a kStages-deep ring
-//                    of shared-memory buffers, each stage guarded by a full/empty mbarrier pair.
+//   warpgroup 0      producer: TMA loads of Q_i once and of K_j, V_j into rings of kStages
+//                    (V: kStagesV) shared-memory buffers, each stage guarded by a full/empty
+//                    mbarrier pair.
 //   warpgroups 1..   consumers, 64 query rows each: S = Q K^T (WGMMA, both from shared memory),
 //                    online softmax in FP32, O += P V (WGMMA, P from registers), then O and LSE.
 #pragma once
@@ -138,7 +139,15 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
   }
   Pipeline pipeline_k(shared.pipeline_k, pipe_params, Shape<_1, _1, _1>{});
-  Pipeline pipeline_v(shared.pipeline_v, pipe_params, Shape<_1, _1, _1>{});
+  using PipelineV = typename Traits::PipelineV;
+  using PipelineStateV = typename Traits::PipelineStateV;
+  typename PipelineV::Params pipe_params_v;
+  pipe_params_v.transaction_bytes = Traits::kTmaBytesKV;
+  pipe_params_v.role = warpgroup == 0 ? PipelineV::ThreadCategory::Producer
+                                      : PipelineV::ThreadCategory::Consumer;
+  pipe_params_v.is_leader = is_producer_thread;
+  pipe_params_v.num_consumers = Traits::kNumConsumerThreads;
+  PipelineV pipeline_v(shared.pipeline_v, pipe_params_v, Shape<_1, _1, _1>{});
   __syncthreads();
   // The tail kernel, if one follows, may take each SM as soon as this kernel's block leaves it.
   if constexpr (!Traits::kCausal && !Traits::kTailPieces) pdl_launch_dependents();
@@ -169,7 +178,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     Tensor mK = params.tma_k.get_tma_tensor(params.layout_k.shape());
     Tensor mV = params.tma_v.get_tma_tensor(params.layout_k.shape());
     PipelineState write_k = cutlass::make_producer_start_state<Pipeline>();
-    PipelineState write_v = cutlass::make_producer_start_state<Pipeline>();
+    PipelineStateV write_v = cutlass::make_producer_start_state<PipelineV>();
     for (int tiles_done = 0;; ++tiles_done) {
       const TailPiece piece = piece_at(tiles_done);
       if (piece.tile >= tiles_end) break;
@@ -260,7 +269,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   constexpr int kRows = decltype(size<0>(tSrS_rc))::value;
 
   PingpongScheduler<Traits> turns(warpgroup - 1);
-  PipelineState read_k, read_v;
+  PipelineState read_k;
+  PipelineStateV read_v;
   for (int tiles_done = 0;; ++tiles_done) {
     const TailPiece piece = piece_at(tiles_done);
     if (piece.tile >= tiles_end) break;

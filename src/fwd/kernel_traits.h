@@ -45,6 +45,7 @@ struct FwdTraits {
   static constexpr int kBlockM = Variant::kBlockM > 0 ? Variant::kBlockM : Config::kBlockM;
   static constexpr int kBlockN = Variant::kBlockN > 0 ? Variant::kBlockN : Config::kBlockN;
   static constexpr int kStages = Config::kStages;
+  static constexpr int kStagesV = Config::kStagesV;  // V's ring may be deeper than K's
   static constexpr bool kCausal = kCausal_;
   // Causal tiles differ in length: they are handed out by the dynamic scheduler (tile_scheduler.h).
   static constexpr bool kDynamicTiles = kCausal;
@@ -86,11 +87,12 @@ struct FwdTraits {
   using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   using SmemLayoutK =
       decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
-  using SmemLayoutV = SmemLayoutK;
+  using SmemLayoutV =
+      decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStagesV>>{}));
   // V viewed as (head dim, key, stage): the B operand of O += P V.
   using SmemLayoutVt = decltype(composition(
       SmemLayoutV{},
-      make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+      make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStagesV>>{}, Step<_2, _1, _3>{})));
 
   // ---- global tensors: (seqlen, head_dim, heads, batch), head dim contiguous ---------------
   using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;
@@ -123,6 +125,8 @@ struct FwdTraits {
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = typename cutlass::PipelineState<kStages>;
+  using PipelineV = cutlass::PipelineTmaAsync<kStagesV>;
+  using PipelineStateV = typename cutlass::PipelineState<kStagesV>;
 
   // One type for every variant with the same tiles: the tail kernel's parameters are the main
   // kernel's (fwd_launch.h).
@@ -156,7 +160,7 @@ struct FwdTraits {
     float softmax_pin[kNumConsumerThreads];  // see pin_before_wait
     alignas(128) cute::array_aligned<Element, kOStageElems> smem_o_stage;
     typename Pipeline::SharedStorage pipeline_k;
-    typename Pipeline::SharedStorage pipeline_v;
+    typename PipelineV::SharedStorage pipeline_v;
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "tile config exceeds 227 KB of shared memory");

@@ -25,6 +25,7 @@
 //        64  |   192 (3)     | 128                |   2    |   yes    |   yes   | 24 + 2x32 = 88 KB
 //            | (causal, seqlen_q <= 1024: 128 (2), FwdBlockM128, O staged per warp)
 //       128  |   128 (2)     | 176 (causal: 128)  |   2    |   yes    |   yes   | 32 + 2x88 + 16 = 224 KB
+//            | (causal: K 2 stages, V 3 stages: 32 + 2x32 + 3x32 + 16 = 208 KB)
 //       256  |   128 (2)     |  80                |   2    |   yes    |   yes   | 64 + 2x80 = 224 KB
 //
 // NOTES: pingpong at head dim 256 was off until session 3; turned on it measured +2-17% on the
@@ -84,18 +85,22 @@ template <bool kCausal> struct FwdTileConfig<64, kCausal> {
   // NOTES: three consumer warpgroups (160 registers each): more warps to hide the softmax,
   // which at head dim 64 takes as long as the GEMMs. (With O staged through shared memory this
   // spilled a few values; with O stored from registers it does not.)
-  static constexpr int kBlockM = 192, kBlockN = 128, kStages = 2;
+  static constexpr int kBlockM = 192, kBlockN = 128, kStages = 2, kStagesV = kStages;
   static constexpr bool kPingpong = true, kIntraWGOverlap = true;
   // kOStageWarp applies to the 128-row causal kernel (FwdBlockM128) only (kernel_traits.h).
   static constexpr bool kStageOInQ = false, kOStageWarp = true;
 };
 template <bool kCausal> struct FwdTileConfig<128, kCausal> {
+  // NOTES: causal, V has a third stage (the 128-wide tiles leave room: 208 KB): the consumers had
+  // spent 1.3% of their samples waiting for V and 1.2% for K (ncu, docs/perf-log.md step 30);
+  // measured +0.5-1% at 512-8k.
   static constexpr int kBlockM = 128, kBlockN = kCausal ? 128 : 176, kStages = 2;
+  static constexpr int kStagesV = kCausal ? 3 : 2;
   static constexpr bool kPingpong = true, kIntraWGOverlap = true;
   static constexpr bool kStageOInQ = false, kOStageWarp = true;
 };
 template <bool kCausal> struct FwdTileConfig<256, kCausal> {
-  static constexpr int kBlockM = 128, kBlockN = 80, kStages = 2;
+  static constexpr int kBlockM = 128, kBlockN = 80, kStages = 2, kStagesV = kStages;
   static constexpr bool kPingpong = true, kIntraWGOverlap = true;
   static constexpr bool kStageOInQ = true, kOStageWarp = false;
 };
