@@ -8,6 +8,8 @@
 //                    online softmax in FP32, O += P V (WGMMA, P from registers), then O and LSE.
 #pragma once
 
+#include <type_traits>
+
 #include <cutlass/arch/reg_reconfig.h>
 
 #include "fwd/kernel_traits.h"
@@ -118,12 +120,18 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   // buffer: "Q has landed" (producer -> consumers) and "Q is free" (consumers -> producer,
   // once the tile's last S = Q K^T has completed, or its O store through the Q buffer).
   const bool is_producer_thread = warpgroup == 0 && thread_in_wg == 0;
-  typename Pipeline::Params pipe_params;
-  pipe_params.transaction_bytes = Traits::kTmaBytesKV;
-  pipe_params.role = warpgroup == 0 ? Pipeline::ThreadCategory::Producer
-                                    : Pipeline::ThreadCategory::Consumer;
-  pipe_params.is_leader = is_producer_thread;
-  pipe_params.num_consumers = Traits::kNumConsumerThreads;
+  using PipelineV = typename Traits::PipelineV;
+  using PipelineStateV = typename Traits::PipelineStateV;
+  // The parameters of the K or the V pipeline (P: its type; V's ring may be deeper).
+  auto pipeline_params = [&](auto* pipeline_type) {
+    using P = std::remove_pointer_t<decltype(pipeline_type)>;
+    typename P::Params pp;
+    pp.transaction_bytes = Traits::kTmaBytesKV;
+    pp.role = warpgroup == 0 ? P::ThreadCategory::Producer : P::ThreadCategory::Consumer;
+    pp.is_leader = is_producer_thread;
+    pp.num_consumers = Traits::kNumConsumerThreads;
+    return pp;
+  };
   if (threadIdx.x == 0) {
     shared.barrier_q.init(1);
     shared.barrier_q_free.init(Traits::kQFreeArrivals);
@@ -138,16 +146,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
   }
-  Pipeline pipeline_k(shared.pipeline_k, pipe_params, Shape<_1, _1, _1>{});
-  using PipelineV = typename Traits::PipelineV;
-  using PipelineStateV = typename Traits::PipelineStateV;
-  typename PipelineV::Params pipe_params_v;
-  pipe_params_v.transaction_bytes = Traits::kTmaBytesKV;
-  pipe_params_v.role = warpgroup == 0 ? PipelineV::ThreadCategory::Producer
-                                      : PipelineV::ThreadCategory::Consumer;
-  pipe_params_v.is_leader = is_producer_thread;
-  pipe_params_v.num_consumers = Traits::kNumConsumerThreads;
-  PipelineV pipeline_v(shared.pipeline_v, pipe_params_v, Shape<_1, _1, _1>{});
+  Pipeline pipeline_k(shared.pipeline_k, pipeline_params(static_cast<Pipeline*>(nullptr)), Shape<_1, _1, _1>{});
+  PipelineV pipeline_v(shared.pipeline_v, pipeline_params(static_cast<PipelineV*>(nullptr)), Shape<_1, _1, _1>{});
   __syncthreads();
   // The tail kernel, if one follows, may take each SM as soon as this kernel's block leaves it.
   if constexpr (!Traits::kCausal && !Traits::kTailPieces) pdl_launch_dependents();
