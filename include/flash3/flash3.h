@@ -86,11 +86,12 @@ struct FwdArgs {
 // Forward attention: out = softmax(scale * q k^T [masked]) v, and the log-sum-exp.
 // Throws flash3::Error on invalid arguments, and flash3::Error on CUDA failures
 // (with the CUDA error string). seqlen_q == 0 or batch == 0 returns without a launch.
-// Keeps per (device, stream) two tile counters (causal) and, for the split of a partial last
-// wave of non-causal tiles, a scratch buffer (up to ~35 MB at head dim 256), allocated by the
-// first call on the stream that needs them; a call captured into a CUDA graph allocates
-// nothing and, where they do not exist yet, runs without them (whole tiles: non-causal, the
-// results of FwdVariant::kPersistent, bitwise; causal, the default's).
+// Keeps per (device, stream) one buffer for two tile counters (causal) and, for the split of a
+// partial last wave of non-causal tiles, scratch (up to ~35 MB at head dim 256), allocated by the
+// first call on the stream that needs it; it only grows, and a buffer outgrown stays allocated
+// (a CUDA graph captured earlier may use it). A call captured into a CUDA graph allocates
+// nothing and, where the memory does not exist yet, runs without it (whole tiles: non-causal,
+// the results of FwdVariant::kPersistent, bitwise; causal, the default's).
 void fwd(const FwdArgs& args);
 
 // ---------------------------------------------------------------------------------------------

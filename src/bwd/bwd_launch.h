@@ -46,8 +46,7 @@ void launch_bwd_main(const BwdProblem& p, const BwdArgs& args, const BwdWorkspac
   };
   auto kernel = &bwd_kernel<Traits>;
   constexpr int kSmem = Traits::kSmemBytes;
-  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
-             "cudaFuncSetAttribute(max dynamic shared memory)");
+  set_max_dynamic_smem<&bwd_kernel<Traits>>(kSmem, "cudaFuncSetAttribute(max dynamic shared memory)");
   const int64_t blocks = int64_t(ws.n_blocks) * p.nheads * p.batch;
   launch_pdl(kernel, dim3(unsigned(blocks)), Traits::kNumThreads, kSmem, args.stream, "backward kernel launch", params);
 }
@@ -81,9 +80,8 @@ void run_bwd(const BwdProblem& p, const BwdArgs& args, const BwdWorkspaceLayout&
   }
   constexpr int kPostSmem = bwd_postprocess_dq_smem<Traits>();
   if constexpr (kPostSmem > 48 * 1024) {
-    check_cuda(cudaFuncSetAttribute(bwd_postprocess_dq<Traits>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    kPostSmem),
-               "cudaFuncSetAttribute(backward postprocess shared memory)");
+    set_max_dynamic_smem<&bwd_postprocess_dq<Traits>>(kPostSmem,
+                                                       "cudaFuncSetAttribute(backward postprocess shared memory)");
   }
   launch_pdl(bwd_postprocess_dq<Traits>, dim3(unsigned(aux_blocks)), 256, kPostSmem, args.stream,
              "backward postprocess (dq) launch", aux);

@@ -3,6 +3,8 @@
 // programmatic-dependent-launch pair (device side, and the host launch that enables it).
 #pragma once
 
+#include <atomic>
+
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_conversion.h>
 #include <cutlass/numeric_types.h>
@@ -142,6 +144,21 @@ void launch_pdl(void (*kernel)(KArgs...), dim3 grid, int threads, int smem, cuda
   cfg.attrs = attr;
   cfg.numAttrs = 1;
   check_cuda(cudaLaunchKernelEx(&cfg, kernel, args...), what);
+}
+
+// Raises kKernel's dynamic shared-memory limit to `bytes`, once per device: the attribute holds
+// for the rest of the process, and the driver call would otherwise cost host time on every
+// forward and backward call. (Keyed by the kernel itself: kernels of one signature, as the main
+// and tail forward kernels, are set apart.) Devices 64 and up are set on every call.
+template <auto kKernel>
+void set_max_dynamic_smem(int bytes, const char* what) {
+  static std::atomic<unsigned long long> done{0};  // bit d: set on device d
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  const unsigned long long bit = device >= 0 && device < 64 ? 1ull << device : 0ull;
+  if (bit != 0 && (done.load(std::memory_order_acquire) & bit) != 0) return;
+  check_cuda(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), what);
+  done.fetch_or(bit, std::memory_order_release);
 }
 
 // NOTES: MUFU.EX2 directly; exp(x) is computed as exp2(x * log2(e)) with the softmax scale
