@@ -46,7 +46,7 @@ void launch_bwd_main(const BwdProblem& p, const BwdArgs& args, const BwdWorkspac
   };
   auto kernel = &bwd_kernel<Traits>;
   constexpr int kSmem = Traits::kSmemBytes;
-  set_max_dynamic_smem<&bwd_kernel<Traits>>(kSmem, "cudaFuncSetAttribute(max dynamic shared memory)");
+  set_max_dynamic_smem<&bwd_kernel<Traits>>(kSmem);
   const int64_t blocks = int64_t(ws.n_blocks) * p.nheads * p.batch;
   launch_pdl(kernel, dim3(unsigned(blocks)), Traits::kNumThreads, kSmem, args.stream, "backward kernel launch", params);
 }

@@ -63,7 +63,7 @@ void launch_fwd(const FwdProblem& p, const FwdArgs& args, bool persistent, int* 
   Params params = make_fwd_params<Traits>(p, args, persistent ? tile_counter : nullptr);
   auto kernel = &fwd_kernel<Traits>;
   constexpr int kSmem = Traits::kSmemBytes;
-  set_max_dynamic_smem<&fwd_kernel<Traits>>(kSmem, "cudaFuncSetAttribute(max dynamic shared memory)");
+  set_max_dynamic_smem<&fwd_kernel<Traits>>(kSmem);
   const int num_tiles = params.tiles_end;
   TailSplit split;  // none: every tile whole in the main kernel
   split.full_tiles = num_tiles;
@@ -105,8 +105,7 @@ void launch_fwd(const FwdProblem& p, const FwdArgs& args, bool persistent, int* 
       tail.split_counter = split_counter;
       tail.split_o = split_o;
       auto tail_kernel = &fwd_kernel<TailTraits>;
-      set_max_dynamic_smem<&fwd_kernel<TailTraits>>(TailTraits::kSmemBytes,
-                                                   "cudaFuncSetAttribute(max dynamic shared memory)");
+      set_max_dynamic_smem<&fwd_kernel<TailTraits>>(TailTraits::kSmemBytes);
       // NOTES: right behind the main kernel it is launched with programmatic dependent launch
       // (it reads nothing the main kernel writes, and the main kernel lets it start at once), so
       // its blocks take the SMs as the main kernel's blocks leave them. Without a main kernel

@@ -151,7 +151,7 @@ void launch_pdl(void (*kernel)(KArgs...), dim3 grid, int threads, int smem, cuda
 // forward and backward call. (Keyed by the kernel itself: kernels of one signature, as the main
 // and tail forward kernels, are set apart.) Devices 64 and up are set on every call.
 template <auto kKernel>
-void set_max_dynamic_smem(int bytes, const char* what) {
+void set_max_dynamic_smem(int bytes, const char* what = "cudaFuncSetAttribute(max dynamic shared memory)") {
   static std::atomic<unsigned long long> done{0};  // bit d: set on device d
   int device = 0;
   check_cuda(cudaGetDevice(&device), "cudaGetDevice");
