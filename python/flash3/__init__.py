@@ -14,6 +14,7 @@ the system's library path.
 import contextlib
 import ctypes
 import math
+import struct
 
 import torch
 
@@ -33,6 +34,7 @@ _UNSUPPORTED = {"qv": None, "q_descale": None, "k_descale": None, "v_descale": N
                 "attention_chunk": 0, "softcap": 0.0}
 _IGNORED = ("num_splits", "pack_gqa", "sm_margin")
 _WORKSPACE_ALIGN = 256  # bytes: flash3::BwdArgs::workspace
+_BWD_WORKSPACE_BYTES = {}  # (q.shape, k.shape, device, causal, deterministic) -> bytes
 
 
 def hopper_available():
@@ -50,22 +52,26 @@ def version():
     return _lib.lib().flash3_version().decode()
 
 
-def _ref(t, name):
-    """flash3_tensor for a torch tensor (None -> data NULL: 'not given')."""
-    r = _lib.Tensor()
+# flash3_tensor (flash3_c.h): void* data; int32 dtype, rank; int64 shape[4], stride[4] (elements).
+_TENSOR = struct.Struct("<Qii4q4q")
+assert _TENSOR.size == ctypes.sizeof(_lib.Tensor), "flash3_tensor layout changed"
+_PAD = ((), (0,), (0, 0), (0, 0, 0), (0, 0, 0, 0))
+
+
+def _pack(buf, offset, t, name):
+    """Writes the flash3_tensor of torch tensor t (None: data NULL, 'not given') at buf[offset]."""
     if t is None:
-        return r
+        return
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     code = _DTYPES.get(t.dtype)
     if code is None:
         raise ValueError(f"{name}: dtype {t.dtype} is not supported (use torch.bfloat16 or torch.float16)")
-    if t.dim() > 4:
-        raise ValueError(f"{name}: rank {t.dim()} is not supported (at most 4), shape {tuple(t.shape)}")
-    r.data, r.dtype, r.rank = t.data_ptr(), code, t.dim()
-    for i, (n, s) in enumerate(zip(t.shape, t.stride())):
-        r.shape[i], r.stride[i] = n, s
-    return r
+    rank = t.dim()
+    if rank > 4:
+        raise ValueError(f"{name}: rank {rank} is not supported (at most 4), shape {tuple(t.shape)}")
+    pad = _PAD[4 - rank]
+    _TENSOR.pack_into(buf, offset, t.data_ptr(), code, rank, *t.shape, *pad, *t.stride(), *pad)
 
 
 def _scale_arg(softmax_scale):
@@ -79,13 +85,29 @@ def _scale_arg(softmax_scale):
 
 
 def _refs(named, optional=()):
-    """flash3_tensor refs for (name, tensor) pairs: each a CUDA tensor (or None where optional)."""
+    """flash3_tensor refs for (name, tensor) pairs: each a CUDA tensor (or None where optional).
+    Returns (buffer, addresses): the structs packed in one buffer (keep it alive for the call)."""
     for name, t in named:
         if t is None and name not in optional:
             raise ValueError(f"{name}: must be a tensor, got None")
         if isinstance(t, torch.Tensor) and not t.is_cuda:
             raise ValueError(f"{name}: must be a CUDA tensor, got device {t.device}")
-    return [_ref(t, name) for name, t in named]
+    size = _TENSOR.size
+    buf = ctypes.create_string_buffer(size * len(named))
+    for j, (name, t) in enumerate(named):
+        _pack(buf, j * size, t, name)
+    base = ctypes.addressof(buf)
+    return buf, [base + j * size for j in range(len(named))]
+
+
+_raw_stream_of = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _stream(dev):
+    """The handle of torch's current stream on dev (a CUDA device with an index)."""
+    if _raw_stream_of is not None:
+        return _raw_stream_of(dev.index if dev.index is not None else torch.cuda.current_device())
+    return torch.cuda.current_stream(dev).cuda_stream
 
 
 def _on_device(dev):
@@ -104,11 +126,11 @@ def forward_into(q, k, v, out, lse=None, softmax_scale=None, causal=False):
     """Runs the forward pass into caller-given buffers: out like q, lse float32 (b, h, sq) or None.
     Raises ValueError with the library's message on invalid arguments, RuntimeError otherwise."""
     scale = _scale_arg(softmax_scale)
-    refs = _refs((("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)), optional=("lse",))
+    keep, refs = _refs((("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)), optional=("lse",))
     lib, buf, dev = _lib.lib(), _lib.err_buffer(), q.device
     with _on_device(dev):  # on torch's current stream of q's device
-        rc = lib.flash3_fwd(*refs, scale, int(bool(causal)), torch.cuda.current_stream(dev).cuda_stream,
-                            buf, len(buf))
+        rc = lib.flash3_fwd(*refs, scale, int(bool(causal)), _stream(dev), buf, len(buf))
+    del keep
     _check(rc, buf, "flash3_fwd")
     return out, lse
 
@@ -126,24 +148,33 @@ def backward_into(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=None, causa
     """
     scale = _scale_arg(softmax_scale)
     # the C order: q, k, v, out, dout, lse, dq, dk, dv
-    refs = _refs((("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout), ("lse", lse),
-                  ("dq", dq), ("dk", dk), ("dv", dv)))
+    keep, refs = _refs((("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout), ("lse", lse),
+                        ("dq", dq), ("dk", dk), ("dv", dv)))
     lib, buf, dev = _lib.lib(), _lib.err_buffer(), q.device
     if not _lib.has_bwd():
         raise RuntimeError("this libflash3.so has no backward (flash3_bwd): rebuild the library")
     flags = (scale, int(bool(causal)), int(bool(deterministic)))
     with _on_device(dev):
-        nbytes = ctypes.c_uint64(0)
-        rc = lib.flash3_bwd_workspace_size(*refs, *flags, ctypes.byref(nbytes), buf, len(buf))
-        _check(rc, buf, "flash3_bwd_workspace_size")
-        size, workspace, ptr = nbytes.value, None, None
+        # NOTES: the size depends on the shapes of q and k and the two flags only (bwd_config.h,
+        # BwdWorkspaceLayout), so it is asked once per such key; flash3_bwd checks every
+        # argument itself (and that the workspace is large enough).
+        key = (tuple(q.shape), tuple(k.shape), dev.index, bool(causal), bool(deterministic))
+        size = _BWD_WORKSPACE_BYTES.get(key)
+        if size is None:
+            nbytes = ctypes.c_uint64(0)
+            rc = lib.flash3_bwd_workspace_size(*refs, *flags, ctypes.byref(nbytes), buf, len(buf))
+            _check(rc, buf, "flash3_bwd_workspace_size")
+            size = nbytes.value
+            if len(_BWD_WORKSPACE_BYTES) >= 1024:
+                _BWD_WORKSPACE_BYTES.clear()
+            _BWD_WORKSPACE_BYTES[key] = size
+        workspace, ptr = None, None
         if size:
             # allocated on the current stream, so the allocator reuses it only after the kernels
             workspace = torch.empty(size + _WORKSPACE_ALIGN, dtype=torch.uint8, device=dev)
             ptr = -workspace.data_ptr() % _WORKSPACE_ALIGN + workspace.data_ptr()
-        rc = lib.flash3_bwd(*refs, *flags, ptr, size, torch.cuda.current_stream(dev).cuda_stream,
-                            buf, len(buf))
-    del workspace
+        rc = lib.flash3_bwd(*refs, *flags, ptr, size, _stream(dev), buf, len(buf))
+    del workspace, keep
     _check(rc, buf, "flash3_bwd")
     return dq, dk, dv
 

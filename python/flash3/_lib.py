@@ -2,6 +2,7 @@
 import ctypes
 import ctypes.util
 import os
+import threading
 
 # dtype codes and return codes, as in flash3_c.h
 FLOAT16, BFLOAT16, FLOAT32, FLOAT8_E4M3, FLOAT8_E5M2, INT32 = range(6)
@@ -43,7 +44,7 @@ def _bind_bwd(handle, ptr):
     built before the backward existed still loads; has_bwd() then says False)."""
     if not (hasattr(handle, "flash3_bwd") and hasattr(handle, "flash3_bwd_workspace_size")):
         return
-    tensors = [ptr] * 9  # q, k, v, out, dout, lse, dq, dk, dv
+    tensors = [ptr] * 9  # q, k, v, out, dout, lse, dq, dk, dv: addresses of flash3_tensor
     handle.flash3_bwd.argtypes = tensors + [ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                                             ctypes.c_uint64, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
     handle.flash3_bwd.restype = ctypes.c_int
@@ -72,7 +73,10 @@ def lib():
             except OSError as e:
                 errors.append(f"{path}: {e}")
                 continue
-            ptr = ctypes.POINTER(Tensor)
+            # flash3_tensor arguments go as addresses (c_void_p: an int, or ctypes.byref of a
+            # Tensor): the package packs them into one buffer per call (faster than a ctypes
+            # Structure per tensor).
+            ptr = ctypes.c_void_p
             handle.flash3_fwd.argtypes = [ptr, ptr, ptr, ptr, ptr, ctypes.c_float, ctypes.c_int,
                                           ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
             handle.flash3_fwd.restype = ctypes.c_int
@@ -88,5 +92,14 @@ def lib():
     raise RuntimeError(_load_error)
 
 
+_local = threading.local()
+
+
 def err_buffer():
-    return ctypes.create_string_buffer(ERR_LEN)
+    """This thread's buffer for the library's error message, emptied (one per thread, reused)."""
+    buf = getattr(_local, "err", None)
+    if buf is None:
+        buf = _local.err = ctypes.create_string_buffer(ERR_LEN)
+    else:
+        buf[0] = 0
+    return buf
