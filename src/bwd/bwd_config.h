@@ -19,9 +19,12 @@
 // (not swapped, one Q/dO stage) dK, dV, dQ, so that Q and dO are released as early as possible
 // (dK, dQ, dV measured 25-40% slower there: docs/perf-log.md B26).
 //
+// kDQAlternate (head dim 64, non-causal kernels): each query block's dQ is computed whole by one
+// consumer warpgroup, the two taking turns (bwd_kernel.h), instead of split along the head dim.
+//
 //   head dim | kBlockM | kBlockN | stages | dQ stages | swapped | regs (dK+dV, S+dP, dQ) | smem
 //   ---------+---------+---------+--------+-----------+---------+------------------------+-------
-//        64  |    64   |   128   |   2    |     4     |   yes   |   64,  64, 16          | 160 KB
+//        64  |    64   |   128   |   2    |     4     |   yes   |   64,  64, 16 (32 alt.)| 160 KB
 //       128  |    64   |   128   |   2    |     2     |   yes   |  128,  64, 32          | 225 KB
 //       256  |    64   |    64   |   1    |     1     |   no    |  128,  32, 64          | 208 KB
 #pragma once
@@ -35,17 +38,17 @@ template <int kHeadDim>
 struct BwdTileConfig;
 template <> struct BwdTileConfig<64> {
   static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2, kDQStages = 4;
-  static constexpr bool kSdPSwapAB = true, kKVInRegs = true;
+  static constexpr bool kSdPSwapAB = true, kKVInRegs = true, kDQAlternate = true;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
 };
 template <> struct BwdTileConfig<128> {
   static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2, kDQStages = 2;
-  static constexpr bool kSdPSwapAB = true, kKVInRegs = false;
+  static constexpr bool kSdPSwapAB = true, kKVInRegs = false, kDQAlternate = false;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
 };
 template <> struct BwdTileConfig<256> {
   static constexpr int kBlockM = 64, kBlockN = 64, kStages = 1, kDQStages = 1;
-  static constexpr bool kSdPSwapAB = false, kKVInRegs = false;
+  static constexpr bool kSdPSwapAB = false, kKVInRegs = false, kDQAlternate = false;
   static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
 };
 

@@ -32,7 +32,6 @@ namespace flash3::detail {
 // dQ buffer b uses kBwdBarDQFull + b and kBwdBarDQEmpty + b.
 enum : int { kBwdBarPReady = 1, kBwdBarPFree = 2, kBwdBarDQFull = 3, kBwdBarDQEmpty = 7,  // up to 4 dQ buffers
              kBwdBarEpilogue = 11 };
-constexpr int kBwdDQBarThreads = 256 + 32;  // consumers + the writer warp of the tile
 
 // The query blocks [m_begin, m_end) that key block n_block must visit: causal skips the query
 // blocks whose rows all lie before the block's first key (bottom-right aligned mask).
@@ -103,20 +102,22 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* gmem_dst, const float
 __device__ __forceinline__ int bwd_m_at(int m_base, int i) { return abs(m_base - i); }
 
 // dQ of the i-th visited query block to shared memory for the dQ writer, in register order:
-// value pair j of consumer thread t at float2 index j * 256 + t (conflict-free;
-// bwd_postprocess_dq undoes the order).
+// value pair j of the dQ GEMM's thread t at float2 index j * kDQFragThreads + t (256 threads, or
+// the 128 of one warpgroup with kDQAlternate; conflict-free; bwd_postprocess_dq undoes the
+// order).
 template <class Traits, class AccQ>
 __device__ __forceinline__ void bwd_store_dq(typename Traits::SharedStorage& shared, AccQ const& tdQrdQ, int i,
                                              int tidx) {
   const int buf = i % Traits::kDQStages;
-  if (i >= Traits::kDQStages) named_barrier_sync(kBwdDQBarThreads, kBwdBarDQEmpty + buf);
+  if (i >= Traits::kDQStages) named_barrier_sync(Traits::kDQBarThreads, kBwdBarDQEmpty + buf);
   float2* dq_tile = reinterpret_cast<float2*>(shared.smem_dq + buf * Traits::kDQElems);
   CUTLASS_PRAGMA_UNROLL
   for (int j = 0; j < size(tdQrdQ) / 2; ++j) {
-    dq_tile[j * Traits::kNumConsumerThreads + tidx] = make_float2(tdQrdQ(2 * j), tdQrdQ(2 * j + 1));
+    dq_tile[j * Traits::kDQFragThreads + (Traits::kDQAlternate ? tidx % 128 : tidx)] =
+        make_float2(tdQrdQ(2 * j), tdQrdQ(2 * j + 1));
   }
   cutlass::arch::fence_view_async_shared();  // st.shared -> bulk reduce (async proxy)
-  named_barrier_arrive(kBwdDQBarThreads, kBwdBarDQFull + i % Traits::kDQFullBars);
+  named_barrier_arrive(Traits::kDQBarThreads, kBwdBarDQFull + i % Traits::kDQFullBars);
 }
 
 // The consumers' main loop, not swapped (head dim 256): S, dP as (kBlockM, kBlockN); P and dS
@@ -310,7 +311,7 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
   typename Traits::TiledMmadQ mma_dq;
   auto thr_sdp = mma_sdp.get_thread_slice(tidx);
   auto thr_dkv = mma_dkv.get_thread_slice(tidx);
-  auto thr_dq = mma_dq.get_thread_slice(tidx);
+  auto thr_dq = mma_dq.get_thread_slice(Traits::kDQAlternate ? tidx % 128 : tidx);
   Tensor tSrK = thr_sdp.partition_fragment_A(sK);       // (MMA, M, K): descriptors, or registers
   Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);       // (MMA, N, K, stage)
   Tensor tdPrV = thr_sdp.partition_fragment_A(sV);
@@ -410,14 +411,32 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
   };
   // dV += P^T dO_m; dS^T to shared memory; once both warpgroups' dS^T are stored, dQ_m = dS K;
   // dK += dS^T Q_m (three commit groups).
-  auto issue_grads = [&](int i, int stage_q, int stage_do) __attribute__((always_inline)) {
+  // kDQAlternate: the warpgroup whose turn it is (`mine`: visit parity) waits for the other's
+  // dS^T and computes dQ_m whole (m64n64 atoms over all 128 keys); the other only signals that
+  // its dS^T is stored and goes on (two commit groups). Barriers by parity (kBwdBarPReady,
+  // kBwdBarPFree, unused here otherwise), so that the signalling warpgroup's arrival for visit
+  // i + 2 cannot complete visit i's barrier. The two dS^T buffers stay safe: buffer i % 2 is read
+  // by visit i's dQ GEMM alone, which its warpgroup waits for before arriving at visit i + 1's
+  // barrier, which the other warpgroup passes before it stores visit i + 2's dS^T there.
+  // NOTES: measured (docs/perf-log.md B38) +2-5% at head dim 64 without a mask; with the causal
+  // mask even, so causal keeps the split dQ.
+  auto issue_grads = [&](int i, bool mine, int stage_q, int stage_do) __attribute__((always_inline)) {
     const int ds_stage = i % Traits::kDSStages;
     gemm(cute::false_type{}, mma_dkv, tPrP, tdVrdOt(_, _, _, stage_do), tdVrdV);  // last read of dO_m
     convert_into<Element>(tdPrdP, tPrdS);
     copy(smem_copy_ds, thr_copy_ds.retile_S(tdSrdS), tdSsdS(_, _, _, ds_stage));
     cutlass::arch::fence_view_async_shared();  // stmatrix -> WGMMA (async proxy)
-    named_barrier_sync(Traits::kNumConsumerThreads, kBwdBarPReady);
-    gemm(cute::true_type{}, mma_dq, tdQrdS(_, _, _, ds_stage), tdQrKt, tdQrdQ);
+    if constexpr (Traits::kDQAlternate) {
+      if (mine) {
+        named_barrier_sync(Traits::kNumConsumerThreads, kBwdBarPReady + (i & 1));
+        gemm(cute::true_type{}, mma_dq, tdQrdS(_, _, _, ds_stage), tdQrKt, tdQrdQ);
+      } else {
+        named_barrier_arrive(Traits::kNumConsumerThreads, kBwdBarPReady + (i & 1));
+      }
+    } else {
+      named_barrier_sync(Traits::kNumConsumerThreads, kBwdBarPReady);
+      gemm(cute::true_type{}, mma_dq, tdQrdS(_, _, _, ds_stage), tdQrKt, tdQrdQ);
+    }
     gemm(cute::false_type{}, mma_dkv, tPrdS, tdKrQt(_, _, _, stage_q), tdKrdK);  // last read of Q_m
   };
 
@@ -434,10 +453,11 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
     compute_p(bwd_m_at(m_base, i), read_q.index());
     warpgroup_wait<0>();  // dP^T
     compute_ds(read_do.index());
-    issue_grads(i, read_q.index(), read_do.index());
-    warpgroup_wait<1>();  // dV, dQ_m
+    const bool mine = !Traits::kDQAlternate || (i & 1) == tidx / 128;  // this warpgroup computes dQ_m
+    issue_grads(i, mine, read_q.index(), read_do.index());
+    warpgroup_wait<1>();  // dV and (if mine) dQ_m
     pipeline_do.consumer_release(read_do);
-    bwd_store_dq<Traits>(shared, tdQrdQ, i, tidx);
+    if (mine) bwd_store_dq<Traits>(shared, tdQrdQ, i, tidx);
     warpgroup_wait<0>();  // dK
     pipeline_q.consumer_release(read_q);
     ++read_q;
@@ -575,7 +595,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       int* sem = params.dq_sem != nullptr ? params.dq_sem + bh * params.m_blocks * groups + group : nullptr;
       for (int i = writer; i < m_count; i += Traits::kDQWriters) {
         const int m = m_at(i), buf = i % Traits::kDQStages;
-        named_barrier_sync(kBwdDQBarThreads, kBwdBarDQFull + i % Traits::kDQFullBars);
+        named_barrier_sync(Traits::kDQBarThreads, kBwdBarDQFull + i % Traits::kDQFullBars);
         if (lane == 0) {
           float* dst = dq_accum + int64_t(m) * groups * Traits::kDQElems;
           const float* src = shared.smem_dq + buf * Traits::kDQElems;
@@ -602,7 +622,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
           asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // smem read
         }
         __syncwarp();
-        if (i + Traits::kDQStages < m_count) named_barrier_arrive(kBwdDQBarThreads, kBwdBarDQEmpty + buf);
+        if (i + Traits::kDQStages < m_count) named_barrier_arrive(Traits::kDQBarThreads, kBwdBarDQEmpty + buf);
         if (sem != nullptr && lane == 0 && (params.dq_ordered || turn == 0)) {
           asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // the adds are done
           // NOTES: the proxy fence orders the completed bulk adds (async proxy) before this
@@ -804,16 +824,21 @@ __global__ void __launch_bounds__(256) bwd_postprocess_dq(const BwdAuxParams p) 
   int m, head, batch;
   aux_block_coords(p.m_blocks, p.nheads, m, head, batch);
   const int64_t bh = int64_t(batch) * p.nheads + head;
+  // Fragment thread t = threadIdx.x % kFrag, its pairs j0 .. j0 + kPairs - 1 (all of them where
+  // the dQ GEMM has 256 threads; half where it has 128, kDQAlternate).
+  constexpr int kFrag = Traits::kDQFragThreads;
   typename Traits::TiledMmadQ mma;
-  auto thr = mma.get_thread_slice(threadIdx.x);
+  const int t = kFrag == 256 ? int(threadIdx.x) : int(threadIdx.x) % kFrag;
+  auto thr = mma.get_thread_slice(t);
   Tensor coords = thr.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   const int64_t tile_at = (bh * p.m_blocks + m) * p.dq_groups;
   const float2* tile = reinterpret_cast<const float2*>(p.dq_accum + tile_at * kBlockM * kHeadDim);
-  constexpr int kPairs = decltype(size(coords))::value / 2;
+  constexpr int kPairs = decltype(size(coords))::value / 2 * kFrag / 256;
+  const int j0 = kFrag == 256 ? 0 : int(threadIdx.x) / kFrag * kPairs;
   float2 v[kPairs];
   if (p.dq_sem == nullptr) {
     CUTLASS_PRAGMA_UNROLL
-    for (int j = 0; j < kPairs; ++j) v[j] = tile[j * 256 + threadIdx.x];
+    for (int j = 0; j < kPairs; ++j) v[j] = tile[(j0 + j) * kFrag + t];
   } else {
     // The sum of the copies that were written, in order (bwd_config.h); 0 where none was.
     CUTLASS_PRAGMA_UNROLL
@@ -823,16 +848,27 @@ __global__ void __launch_bounds__(256) bwd_postprocess_dq(const BwdAuxParams p) 
       const float2* copy = tile + g * (kBlockM * kHeadDim / 2);
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < kPairs; ++j) {
-        const float2 x = copy[j * 256 + threadIdx.x];
+        const float2 x = copy[(j0 + j) * kFrag + t];
         v[j].x += x.x;
         v[j].y += x.y;
       }
     }
   }
-  CUTLASS_PRAGMA_UNROLL
-  for (int j = 0; j < kPairs; ++j) {
-    const int r = get<0>(coords(2 * j)), c = get<1>(coords(2 * j));
-    *reinterpret_cast<float2*>(tile_s + r * kStride + c) = v[j];
+  // With j0 known at compile time (the coordinates are then constants plus the thread's offset).
+  auto scatter = [&](auto j0_c) {
+    constexpr int kJ0 = decltype(j0_c)::value;
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < kPairs; ++j) {
+      const int r = get<0>(coords(2 * (kJ0 + j))), c = get<1>(coords(2 * (kJ0 + j)));
+      *reinterpret_cast<float2*>(tile_s + r * kStride + c) = v[j];
+    }
+  };
+  if constexpr (kFrag == 256) {
+    scatter(Int<0>{});
+  } else if (j0 == 0) {
+    scatter(Int<0>{});
+  } else {
+    scatter(Int<kPairs>{});
   }
   __syncthreads();
   constexpr int kThreadsPerRow = kHeadDim / 8, kRowsPerPass = 256 / kThreadsPerRow;

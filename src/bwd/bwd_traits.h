@@ -77,10 +77,21 @@ struct BwdTraits {
       Split<kBlockN, kHeadDim>{}));
   // dQ = dS K: (kBlockM, d, kBlockN), K^T MN-major; dS K-major (stored as dS) or MN-major
   // (stored as dS^T, swapped).
+  // kDQAlternate (swapped, kBlockM = 64): dQ_m computed whole by one warpgroup, 0 for even
+  // visits and 1 for odd ones (m64n64 atoms), the other warpgroup going on without waiting for
+  // it; otherwise both warpgroups split it along the head dim (m64n(d/2) atoms).
+  static constexpr bool kDQAlternate = Config::kDQAlternate && !kCausal_;
+  static_assert(!kDQAlternate || (kSdPSwapAB && kBlockM == 64));
   using TiledMmadQ = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, AtomTile<kBlockM, kHeadDim, kBlockN>,
+      GMMA::ss_op_selector<Element, Element, float,
+                           conditional_t<kDQAlternate, Shape<_64, Int<kHeadDim>, Int<kBlockN>>,
+                                         AtomTile<kBlockM, kHeadDim, kBlockN>>,
                            kSdPSwapAB ? GMMA::Major::MN : GMMA::Major::K, GMMA::Major::MN>(),
-      Split<kBlockM, kHeadDim>{}));
+      conditional_t<kDQAlternate, Layout<Shape<_1, _1, _1>>, Split<kBlockM, kHeadDim>>{}));
+  // Threads holding one dQ tile's accumulators (the dQ GEMM's), and the dQ hand-off barriers'
+  // thread count (they and one writer warp).
+  static constexpr int kDQFragThreads = kDQAlternate ? 128 : kNumConsumerThreads;
+  static constexpr int kDQBarThreads = kDQFragThreads + 32;
 
   // ---- shared memory: row-major tiles with the 128-byte swizzle -----------------------------
   using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;
