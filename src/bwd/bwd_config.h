@@ -19,8 +19,8 @@
 // (not swapped, one Q/dO stage) dK, dV, dQ, so that Q and dO are released as early as possible
 // (dK, dQ, dV measured 25-40% slower there: docs/perf-log.md B26).
 //
-// kDQAlternate (head dim 64, non-causal kernels): each query block's dQ is computed whole by one
-// consumer warpgroup, the two taking turns (bwd_kernel.h), instead of split along the head dim.
+// kDQAlternate (head dim 64): each query block's dQ is computed whole by one consumer warpgroup,
+// the two taking turns (bwd_kernel.h), instead of split along the head dim (docs/perf-log.md B38).
 //
 //   head dim | kBlockM | kBlockN | stages | dQ stages | swapped | regs (dK+dV, S+dP, dQ) | smem
 //   ---------+---------+---------+--------+-----------+---------+------------------------+-------

@@ -418,8 +418,7 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
   // i + 2 cannot complete visit i's barrier. The two dS^T buffers stay safe: buffer i % 2 is read
   // by visit i's dQ GEMM alone, which its warpgroup waits for before arriving at visit i + 1's
   // barrier, which the other warpgroup passes before it stores visit i + 2's dS^T there.
-  // NOTES: measured (docs/perf-log.md B38) +2-5% at head dim 64 without a mask; with the causal
-  // mask even, so causal keeps the split dQ.
+  // NOTES: measured (docs/perf-log.md B38) at head dim 64: +6-9% without a mask, +1-9% causal.
   auto issue_grads = [&](int i, bool mine, int stage_q, int stage_do) __attribute__((always_inline)) {
     const int ds_stage = i % Traits::kDSStages;
     gemm(cute::false_type{}, mma_dkv, tPrP, tdVrdOt(_, _, _, stage_do), tdVrdV);  // last read of dO_m

@@ -89,18 +89,10 @@ void run_bwd(const BwdProblem& p, const BwdArgs& args, const BwdWorkspaceLayout&
       launch_bwd_main<Traits>(p, args, ws, base);
     }
   }
-  // The dQ tiles are in the register order of the main kernel's dQ GEMM, which differs between
-  // the causal and non-causal kernels where only one of them has kDQAlternate.
-  using CausalTraits = BwdTraits<Element, kHeadDim, true>;
-  if constexpr (CausalTraits::kDQFragThreads != Traits::kDQFragThreads) {
-    if (p.causal) {
-      launch_bwd_postprocess_dq<CausalTraits>(aux, aux_blocks, args.stream);
-    } else {
-      launch_bwd_postprocess_dq<Traits>(aux, aux_blocks, args.stream);
-    }
-  } else {
-    launch_bwd_postprocess_dq<Traits>(aux, aux_blocks, args.stream);
-  }
+  // The dQ tiles are in the register order of the main kernel's dQ GEMM: one postprocess serves
+  // the causal and non-causal kernels while they share it.
+  static_assert(BwdTraits<Element, kHeadDim, true>::kDQFragThreads == Traits::kDQFragThreads);
+  launch_bwd_postprocess_dq<Traits>(aux, aux_blocks, args.stream);
   if (p.nheads != p.nheads_kv && p.seqlen_k > 0) {
     const int64_t total = int64_t(p.batch) * p.seqlen_k * p.nheads_kv * (p.head_dim / 2);
     const int threads = 256;

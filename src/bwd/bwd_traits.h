@@ -80,7 +80,7 @@ struct BwdTraits {
   // kDQAlternate (swapped, kBlockM = 64): dQ_m computed whole by one warpgroup, 0 for even
   // visits and 1 for odd ones (m64n64 atoms), the other warpgroup going on without waiting for
   // it; otherwise both warpgroups split it along the head dim (m64n(d/2) atoms).
-  static constexpr bool kDQAlternate = Config::kDQAlternate && !kCausal_;
+  static constexpr bool kDQAlternate = Config::kDQAlternate;
   static_assert(!kDQAlternate || (kSdPSwapAB && kBlockM == 64));
   using TiledMmadQ = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float,
