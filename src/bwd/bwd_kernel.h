@@ -101,6 +101,13 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* gmem_dst, const float
 // -m_begin, and m_end - 1 - i with m_base = m_end - 1 (see the kernel).
 __device__ __forceinline__ int bwd_m_at(int m_base, int i) { return abs(m_base - i); }
 
+// The thread of the dQ GEMM (TiledMmadQ) that consumer (or postprocess) thread `thread` stands
+// for: all 256 split the GEMM, or, with kDQAlternate, each warpgroup's 128 hold a whole one.
+template <class Traits>
+__device__ __forceinline__ int bwd_dq_frag_thread(int thread) {
+  return Traits::kDQAlternate ? thread % 128 : thread;
+}
+
 // dQ of the i-th visited query block to shared memory for the dQ writer, in register order:
 // value pair j of the dQ GEMM's thread t at float2 index j * kDQFragThreads + t (256 threads, or
 // the 128 of one warpgroup with kDQAlternate; conflict-free; bwd_postprocess_dq undoes the
@@ -113,8 +120,7 @@ __device__ __forceinline__ void bwd_store_dq(typename Traits::SharedStorage& sha
   float2* dq_tile = reinterpret_cast<float2*>(shared.smem_dq + buf * Traits::kDQElems);
   CUTLASS_PRAGMA_UNROLL
   for (int j = 0; j < size(tdQrdQ) / 2; ++j) {
-    dq_tile[j * Traits::kDQFragThreads + (Traits::kDQAlternate ? tidx % 128 : tidx)] =
-        make_float2(tdQrdQ(2 * j), tdQrdQ(2 * j + 1));
+    dq_tile[j * Traits::kDQFragThreads + bwd_dq_frag_thread<Traits>(tidx)] = make_float2(tdQrdQ(2 * j), tdQrdQ(2 * j + 1));
   }
   cutlass::arch::fence_view_async_shared();  // st.shared -> bulk reduce (async proxy)
   named_barrier_arrive(Traits::kDQBarThreads, kBwdBarDQFull + i % Traits::kDQFullBars);
@@ -311,7 +317,7 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
   typename Traits::TiledMmadQ mma_dq;
   auto thr_sdp = mma_sdp.get_thread_slice(tidx);
   auto thr_dkv = mma_dkv.get_thread_slice(tidx);
-  auto thr_dq = mma_dq.get_thread_slice(Traits::kDQAlternate ? tidx % 128 : tidx);
+  auto thr_dq = mma_dq.get_thread_slice(bwd_dq_frag_thread<Traits>(tidx));
   Tensor tSrK = thr_sdp.partition_fragment_A(sK);       // (MMA, M, K): descriptors, or registers
   Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);       // (MMA, N, K, stage)
   Tensor tdPrV = thr_sdp.partition_fragment_A(sV);
@@ -823,11 +829,11 @@ __global__ void __launch_bounds__(256) bwd_postprocess_dq(const BwdAuxParams p) 
   int m, head, batch;
   aux_block_coords(p.m_blocks, p.nheads, m, head, batch);
   const int64_t bh = int64_t(batch) * p.nheads + head;
-  // Fragment thread t = threadIdx.x % kFrag, its pairs j0 .. j0 + kPairs - 1 (all of them where
+  // Fragment thread t (bwd_dq_frag_thread), its pairs j0 .. j0 + kPairs - 1 (all of them where
   // the dQ GEMM has 256 threads; half where it has 128, kDQAlternate).
   constexpr int kFrag = Traits::kDQFragThreads;
   typename Traits::TiledMmadQ mma;
-  const int t = kFrag == 256 ? int(threadIdx.x) : int(threadIdx.x) % kFrag;
+  const int t = bwd_dq_frag_thread<Traits>(threadIdx.x);
   auto thr = mma.get_thread_slice(t);
   Tensor coords = thr.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   const int64_t tile_at = (bh * p.m_blocks + m) * p.dq_groups;
@@ -862,9 +868,7 @@ __global__ void __launch_bounds__(256) bwd_postprocess_dq(const BwdAuxParams p) 
       *reinterpret_cast<float2*>(tile_s + r * kStride + c) = v[j];
     }
   };
-  if constexpr (kFrag == 256) {
-    scatter(Int<0>{});
-  } else if (j0 == 0) {
+  if (j0 == 0) {
     scatter(Int<0>{});
   } else {
     scatter(Int<kPairs>{});

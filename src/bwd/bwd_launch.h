@@ -51,17 +51,6 @@ void launch_bwd_main(const BwdProblem& p, const BwdArgs& args, const BwdWorkspac
   launch_pdl(kernel, dim3(unsigned(blocks)), Traits::kNumThreads, kSmem, args.stream, "backward kernel launch", params);
 }
 
-template <class Traits>
-void launch_bwd_postprocess_dq(const BwdAuxParams& aux, int64_t blocks, cudaStream_t stream) {
-  constexpr int kPostSmem = bwd_postprocess_dq_smem<Traits>();
-  if constexpr (kPostSmem > 48 * 1024) {
-    set_max_dynamic_smem<&bwd_postprocess_dq<Traits>>(kPostSmem,
-                                                       "cudaFuncSetAttribute(backward postprocess shared memory)");
-  }
-  launch_pdl(bwd_postprocess_dq<Traits>, dim3(unsigned(blocks)), 256, kPostSmem, stream,
-             "backward postprocess (dq) launch", aux);
-}
-
 template <class Element, int kHeadDim>
 void run_bwd(const BwdProblem& p, const BwdArgs& args, const BwdWorkspaceLayout& ws, char* base) {
   using Traits = BwdTraits<Element, kHeadDim, false>;
@@ -92,7 +81,13 @@ void run_bwd(const BwdProblem& p, const BwdArgs& args, const BwdWorkspaceLayout&
   // The dQ tiles are in the register order of the main kernel's dQ GEMM: one postprocess serves
   // the causal and non-causal kernels while they share it.
   static_assert(BwdTraits<Element, kHeadDim, true>::kDQFragThreads == Traits::kDQFragThreads);
-  launch_bwd_postprocess_dq<Traits>(aux, aux_blocks, args.stream);
+  constexpr int kPostSmem = bwd_postprocess_dq_smem<Traits>();
+  if constexpr (kPostSmem > 48 * 1024) {
+    set_max_dynamic_smem<&bwd_postprocess_dq<Traits>>(kPostSmem,
+                                                       "cudaFuncSetAttribute(backward postprocess shared memory)");
+  }
+  launch_pdl(bwd_postprocess_dq<Traits>, dim3(unsigned(aux_blocks)), 256, kPostSmem, args.stream,
+             "backward postprocess (dq) launch", aux);
   if (p.nheads != p.nheads_kv && p.seqlen_k > 0) {
     const int64_t total = int64_t(p.batch) * p.seqlen_k * p.nheads_kv * (p.head_dim / 2);
     const int threads = 256;
