@@ -272,6 +272,10 @@ TEST(BwdGpuLong, Seqlen4096) {
       {bf16, 256, true, 1, 4096, 4096, 4, 4}, {fp16, 64, false, 1, 4096, 4096, 4, 4},
       {fp16, 128, true, 1, 4096, 4096, 4, 1}, {fp16, 256, false, 1, 4096, 4096, 2, 1},
       {bf16, 128, true, 2, 17, 4096, 4, 2},   {fp16, 128, true, 1, 4096, 17, 4, 2},
+      // Head dim 256 with more than 32 key blocks and seqlen_q != seqlen_k: the spread visiting
+      // orders (bwd_kernel.h, kSpreadVisits), the non-causal start n * m_count / n_blocks not a
+      // multiple of anything.
+      {bf16, 256, false, 1, 1000, 2200, 2, 1}, {fp16, 256, true, 1, 2500, 2200, 2, 2},
   };
   uint64_t seed = 777;
   for (const Case& c : cases) {

@@ -21,6 +21,8 @@
 //
 // kDQAlternate (head dim 64): each query block's dQ is computed whole by one consumer warpgroup,
 // the two taking turns (bwd_kernel.h), instead of split along the head dim (docs/perf-log.md B38).
+// kSpreadVisits (head dim 256): where the dQ adds need no order, the key blocks of a head visit
+// the query blocks from different starting points instead of in step (bwd_kernel.h, B39).
 //
 //   head dim | kBlockM | kBlockN | stages | dQ stages | swapped | regs (dK+dV, S+dP, dQ) | smem
 //   ---------+---------+---------+--------+-----------+---------+------------------------+-------
@@ -38,17 +40,17 @@ template <int kHeadDim>
 struct BwdTileConfig;
 template <> struct BwdTileConfig<64> {
   static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2, kDQStages = 4;
-  static constexpr bool kSdPSwapAB = true, kKVInRegs = true, kDQAlternate = true;
+  static constexpr bool kSdPSwapAB = true, kKVInRegs = true, kDQAlternate = true, kSpreadVisits = false;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
 };
 template <> struct BwdTileConfig<128> {
   static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2, kDQStages = 2;
-  static constexpr bool kSdPSwapAB = true, kKVInRegs = false, kDQAlternate = false;
+  static constexpr bool kSdPSwapAB = true, kKVInRegs = false, kDQAlternate = false, kSpreadVisits = false;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
 };
 template <> struct BwdTileConfig<256> {
   static constexpr int kBlockM = 64, kBlockN = 64, kStages = 1, kDQStages = 1;
-  static constexpr bool kSdPSwapAB = false, kKVInRegs = false, kDQAlternate = false;
+  static constexpr bool kSdPSwapAB = false, kKVInRegs = false, kDQAlternate = false, kSpreadVisits = true;
   static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
 };
 

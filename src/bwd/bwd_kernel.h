@@ -503,11 +503,25 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   // (docs/perf-log.md B8, B28): last to first +50% at head dim 256 at 8k-16k, and since the
   // in-order loop of B26-B27 also at head dims 64 and 128 (+2-8% at 512-2k, with the store-first
   // of bwd_dq_store_first it allows; within 3% either way from 4k).
+  // kSpreadVisits (bwd_config.h), where the adds into a tile may come in any order (the default
+  // mode without store-first: no dq_sem): the blocks of a head no longer move in step but are
+  // spread over the query blocks: causal first to last (each from its own first block), non-causal
+  // key block n from query block n * m_count / n_blocks on, wrapping around. Measured at head
+  // dim 256 (docs/perf-log.md B39): +1-3%; at head dims 64 and 128 no difference.
   const int m_count = m_end - m_begin;
+  const bool spread = Traits::kSpreadVisits && params.dq_sem == nullptr;
   // One register for both orders: |base - i| is m_end - 1 - i with base = m_end - 1, and
   // m_begin + i with base = -m_begin. (A flag and both bounds cost a spill at head dim 128.)
-  const int m_base = Traits::kCausal ? m_end - 1 : -m_begin;
-  auto m_at = [&](int i) { return bwd_m_at(m_base, i); };
+  const int m_base = Traits::kCausal && !spread ? m_end - 1 : -m_begin;
+  const int m_rot = !Traits::kCausal && spread ? n_block * m_count / params.n_blocks : 0;
+  auto m_at = [&](int i) {
+    int m = bwd_m_at(m_base, i);
+    if constexpr (!Traits::kCausal && Traits::kSpreadVisits) {
+      m += m_rot;
+      if (m >= m_end) m -= m_count;
+    }
+    return m;
+  };
   const int64_t bh = int64_t(batch) * params.nheads + head;
 
   const int warpgroup = cutlass::canonical_warp_group_idx();

@@ -21,6 +21,7 @@ struct BwdTraits {
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kStages = Config::kStages;
   static constexpr bool kCausal = kCausal_;
+  static constexpr bool kSpreadVisits = Config::kSpreadVisits;  // bwd_kernel.h
 
   // Warpgroup 0: warp 0 is the producer (TMA), warps 1.. the dQ writers; warpgroups 1 and 2 are the
   // consumers, which split every GEMM between them.
