@@ -507,13 +507,15 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   // mode without store-first: no dq_sem): the blocks of a head no longer move in step but are
   // spread over the query blocks: causal first to last (each from its own first block), non-causal
   // key block n from query block n * m_count / n_blocks on, wrapping around. Measured at head
-  // dim 256 (docs/perf-log.md B39): +1-3%; at head dims 64 and 128 no difference.
+  // dim 256 (docs/perf-log.md B39): +1-3% (so B8's +50% for last to first there no longer holds
+  // since the L2 sections and the in-order loop); at head dims 64 and 128 no difference.
   const int m_count = m_end - m_begin;
   const bool spread = Traits::kSpreadVisits && params.dq_sem == nullptr;
   // One register for both orders: |base - i| is m_end - 1 - i with base = m_end - 1, and
   // m_begin + i with base = -m_begin. (A flag and both bounds cost a spill at head dim 128.)
   const int m_base = Traits::kCausal && !spread ? m_end - 1 : -m_begin;
-  const int m_rot = !Traits::kCausal && spread ? n_block * m_count / params.n_blocks : 0;
+  // (64-bit: n_block x m_count may pass 2^31 at a few million tokens.)
+  const int m_rot = !Traits::kCausal && spread ? int(int64_t(n_block) * m_count / params.n_blocks) : 0;
   auto m_at = [&](int i) {
     int m = bwd_m_at(m_base, i);
     if constexpr (!Traits::kCausal && Traits::kSpreadVisits) {
