@@ -128,10 +128,12 @@ __device__ __forceinline__ void bwd_store_dq(typename Traits::SharedStorage& sha
 
 // The consumers' main loop, not swapped (head dim 256): S, dP as (kBlockM, kBlockN); P and dS
 // through shared memory; every GEMM reads both operands from shared memory.
-template <class Traits, class Pipeline, class AccKV>
+// m_at(i): the query block of the i-th visit (the kernel's one mapping, shared with the producer
+// and the dQ writers).
+template <class Traits, class Pipeline, class AccKV, class MAt>
 __device__ __forceinline__ void bwd_mainloop_ss(typename Traits::Params const& params,
                                                 typename Traits::SharedStorage& shared, Pipeline& pipeline_q,
-                                                Pipeline& pipeline_do, int m_count, int m_base, int col0,
+                                                Pipeline& pipeline_do, int m_count, MAt const& m_at, int col0,
                                                 int tidx, AccKV& tdKrdK, AccKV& tdVrdV) {
   using Element = typename Traits::Element;
   using PipelineState = typename Traits::PipelineState;
@@ -264,7 +266,7 @@ __device__ __forceinline__ void bwd_mainloop_ss(typename Traits::Params const& p
   for (int i = 0; i < m_count; ++i) {
     issue_sdp(read_q, read_do);
     warpgroup_wait<1>();  // S (and everything issued before it)
-    compute_p(bwd_m_at(m_base, i), read_q.index());
+    compute_p(m_at(i), read_q.index());
     warpgroup_wait<0>();  // dP
     compute_ds(read_do.index());
     write_p_ds(i > 0);
@@ -291,11 +293,11 @@ __device__ __forceinline__ void bwd_mainloop_ss(typename Traits::Params const& p
 // NOTES: dS^T has two buffers, so the one barrier per block suffices: warpgroup A stores block
 // i+2's dS^T into buffer i%2 only after passing block i+1's barrier, which warpgroup B reaches
 // after its dQ GEMM of block i (the last reader of that buffer) is complete.
-template <class Traits, class Pipeline, class AccKV>
+template <class Traits, class Pipeline, class AccKV, class MAt>
 __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params const& params,
                                                      typename Traits::SharedStorage& shared,
                                                      Pipeline& pipeline_q, Pipeline& pipeline_do, int m_count,
-                                                     int m_base, int col0, int tidx, AccKV& tdKrdK,
+                                                     MAt const& m_at, int col0, int tidx, AccKV& tdKrdK,
                                                      AccKV& tdVrdV) {
   using Element = typename Traits::Element;
   using PipelineState = typename Traits::PipelineState;
@@ -455,7 +457,7 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
   for (int i = 0; i < m_count; ++i) {
     issue_sdp(read_q, read_do);
     warpgroup_wait<1>();  // S^T
-    compute_p(bwd_m_at(m_base, i), read_q.index());
+    compute_p(m_at(i), read_q.index());
     warpgroup_wait<0>();  // dP^T
     compute_ds(read_do.index());
     const bool mine = !Traits::kDQAlternate || (i & 1) == tidx / 128;  // this warpgroup computes dQ_m
@@ -672,10 +674,10 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   const int col0 = n_block * kBlockN;
   shared.barrier_kv.wait(0);
   if constexpr (Traits::kSdPSwapAB) {
-    bwd_mainloop_swapped<Traits>(params, shared, pipeline_q, pipeline_do, m_count, m_base, col0, tidx,
+    bwd_mainloop_swapped<Traits>(params, shared, pipeline_q, pipeline_do, m_count, m_at, col0, tidx,
                                  tdKrdK, tdVrdV);
   } else {
-    bwd_mainloop_ss<Traits>(params, shared, pipeline_q, pipeline_do, m_count, m_base, col0, tidx,
+    bwd_mainloop_ss<Traits>(params, shared, pipeline_q, pipeline_do, m_count, m_at, col0, tidx,
                             tdKrdK, tdVrdV);
   }
 
