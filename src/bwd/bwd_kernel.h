@@ -427,20 +427,29 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
   // by visit i's dQ GEMM alone, which its warpgroup waits for before arriving at visit i + 1's
   // barrier, which the other warpgroup passes before it stores visit i + 2's dS^T there.
   // NOTES: measured (docs/perf-log.md B38) at head dim 64: +6-9% without a mask, +1-9% causal.
-  auto issue_grads = [&](int i, bool mine, int stage_q, int stage_do) __attribute__((always_inline)) {
-    const int ds_stage = i % Traits::kDSStages;
-    gemm(cute::false_type{}, mma_dkv, tPrP, tdVrdOt(_, _, _, stage_do), tdVrdV);  // last read of dO_m
+  // kDQAlternate stores dS^T (and signals it) before issuing dV, so that the other warpgroup's dQ
+  // GEMM no longer waits behind this warpgroup's dV issue, which stalls while the tensor pipe is
+  // busy (docs/perf-log.md B49: +1-3% at head dim 64; the same order at head dim 128, where both
+  // warpgroups meet at the barrier, measured 1-5% slower).
+  auto store_ds = [&](int ds_stage) __attribute__((always_inline)) {
     convert_into<Element>(tdPrdP, tPrdS);
     copy(smem_copy_ds, thr_copy_ds.retile_S(tdSrdS), tdSsdS(_, _, _, ds_stage));
     cutlass::arch::fence_view_async_shared();  // stmatrix -> WGMMA (async proxy)
+  };
+  auto issue_grads = [&](int i, bool mine, int stage_q, int stage_do) __attribute__((always_inline)) {
+    const int ds_stage = i % Traits::kDSStages;
+    if constexpr (Traits::kDQAlternate) {
+      store_ds(ds_stage);
+      if (!mine) named_barrier_arrive(Traits::kNumConsumerThreads, kBwdBarPReady + (i & 1));
+    }
+    gemm(cute::false_type{}, mma_dkv, tPrP, tdVrdOt(_, _, _, stage_do), tdVrdV);  // last read of dO_m
     if constexpr (Traits::kDQAlternate) {
       if (mine) {
         named_barrier_sync(Traits::kNumConsumerThreads, kBwdBarPReady + (i & 1));
         gemm(cute::true_type{}, mma_dq, tdQrdS(_, _, _, ds_stage), tdQrKt, tdQrdQ);
-      } else {
-        named_barrier_arrive(Traits::kNumConsumerThreads, kBwdBarPReady + (i & 1));
       }
     } else {
+      store_ds(ds_stage);
       named_barrier_sync(Traits::kNumConsumerThreads, kBwdBarPReady);
       gemm(cute::true_type{}, mma_dq, tdQrdS(_, _, _, ds_stage), tdQrKt, tdQrdQ);
     }
