@@ -87,6 +87,26 @@ TEST(CausalOrder, SmallLastSectionJoinsThePreviousOnes) {
   EXPECT_EQ(flash3::causal_tail_first(7, 100, 64, 132), 0);  // every pair fits one section
 }
 
+// The backward's sections: even, within the budget's section size, no remnant at the end.
+TEST(CausalOrder, BalancedSections) {
+  EXPECT_EQ(flash3::balanced_section(128, 25), 22);  // hdim 128 causal 2k: 6 sections, 22 x 5 + 18 (was 25 x 5 + 3)
+  EXPECT_EQ(flash3::balanced_section(64, 12), 11);   // hdim 128 causal 4k: 6 sections, 11 x 5 + 9 (was 12 x 5 + 4)
+  EXPECT_EQ(flash3::balanced_section(256, 50), 43);  // hdim 64 causal 2k: 6 sections, 43 x 5 + 41 (was 50 x 5 + 6)
+  EXPECT_EQ(flash3::balanced_section(100, 25), 25);  // divides: unchanged
+  EXPECT_EQ(flash3::balanced_section(7, 100), 7);    // one section
+  EXPECT_EQ(flash3::balanced_section(0, 3), 1);
+  EXPECT_EQ(flash3::balanced_section(5, 0), 1);
+  for (int pairs = 1; pairs <= 300; ++pairs) {
+    for (int section = 1; section <= 64; ++section) {
+      const int b = flash3::balanced_section(pairs, section);
+      const int sections = (pairs + section - 1) / section;
+      EXPECT_LE(b, section);                               // within the budget
+      EXPECT_EQ((pairs + b - 1) / b, sections);            // no more sections than before
+      EXPECT_GE(pairs - (sections - 1) * b, b - sections);  // the last one is not a remnant
+    }
+  }
+}
+
 TEST(CausalOrder, EveryTileOnceLongestFirstPerSection) {
   const int sms = 132;
   for (int m_blocks : {1, 2, 5, 43, 64, 128}) {

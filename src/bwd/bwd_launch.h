@@ -12,6 +12,12 @@
 
 namespace flash3::detail {
 
+// (head, batch) pairs per section of the causal block order (bwd_kernel.h, bwd_block_coords).
+inline int bwd_l2_section(const BwdProblem& p, int elem_bytes) {
+  const int section = causal_section(p.seqlen_q, p.head_dim, elem_bytes, current_device_info().l2_bytes / 2);
+  return balanced_section(p.batch * p.nheads, section);
+}
+
 template <class Traits>
 void launch_bwd_main(const BwdProblem& p, const BwdArgs& args, const BwdWorkspaceLayout& ws, char* base) {
   using Element = typename Traits::Element;
@@ -38,8 +44,8 @@ void launch_bwd_main(const BwdProblem& p, const BwdArgs& args, const BwdWorkspac
       args.dv.stride[1], args.dv.stride[2], args.dv.stride[0],
       p.batch, p.seqlen_q, p.seqlen_k, p.nheads, p.nheads / p.nheads_kv,
       ws.m_blocks, ws.n_blocks,
-      // (head, batch) pairs whose Q and dO fit in half the L2.
-      causal_section(p.seqlen_q, p.head_dim, int(sizeof(Element)), current_device_info().l2_bytes / 2),
+      // (head, batch) pairs whose Q and dO fit in half the L2, spread evenly over the sections.
+      bwd_l2_section(p, int(sizeof(Element))),
       ws.seqlen_q_pad, ws.seqlen_k_pad,
       p.softmax_scale,
       float(p.softmax_scale * M_LOG2E),

@@ -34,6 +34,19 @@ inline int causal_section(int seqlen_k, int head_dim, int elem_bytes, long long 
   return n < 1 ? 1 : (n > (1 << 30) ? (1 << 30) : int(n));
 }
 
+// The backward's sections (bwd_kernel.h, bwd_block_coords): as many sections as `section` pairs
+// per section need, with the pairs spread evenly over them (the first ones one pair larger where
+// it does not divide), so that no section is larger than `section` and the last one is not a
+// remnant. NOTES: with sections of `section` pairs the last one held what was left, e.g. 3 pairs
+// of 25 at head dim 128, causal 2k (48 blocks): its longest blocks, dispatched last, ran with
+// most SMs idle (65 us of a 700 us kernel, docs/perf-log.md B50).
+inline int balanced_section(int pairs, int section) {
+  section = section < 1 ? 1 : section;
+  if (pairs <= section) return pairs < 1 ? 1 : pairs;
+  const int sections = (pairs + section - 1) / section;
+  return (pairs + sections - 1) / sections;
+}
+
 // The first pair of the last section, which takes every pair from there on (see NOTES).
 inline int causal_tail_first(int pairs, int section, int num_m_blocks, int num_sms) {
   section = section < 1 ? 1 : section;
