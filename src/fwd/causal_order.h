@@ -35,9 +35,9 @@ inline int causal_section(int seqlen_k, int head_dim, int elem_bytes, long long 
 }
 
 // The backward's sections (bwd_kernel.h, bwd_block_coords): as many sections as `section` pairs
-// per section need, with the pairs spread evenly over them (the first ones one pair larger where
-// it does not divide), so that no section is larger than `section` and the last one is not a
-// remnant. NOTES: with sections of `section` pairs the last one held what was left, e.g. 3 pairs
+// per section need, with the pairs spread evenly over them (each holds ceil(pairs / sections),
+// the last one what is left, fewer by less than the number of sections), so that no section is
+// larger than `section` and the last one is not a remnant. NOTES: with sections of `section` pairs the last one held what was left, e.g. 3 pairs
 // of 25 at head dim 128, causal 2k (48 blocks): its longest blocks, dispatched last, ran with
 // most SMs idle (65 us of a 700 us kernel, docs/perf-log.md B50).
 inline int balanced_section(int pairs, int section) {
