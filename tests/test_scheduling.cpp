@@ -107,6 +107,40 @@ TEST(CausalOrder, BalancedSections) {
   }
 }
 
+// The backward's causal block order with any section size (balanced or not): every (key block,
+// pair) once, key block n - 1 of a pair before key block n (the deterministic mode waits on it),
+// key blocks non-decreasing within a section (longest first), sections in pair order.
+TEST(CausalOrder, BackwardBlocksOnceInOrder) {
+  for (int n_blocks : {1, 2, 3, 16, 33}) {
+    for (int pairs : {1, 2, 7, 32, 128}) {
+      for (int section : {1, 3, 6, 25, pairs, flash3::balanced_section(pairs, 25), flash3::balanced_section(pairs, 6)}) {
+        SCOPED_TRACE(testing::Message() << "n_blocks " << n_blocks << " pairs " << pairs << " section " << section);
+        std::vector<int> pos(size_t(n_blocks) * pairs, -1);
+        int prev_n = -1, prev_first = 0;
+        for (int bid = 0; bid < n_blocks * pairs; ++bid) {
+          int n = -1, p = -1;
+          flash3::bwd_causal_block(bid, n_blocks, pairs, section, n, p);
+          ASSERT_TRUE(n >= 0 && n < n_blocks && p >= 0 && p < pairs) << "block " << bid;
+          ASSERT_EQ(pos[size_t(n) * pairs + p], -1) << "(" << n << ", " << p << ") twice";
+          pos[size_t(n) * pairs + p] = bid;
+          const int first = p / section * section;
+          if (first == prev_first) {
+            EXPECT_GE(n, prev_n) << "key blocks out of order within a section at block " << bid;
+          } else {
+            EXPECT_EQ(first, prev_first + section) << "sections out of order at block " << bid;
+            EXPECT_EQ(n, 0);
+          }
+          prev_n = n;
+          prev_first = first;
+        }
+        for (int p = 0; p < pairs; ++p) {
+          for (int n = 1; n < n_blocks; ++n) EXPECT_LT(pos[size_t(n - 1) * pairs + p], pos[size_t(n) * pairs + p]);
+        }
+      }
+    }
+  }
+}
+
 TEST(CausalOrder, EveryTileOnceLongestFirstPerSection) {
   const int sms = 132;
   for (int m_blocks : {1, 2, 5, 43, 64, 128}) {

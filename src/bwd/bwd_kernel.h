@@ -24,6 +24,7 @@
 #include <cmath>
 
 #include "bwd/bwd_traits.h"
+#include "fwd/causal_order.h"
 #include "fwd/utils.h"
 
 namespace flash3::detail {
@@ -60,13 +61,7 @@ __device__ __forceinline__ void bwd_block_coords(int n_blocks, int nheads, int b
   const int bid = blockIdx.x;
   int bh;
   if constexpr (kCausal) {
-    const int per_section = l2_section * n_blocks;
-    const int section = bid / per_section;
-    const int first = section * l2_section;
-    const int count = min(l2_section, nheads * batches - first);
-    const int r = bid - section * per_section;
-    n_block = r / count;
-    bh = first + r % count;
+    bwd_causal_block(bid, n_blocks, nheads * batches, l2_section, n_block, bh);  // causal_order.h
   } else {
     n_block = bid % n_blocks;
     bh = bid / n_blocks;

@@ -1,5 +1,6 @@
 // flash3: the order of the causal forward tiles, in plain C++ (no CuTe) so that the CPU tests
-// can check it: the kernels (tile_scheduler.h) and the launcher use these functions.
+// can check it: the kernels (tile_scheduler.h, and the backward's bwd_kernel.h) and the launchers use
+// these functions.
 //
 // Longest-processing-time first (the last query blocks, which see the most keys, come first, so
 // the short tiles fill the tail), within sections of (head, batch) pairs whose K and V fit in
@@ -45,6 +46,20 @@ inline int balanced_section(int pairs, int section) {
   if (pairs <= section) return pairs < 1 ? 1 : pairs;
   const int sections = (pairs + section - 1) / section;
   return (pairs + sections - 1) / sections;
+}
+
+// The backward's causal block order: block `bid` -> (key block, (head, batch) pair), longest
+// first (key block 0 visits every query block) within sections of `section` pairs, key block
+// slowest inside a section; the last section holds the pairs that are left. Key block n - 1 of a
+// pair comes before key block n, which the deterministic mode relies on (bwd_kernel.h).
+FLASH3_HOST_DEVICE void bwd_causal_block(int bid, int n_blocks, int pairs, int section, int& n_block, int& pair) {
+  const int per_section = section * n_blocks;
+  const int index = bid / per_section;
+  const int first = index * section;
+  const int count = section < pairs - first ? section : pairs - first;
+  const int r = bid - index * per_section;
+  n_block = r / count;
+  pair = first + r % count;
 }
 
 // The first pair of the last section, which takes every pair from there on (see NOTES).
