@@ -1,6 +1,6 @@
-// flash3: the order of the causal forward tiles, in plain C++ (no CuTe) so that the CPU tests
-// can check it: the kernels (tile_scheduler.h, and the backward's bwd_kernel.h) and the launchers use
-// these functions.
+// flash3: the order of the causal forward tiles and backward blocks, in plain C++ (no CuTe) so
+// that the CPU tests can check it: the kernels (tile_scheduler.h, bwd_kernel.h) and the launchers
+// use these functions.
 //
 // Longest-processing-time first (the last query blocks, which see the most keys, come first, so
 // the short tiles fill the tail), within sections of (head, batch) pairs whose K and V fit in
@@ -38,9 +38,10 @@ inline int causal_section(int seqlen_k, int head_dim, int elem_bytes, long long 
 // The backward's sections (bwd_kernel.h, bwd_block_coords): as many sections as `section` pairs
 // per section need, with the pairs spread evenly over them (each holds ceil(pairs / sections),
 // the last one what is left, fewer by less than the number of sections), so that no section is
-// larger than `section` and the last one is not a remnant. NOTES: with sections of `section` pairs the last one held what was left, e.g. 3 pairs
-// of 25 at head dim 128, causal 2k (48 blocks): its longest blocks, dispatched last, ran with
-// most SMs idle (65 us of a 700 us kernel, docs/perf-log.md B50).
+// larger than `section` and the last one is not a remnant.
+// NOTES: with sections of `section` pairs the last one held what was left, e.g. 3 pairs of 25 at
+// head dim 128, causal 2k (48 blocks): its longest blocks, dispatched last, ran with most SMs
+// idle (65 us of a 700 us kernel, docs/perf-log.md B50).
 inline int balanced_section(int pairs, int section) {
   section = section < 1 ? 1 : section;
   if (pairs <= section) return pairs < 1 ? 1 : pairs;
@@ -52,7 +53,8 @@ inline int balanced_section(int pairs, int section) {
 // first (key block 0 visits every query block) within sections of `section` pairs, key block
 // slowest inside a section; the last section holds the pairs that are left. Key block n - 1 of a
 // pair comes before key block n, which the deterministic mode relies on (bwd_kernel.h).
-FLASH3_HOST_DEVICE void bwd_causal_block(int bid, int n_blocks, int pairs, int section, int& n_block, int& pair) {
+FLASH3_HOST_DEVICE void bwd_causal_block(int bid, int n_blocks, int pairs, int section, int& n_block,
+                                         int& pair) {
   const int per_section = section * n_blocks;
   const int index = bid / per_section;
   const int first = index * section;
