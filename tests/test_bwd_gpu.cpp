@@ -12,7 +12,8 @@
 // is checked to have been written and their padding to be untouched. Tensors with no elements
 // are passed with null data.
 //
-// Suites: BwdGpu (the matrix), BwdGpuLong (seqlen 4096), BwdGpuDeterministic, and BwdGpuSmall
+// Suites: BwdGpu (the matrix), BwdGpuLong (seqlen 4096), BwdGpuPersistent (more blocks of work
+// than SMs), BwdGpuDeterministic, and BwdGpuSmall
 // (small and fast: strided layouts, empty sizes, workspaces; the compute-sanitizer subset).
 #include <algorithm>
 #include <cmath>
@@ -284,6 +285,25 @@ TEST(BwdGpuLong, Seqlen4096) {
   }
 }
 
+// ---- the persistent causal kernel (head dim 64): more blocks of work than SMs -------------------
+// 264-288 (key block, head, batch) items, so that each block of bwd_kernel_persistent takes two
+// or more in turn: K and V reloaded under the previous epilogue, the dQ buffers restarted per
+// item, and at seqlen 1050 a last key block with a single visit (dQ writer 1 idle in that item).
+TEST(BwdGpuPersistent, SeveralItemsPerBlock) {
+  FLASH3_REQUIRE_HOPPER();
+  const DType bf16 = DType::kBFloat16, fp16 = DType::kFloat16;
+  const Case cases[] = {
+      {bf16, 64, true, 2, 1050, 1050, 16, 4},  // GQA; 9 key blocks x 32 pairs
+      {fp16, 64, true, 3, 700, 1300, 8, 8},    // seqlen_q < seqlen_k; 11 x 24
+      {bf16, 64, true, 1, 2100, 700, 48, 1},   // MQA, rows without keys; 6 x 48
+  };
+  uint64_t seed = 4242;
+  for (const Case& c : cases) {
+    run_case(c, seed++);
+    if (HasFatalFailure()) return;
+  }
+}
+
 // ---- deterministic mode: bitwise-equal gradients over 20 runs, and accurate -----------------------
 // seqlen >= 1000 so that many key blocks add into each dq tile (and, with GQA/MQA, many query
 // heads into each dk, dv).
@@ -317,6 +337,7 @@ TEST(BwdGpuDeterministic, TwentyRunsAreBitwiseEqual) {
   expect_repeatable(deterministic({bf16, 256, false, 1, 1024, 2048, 4, 1}), 33, 20);   // MQA
   expect_repeatable(deterministic({fp16, 128, true, 1, 2000, 1000, 4, 4}), 34, 20);    // rows without keys
   expect_repeatable(deterministic({bf16, 256, true, 1, 4100, 4100, 2, 1}), 35, 20);    // causal, 2 dQ copies
+  expect_repeatable(deterministic({bf16, 64, true, 2, 1050, 1050, 16, 4}), 36, 20);    // persistent, 288 items
 }
 
 // ---- small and fast ---------------------------------------------------------------------------
@@ -334,6 +355,18 @@ TEST(BwdGpuSmall, PaddedStridesAndRaggedShapes) {
         run_case(Case{dtype, d, causal, 1, 150, 77, 4, 1, /*head_pad=*/16, /*row_pad=*/8, /*lse_pad=*/5}, seed++);
         if (HasFatalFailure()) return;
       }
+}
+
+// The persistent causal kernel (head dim 64) with two blocks of work per SM, small enough for the
+// compute-sanitizer subset: 3 key blocks x 64 (head, batch) pairs, the default and the
+// deterministic mode, strided.
+TEST(BwdGpuSmall, PersistentTwoItemsPerBlock) {
+  FLASH3_REQUIRE_HOPPER();
+  Case c{DType::kBFloat16, 64, true, 1, 200, 300, 64, 8, /*head_pad=*/8, /*row_pad=*/8, /*lse_pad=*/1};
+  run_case(c, 71);
+  if (HasFatalFailure()) return;
+  c.deterministic = true;
+  run_case(c, 72);
 }
 
 // Causal with seqlen_q > seqlen_k: the first seqlen_q - seqlen_k rows see no key (lse = +inf

@@ -23,6 +23,10 @@
 // the two taking turns (bwd_kernel.h), instead of split along the head dim (docs/perf-log.md B38).
 // kSpreadVisits (head dim 256): where the dQ adds need no order, the key blocks of a head visit
 // the query blocks from different starting points instead of in step (bwd_kernel.h, B39).
+// kPersistentCausal (head dim 64): the causal kernel is persistent, one block per SM taking the
+// blocks of work from a counter (bwd_kernel_persistent, B53): +2-8% at causal 512-16k there; at
+// head dim 128 the same kernel measured 3% slower from 2k (its main loop ran 2-7% slower; why is
+// not known yet), at 256 (not swapped) it does not exist.
 //
 //   head dim | kBlockM | kBlockN | stages | dQ stages | swapped | regs (dK+dV, S+dP, dQ) | smem
 //   ---------+---------+---------+--------+-----------+---------+------------------------+-------
@@ -41,16 +45,19 @@ struct BwdTileConfig;
 template <> struct BwdTileConfig<64> {
   static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2, kDQStages = 4;
   static constexpr bool kSdPSwapAB = true, kKVInRegs = true, kDQAlternate = true, kSpreadVisits = false;
+  static constexpr bool kPersistentCausal = true;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
 };
 template <> struct BwdTileConfig<128> {
   static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2, kDQStages = 2;
   static constexpr bool kSdPSwapAB = true, kKVInRegs = false, kDQAlternate = false, kSpreadVisits = false;
+  static constexpr bool kPersistentCausal = false;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
 };
 template <> struct BwdTileConfig<256> {
   static constexpr int kBlockM = 64, kBlockN = 64, kStages = 1, kDQStages = 1;
   static constexpr bool kSdPSwapAB = false, kKVInRegs = false, kDQAlternate = false, kSpreadVisits = true;
+  static constexpr bool kPersistentCausal = false;
   static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
 };
 

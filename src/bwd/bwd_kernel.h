@@ -25,6 +25,7 @@
 
 #include "bwd/bwd_traits.h"
 #include "fwd/causal_order.h"
+#include "fwd/tile_scheduler.h"
 #include "fwd/utils.h"
 
 namespace flash3::detail {
@@ -293,7 +294,8 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
                                                      typename Traits::SharedStorage& shared,
                                                      Pipeline& pipeline_q, Pipeline& pipeline_do, int m_count,
                                                      MAt const& m_at, int col0, int tidx, AccKV& tdKrdK,
-                                                     AccKV& tdVrdV) {
+                                                     AccKV& tdVrdV, typename Traits::PipelineState& read_q,
+                                                     typename Traits::PipelineState& read_do) {
   using Element = typename Traits::Element;
   using PipelineState = typename Traits::PipelineState;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
@@ -457,7 +459,6 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
   // over the overlapped schedule it replaced (block i+1's S^T, dP^T GEMMs issued behind block
   // i's gradient GEMMs, B10). (Issuing block i+1's S^T GEMM behind block i's gradient GEMMs at
   // head dim 128: ptxas serialized the WGMMAs, C7512, and spilled 80 bytes; B11.)
-  PipelineState read_q, read_do;
   for (int i = 0; i < m_count; ++i) {
     issue_sdp(read_q, read_do);
     warpgroup_wait<1>();  // S^T
@@ -473,6 +474,128 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
     pipeline_q.consumer_release(read_q);
     ++read_q;
     ++read_do;
+  }
+}
+
+// The dQ writer warp `writer` (0 or 1) for one block of work: key block n_block of the (head,
+// batch) pair bh, whose i-th visit (i = writer, writer + kDQWriters, ...) is query block m_at(i).
+// NOTES: two writer warps (warp 1 + w takes the tiles i with i % 2 = w, in buffer i % kDQStages),
+// because a bulk reduce's completion can only be waited for by the thread that issued it,
+// blocking: in the deterministic mode each add must be complete before the next key block may
+// add into the same tile, and with one writer the consumers waited for every completion in turn
+// (deterministic 0.60-0.70x of the default at head dim 64; at head dim 256, one buffer,
+// 0.70-0.83x with one writer, 0.75-0.97x with two, B24). The buffer is handed back to the
+// consumers as soon as it has been read.
+template <class Traits, class MAt>
+__device__ __forceinline__ void bwd_dq_writer(typename Traits::Params const& params,
+                                              typename Traits::SharedStorage& shared, int writer, int lane,
+                                              int64_t bh, int n_block, int m_count, MAt const& m_at) {
+  // Deterministic mode: this key block adds into copy `group` of each tile, as the
+  // `turn`-th (bwd_config.h, bwd_dq_groups); copies are [tile][group], groups = 1 otherwise.
+  const int groups = params.dq_groups, group = n_block % groups, turn = n_block / groups;
+  float* dq_accum = params.dq_accum + (bh * params.m_blocks * groups + group) * Traits::kDQElems;
+  int* sem = params.dq_sem != nullptr ? params.dq_sem + bh * params.m_blocks * groups + group : nullptr;
+  for (int i = writer; i < m_count; i += Traits::kDQWriters) {
+    const int m = m_at(i), buf = i % Traits::kDQStages;
+    named_barrier_sync(Traits::kDQBarThreads, kBwdBarDQFull + i % Traits::kDQFullBars);
+    if (lane == 0) {
+      float* dst = dq_accum + int64_t(m) * groups * Traits::kDQElems;
+      const float* src = shared.smem_dq + buf * Traits::kDQElems;
+      if (sem != nullptr && turn > 0) {
+        // Turn 0 stores (the tiles are not cleared, bwd_config.h). Deterministic: the key
+        // blocks of a group add into query tile m's copy in the order of their turns 0, 1,
+        // 2, ...; default: in any order once turn 0 (key block 0) has stored the tile.
+        // NOTES: a short sleep between polls, so that the polling of the writers waiting on
+        // a tile does not compete in L2 with the adds they wait for.
+        for (;;) {
+          int seen;
+          asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(sem + m * groups) : "memory");
+          if (params.dq_ordered ? seen == turn : seen > 0) break;
+          __nanosleep(128);
+        }
+        // The acquired store (or adds) before this thread's bulk add (async proxy).
+        asm volatile("fence.proxy.async.global;" ::: "memory");
+      }
+      if (sem != nullptr && turn == 0) {
+        bulk_store_f32(dst, src, Traits::kDQElems * sizeof(float));
+      } else {
+        bulk_reduce_add_f32(dst, src, Traits::kDQElems * sizeof(float));
+      }
+      asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // smem read
+    }
+    __syncwarp();
+    if (i + Traits::kDQStages < m_count) named_barrier_arrive(Traits::kDQBarThreads, kBwdBarDQEmpty + buf);
+    if (sem != nullptr && lane == 0 && (params.dq_ordered || turn == 0)) {
+      asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // the adds are done
+      // NOTES: the proxy fence orders the completed bulk adds (async proxy) before this
+      // thread's generic-proxy release; the release itself is the gpu-scope fence. (A
+      // __threadfence() before it, a second full fence per add, lengthened every link of
+      // the chain of key blocks adding into one tile: deterministic mode 3-11% slower,
+      // docs/perf-log.md B20.)
+      asm volatile("fence.proxy.async.global;" ::: "memory");
+      asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(sem + m * groups) : "memory");
+    }
+    __syncwarp();
+  }
+}
+
+// dK (scaled) and dV of one block of work (keys col0.., pair bh) out of the registers: to the
+// outputs, or (GQA, dk_accum) to the FP32 per-query-head buffers. The 16-bit tiles go through
+// shared memory at sdk and sdv (each kBlockN x kHeadDim, free once every consumer thread is here).
+// NOTES: so that each warp then writes whole row segments (32 lanes x 4 bytes contiguous) instead
+// of 16 bytes in each of 8 rows per store; 16-byte chunks XOR-swizzled by row (chunk ^ row % 8):
+// both the accumulator-order writes (8 rows, one chunk) and the row reads (one row, 8 chunks) hit
+// 32 distinct banks.
+template <class Traits, class AccKV>
+__device__ __forceinline__ void bwd_store_dkdv(typename Traits::Params const& params, AccKV& tdKrdK, AccKV& tdVrdV,
+                                               int tidx, int col0, int head_kv, int batch, int64_t bh,
+                                               typename Traits::Element* sdk, typename Traits::Element* sdv) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  using TileKV = Shape<Int<kBlockN>, Int<kHeadDim>>;
+  warpgroup_fence_operand(tdKrdK);
+  warpgroup_fence_operand(tdVrdV);
+  typename Traits::TiledMmadKV mma_dkv;
+  Tensor tdKcdK = mma_dkv.get_thread_slice(tidx).partition_C(make_identity_tensor(TileKV{}));
+  if (params.dk_accum == nullptr) {
+    using Pair = cutlass::Array<Element, 2>;
+    auto swz = [](int r, int c) { return xor_swizzled_offset<kHeadDim>(r, c); };
+    named_barrier_sync(Traits::kNumConsumerThreads, kBwdBarEpilogue);  // the staging buffers are free
+    cutlass::NumericArrayConverter<Element, float, 2> cvt;
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < size(tdKrdK) / 2; ++j) {
+      const int r = get<0>(tdKcdK(2 * j)), c = get<1>(tdKcdK(2 * j));
+      cutlass::Array<float, 2> k2, v2;
+      k2[0] = tdKrdK(2 * j) * params.softmax_scale;
+      k2[1] = tdKrdK(2 * j + 1) * params.softmax_scale;
+      v2[0] = tdVrdV(2 * j);
+      v2[1] = tdVrdV(2 * j + 1);
+      *reinterpret_cast<Pair*>(sdk + swz(r, c)) = cvt(k2);
+      *reinterpret_cast<Pair*>(sdv + swz(r, c)) = cvt(v2);
+    }
+    named_barrier_sync(Traits::kNumConsumerThreads, kBwdBarEpilogue);
+    Element* dk = params.dk + batch * params.dk_batch_stride + head_kv * params.dk_head_stride;
+    Element* dv = params.dv + batch * params.dv_batch_stride + head_kv * params.dv_head_stride;
+    const int warp = tidx / 32, lane = tidx % 32;
+    for (int r = warp; r < kBlockN; r += Traits::kNumConsumerThreads / 32) {
+      const int row = col0 + r;
+      if (row >= params.seqlen_k) break;
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = 2 * lane; c < kHeadDim; c += 64) {
+        *reinterpret_cast<Pair*>(dk + row * params.dk_row_stride + c) = *reinterpret_cast<const Pair*>(sdk + swz(r, c));
+        *reinterpret_cast<Pair*>(dv + row * params.dv_row_stride + c) = *reinterpret_cast<const Pair*>(sdv + swz(r, c));
+      }
+    }
+  } else {
+    float* dk = params.dk_accum + bh * params.seqlen_k_pad * kHeadDim;
+    float* dv = params.dv_accum + bh * params.seqlen_k_pad * kHeadDim;
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < size(tdKrdK) / 2; ++j) {
+      const int r = get<0>(tdKcdK(2 * j)), c = get<1>(tdKcdK(2 * j));
+      const int64_t at = int64_t(col0 + r) * kHeadDim + c;
+      *reinterpret_cast<float2*>(dk + at) = make_float2(tdKrdK(2 * j), tdKrdK(2 * j + 1));
+      *reinterpret_cast<float2*>(dv + at) = make_float2(tdVrdV(2 * j), tdVrdV(2 * j + 1));
+    }
   }
 }
 
@@ -606,61 +729,209 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       }
     } else if (warp_in_wg <= Traits::kDQWriters) {
       // ==================================== dQ writers =====================================
-      // NOTES: two writer warps (warp 1 + w takes the tiles i with i % 2 = w, in buffer i %
-      // kDQStages), because a bulk reduce's completion can only be waited for by the thread that
-      // issued it, blocking: in the deterministic mode each add must be complete before the
-      // next key block may add into the same tile, and with one writer the consumers waited for
-      // every completion in turn (deterministic 0.60-0.70x of the default at head dim 64; at
-      // head dim 256, one buffer, 0.70-0.83x with one writer, 0.75-0.97x with two, B24). The
-      // buffer is handed back to the consumers as soon as it has been read.
+      // (bwd_dq_writer.)
       const int writer = warp_in_wg - 1;
       pdl_wait();  // the preprocess's clear of the accumulator, or of its counters
-      // Deterministic mode: this key block adds into copy `group` of each tile, as the
-      // `turn`-th (bwd_config.h, bwd_dq_groups); copies are [tile][group], groups = 1 otherwise.
-      const int groups = params.dq_groups, group = n_block % groups, turn = n_block / groups;
-      float* dq_accum = params.dq_accum + (bh * params.m_blocks * groups + group) * Traits::kDQElems;
-      int* sem = params.dq_sem != nullptr ? params.dq_sem + bh * params.m_blocks * groups + group : nullptr;
-      for (int i = writer; i < m_count; i += Traits::kDQWriters) {
-        const int m = m_at(i), buf = i % Traits::kDQStages;
-        named_barrier_sync(Traits::kDQBarThreads, kBwdBarDQFull + i % Traits::kDQFullBars);
-        if (lane == 0) {
-          float* dst = dq_accum + int64_t(m) * groups * Traits::kDQElems;
-          const float* src = shared.smem_dq + buf * Traits::kDQElems;
-          if (sem != nullptr && turn > 0) {
-            // Turn 0 stores (the tiles are not cleared, bwd_config.h). Deterministic: the key
-            // blocks of a group add into query tile m's copy in the order of their turns 0, 1,
-            // 2, ...; default: in any order once turn 0 (key block 0) has stored the tile.
-            // NOTES: a short sleep between polls, so that the polling of the writers waiting on
-            // a tile does not compete in L2 with the adds they wait for.
-            for (;;) {
-              int seen;
-              asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(sem + m * groups) : "memory");
-              if (params.dq_ordered ? seen == turn : seen > 0) break;
-              __nanosleep(128);
-            }
-            // The acquired store (or adds) before this thread's bulk add (async proxy).
-            asm volatile("fence.proxy.async.global;" ::: "memory");
-          }
-          if (sem != nullptr && turn == 0) {
-            bulk_store_f32(dst, src, Traits::kDQElems * sizeof(float));
-          } else {
-            bulk_reduce_add_f32(dst, src, Traits::kDQElems * sizeof(float));
-          }
-          asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // smem read
+      bwd_dq_writer<Traits>(params, shared, writer, lane, bh, n_block, m_count, m_at);
+    }
+    return;
+  }
+
+  // ======================================= consumers ========================================
+  cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
+  const int tidx = threadIdx.x - 128;
+  typename Traits::TiledMmadKV mma_dkv;
+  Tensor tdVrdV = partition_fragment_C(mma_dkv, TileKV{});
+  Tensor tdKrdK = partition_fragment_C(mma_dkv, TileKV{});
+  clear(tdVrdV);
+  clear(tdKrdK);
+  const int col0 = n_block * kBlockN;
+  shared.barrier_kv.wait(0);
+  if constexpr (Traits::kSdPSwapAB) {
+    PipelineState read_q, read_do;
+    bwd_mainloop_swapped<Traits>(params, shared, pipeline_q, pipeline_do, m_count, m_at, col0, tidx,
+                                 tdKrdK, tdVrdV, read_q, read_do);
+  } else {
+    bwd_mainloop_ss<Traits>(params, shared, pipeline_q, pipeline_do, m_count, m_at, col0, tidx,
+                            tdKrdK, tdVrdV);
+  }
+
+  // ---- epilogue: dK (scaled), dV: straight to the outputs (MHA) or per query head (GQA) -------
+  // Staged in the Q and dO buffers, free once both warpgroups' last GEMMs are done.
+  static_assert(cosize_v<typename Traits::SmemLayoutQ> >= kBlockN * kHeadDim);
+  bwd_store_dkdv<Traits>(params, tdKrdK, tdVrdV, tidx, col0, head_kv, batch, bh, shared.smem_q.data(),
+                         shared.smem_do.data());
+}
+
+// ------------------------------------------------------------------------------------------
+// The persistent causal backward (Traits::kPersistent: causal, swapped loop, where bwd_config.h's
+// kPersistentCausal is set).
+// One block per SM takes blocks of work (key block, head, batch) in the causal order of
+// bwd_causal_block from a counter (FwdTileStream: a scheduler thread, warp 3 of the producer
+// warpgroup, draws the next one when the producer has issued the last load of the current one, and
+// hands it to the producer, the dQ writers and the consumers through a two-slot ring). The next
+// block's first Q, dO and then K, V load while this one finishes: K, V as soon as the consumers'
+// last GEMMs are done (barrier_kv_free), so that their load runs under the dK, dV epilogue, which
+// stages through the dS^T buffers (the Q, dO buffers already hold the next block's tiles). Per
+// block the dQ buffers and barriers start from visit 0 again: the consumers' first dQ store of a
+// block waits until the writers have read the previous block's last tile (kBwdBarDQDrained).
+// NOTES: docs/perf-log.md B51 measured 1.7-3.2 us before K, V land and 2.1-2.9 us of epilogue per
+// block of the one-block-per-item kernel, 14-17% of a causal block at seqlen 2k.
+enum : int { kBwdBarDQDrained = 12 };
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kNumThreads, 1)
+    bwd_kernel_persistent(const __grid_constant__ typename Traits::Params params) {
+  static_assert(Traits::kPersistent && Traits::kCausal && Traits::kSdPSwapAB && !Traits::kSpreadVisits);
+  using Element = typename Traits::Element;
+  using Pipeline = typename Traits::Pipeline;
+  using PipelineState = typename Traits::PipelineState;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  using TileQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
+  using TileKV = Shape<Int<kBlockN>, Int<kHeadDim>>;
+  constexpr int kRingReaders = 1 + 32 * Traits::kDQWriters + Traits::kNumConsumerThreads;
+  constexpr int kDrainedThreads = Traits::kNumConsumerThreads + 32 * Traits::kDQWriters;
+
+  extern __shared__ __align__(1024) char smem_raw[];
+  auto& shared = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
+  pdl_launch_dependents();
+
+  const FwdTileStream<true> items{params.tile_counter, params.num_items};
+  // Work item t: its key block, (head, batch) pair and query blocks, visited last to first.
+  struct Item {
+    int n_block, head, batch, m_count, m_base;
+    int64_t bh;
+  };
+  auto item_at = [&](int t) {
+    Item it;
+    int pair;
+    bwd_causal_block(t, params.n_blocks, params.nheads * params.batch, params.l2_section, it.n_block, pair);
+    it.head = pair % params.nheads;
+    it.batch = pair / params.nheads;
+    it.bh = pair;
+    int m_begin, m_end;
+    query_block_range<Traits>(it.n_block, params.seqlen_q, params.seqlen_k, m_begin, m_end);
+    it.m_count = m_end - m_begin;
+    it.m_base = m_end - 1;
+    return it;
+  };
+
+  const int warpgroup = cutlass::canonical_warp_group_idx();
+  const int warp_in_wg = (threadIdx.x / 32) % 4;
+  const int lane = threadIdx.x % 32;
+  const bool is_producer_thread = threadIdx.x == 0;
+
+  typename Pipeline::Params pipe_params;
+  pipe_params.transaction_bytes = Traits::kTmaBytesQ;
+  pipe_params.role = warpgroup == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  pipe_params.is_leader = is_producer_thread;
+  pipe_params.num_consumers = Traits::kNumConsumerThreads;
+  if (threadIdx.x == 0) {
+    shared.barrier_kv.init(1);
+    shared.barrier_kv_free.init(Traits::kNumConsumerThreads);
+    for (int i = 0; i < 2; ++i) {
+      shared.tile_full[i].init(1);
+      shared.tile_empty[i].init(kRingReaders);
+    }
+    shared.tile_request.init(1);
+    cutlass::arch::fence_barrier_init();
+    cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_do.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
+  }
+  Pipeline pipeline_q(shared.pipeline_q, pipe_params, Shape<_1, _1, _1>{});
+  Pipeline pipeline_do(shared.pipeline_do, pipe_params, Shape<_1, _1, _1>{});
+  __syncthreads();
+
+  Tensor sQ = make_tensor(make_smem_ptr(shared.smem_q.data()), typename Traits::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(shared.smem_do.data()), typename Traits::SmemLayoutdO{});
+  Tensor sK = make_tensor(make_smem_ptr(shared.smem_k.data()), typename Traits::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(shared.smem_v.data()), typename Traits::SmemLayoutV{});
+
+  if (warpgroup == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
+    if (warp_in_wg == 0) {
+      // ====================================== producer =====================================
+      if (!is_producer_thread) return;
+      Tensor mQ = params.tma_q.get_tma_tensor(params.layout_q.shape());
+      Tensor mdO = params.tma_do.get_tma_tensor(params.layout_q.shape());
+      Tensor mK = params.tma_k.get_tma_tensor(params.layout_k.shape());
+      Tensor mV = params.tma_v.get_tma_tensor(params.layout_k.shape());
+      uint64_t& kv_bar = reinterpret_cast<uint64_t&>(shared.barrier_kv);
+      constexpr uint32_t kRowBytes = kBlockM * sizeof(float);
+      PipelineState write_q = cutlass::make_producer_start_state<Pipeline>();
+      PipelineState write_do = cutlass::make_producer_start_state<Pipeline>();
+      for (int k = 0;; ++k) {
+        const int t = items.tile(k, shared);
+        if (t >= params.num_items) break;
+        const Item it = item_at(t);
+        const int head_kv = it.head / params.nheads_per_kv;
+        Tensor gQ = local_tile(mQ(_, _, it.head, it.batch), TileQ{}, make_coord(_, _0{}));  // (M, D, m)
+        Tensor gdO = local_tile(mdO(_, _, it.head, it.batch), TileQ{}, make_coord(_, _0{}));
+        Tensor gK = local_tile(mK(_, _, head_kv, it.batch), TileKV{}, make_coord(it.n_block, _0{}));
+        Tensor gV = local_tile(mV(_, _, head_kv, it.batch), TileKV{}, make_coord(it.n_block, _0{}));
+        auto q_parts = tma_partition(params.tma_q, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+        auto do_parts = tma_partition(params.tma_do, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
+        // K, V once the consumers are done with the previous block's (its epilogue then runs
+        // while they load).
+        auto load_kv = [&]() {
+          if (k > 0) shared.barrier_kv_free.wait((k - 1) & 1);
+          auto k_parts = tma_partition(params.tma_k, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+          auto v_parts = tma_partition(params.tma_v, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+          shared.barrier_kv.arrive_and_expect_tx(Traits::kTmaBytesKV);
+          copy(params.tma_k.with(kv_bar), get<0>(k_parts), get<1>(k_parts));
+          copy(params.tma_v.with(kv_bar), get<0>(v_parts), get<1>(v_parts));
+        };
+        if (k == 0) {
+          load_kv();
+          pdl_wait();  // the preprocess's lse, D (K, V are inputs: loaded before)
         }
-        __syncwarp();
-        if (i + Traits::kDQStages < m_count) named_barrier_arrive(Traits::kDQBarThreads, kBwdBarDQEmpty + buf);
-        if (sem != nullptr && lane == 0 && (params.dq_ordered || turn == 0)) {
-          asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // the adds are done
-          // NOTES: the proxy fence orders the completed bulk adds (async proxy) before this
-          // thread's generic-proxy release; the release itself is the gpu-scope fence. (A
-          // __threadfence() before it, a second full fence per add, lengthened every link of
-          // the chain of key blocks adding into one tile: deterministic mode 3-11% slower,
-          // docs/perf-log.md B20.)
-          asm volatile("fence.proxy.async.global;" ::: "memory");
-          asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(sem + m * groups) : "memory");
+        const float* lse = params.lse_log2 + it.bh * params.seqlen_q_pad;
+        const float* dpsum = params.dpsum + it.bh * params.seqlen_q_pad;
+#pragma unroll 1
+        for (int i = 0; i < it.m_count; ++i) {
+          const int m = bwd_m_at(it.m_base, i);
+          pipeline_q.producer_acquire(write_q);
+          uint64_t* bar_q = pipeline_q.producer_get_barrier(write_q);
+          copy(params.tma_q.with(*bar_q), get<0>(q_parts)(_, m), get<1>(q_parts)(_, write_q.index()));
+          bulk_load_1d(shared.smem_lse + write_q.index() * kBlockM, lse + m * kBlockM, kRowBytes, bar_q);
+          ++write_q;
+          pipeline_do.producer_acquire(write_do);
+          uint64_t* bar_do = pipeline_do.producer_get_barrier(write_do);
+          copy(params.tma_do.with(*bar_do), get<0>(do_parts)(_, m), get<1>(do_parts)(_, write_do.index()));
+          bulk_load_1d(shared.smem_dpsum + write_do.index() * kBlockM, dpsum + m * kBlockM, kRowBytes, bar_do);
+          ++write_do;
+          if (k > 0 && i == 0) load_kv();
         }
-        __syncwarp();
+        if (k > 0 && it.m_count == 0) load_kv();
+        shared.tile_request.arrive();  // the next block, please
+      }
+    } else if (warp_in_wg <= Traits::kDQWriters) {
+      // ==================================== dQ writers =====================================
+      // As in bwd_kernel, per block; between blocks they tell the consumers that every dQ buffer
+      // of the previous block has been read (kBwdBarDQDrained).
+      const int writer = warp_in_wg - 1;
+      pdl_wait();  // the preprocess's clear of the accumulator, or of its counters
+      for (int k = 0;; ++k) {
+        const int t = items.tile(k, shared);
+        if (t >= params.num_items) break;
+        // NOTES: a sync, not an arrive: a writer with no visit in an item (m_count 1: writer 1)
+        // would otherwise arrive again for the next item before the consumers had met this
+        // phase, counting for the wrong item (the hang of session 23, call 12: seqlen 3000, whose
+        // last key block visits one query block).
+        if (k > 0) named_barrier_sync(kDrainedThreads, kBwdBarDQDrained);
+        const Item it = item_at(t);
+        bwd_dq_writer<Traits>(params, shared, writer, lane, it.bh, it.n_block, it.m_count,
+                              [m_base = it.m_base](int i) { return bwd_m_at(m_base, i); });
+      }
+    } else if (warp_in_wg == 3 && lane == 0) {
+      // ===================================== scheduler =====================================
+      for (int k = 0;; ++k) {
+        if (k > 0) shared.tile_request.wait((k - 1) & 1);
+        const int t = items.draw(k);
+        items.publish(k, t, shared.tile_ring, shared.tile_full, shared.tile_empty);
+        if (t >= params.num_items) break;
       }
     }
     return;
@@ -670,72 +941,37 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
   const int tidx = threadIdx.x - 128;
   typename Traits::TiledMmadKV mma_dkv;
-  auto thr_dkv = mma_dkv.get_thread_slice(tidx);
   Tensor tdVrdV = partition_fragment_C(mma_dkv, TileKV{});
   Tensor tdKrdK = partition_fragment_C(mma_dkv, TileKV{});
-  clear(tdVrdV);
-  clear(tdKrdK);
-  const int col0 = n_block * kBlockN;
-  shared.barrier_kv.wait(0);
-  if constexpr (Traits::kSdPSwapAB) {
-    bwd_mainloop_swapped<Traits>(params, shared, pipeline_q, pipeline_do, m_count, m_at, col0, tidx,
-                                 tdKrdK, tdVrdV);
-  } else {
-    bwd_mainloop_ss<Traits>(params, shared, pipeline_q, pipeline_do, m_count, m_at, col0, tidx,
-                            tdKrdK, tdVrdV);
-  }
+  PipelineState read_q, read_do;
+  for (int k = 0;; ++k) {
+    const int t = items.tile(k, shared);
+    if (t >= params.num_items) break;
+    const Item it = item_at(t);
+    const int col0 = it.n_block * kBlockN;
+    const int m_base = it.m_base;
+    auto m_at = [m_base](int i) { return bwd_m_at(m_base, i); };
+    clear(tdVrdV);
+    clear(tdKrdK);
+    if (k > 0) named_barrier_sync(kDrainedThreads, kBwdBarDQDrained);  // the writers read every dQ buffer
+    shared.barrier_kv.wait(k & 1);
+    bwd_mainloop_swapped<Traits>(params, shared, pipeline_q, pipeline_do, it.m_count, m_at, col0, tidx, tdKrdK,
+                                 tdVrdV, read_q, read_do);
+    shared.barrier_kv_free.arrive();  // this thread's GEMMs, the last readers of K, V, are done
 
-  // ---- epilogue: dK (scaled), dV: straight to the outputs (MHA) or per query head (GQA) -------
-  warpgroup_fence_operand(tdKrdK);
-  warpgroup_fence_operand(tdVrdV);
-  Tensor tdKcdK = thr_dkv.partition_C(make_identity_tensor(TileKV{}));
-  if (params.dk_accum == nullptr) {
-    // NOTES: through shared memory (the Q and dO buffers, free once both warpgroups' last GEMMs
-    // are done), so that each warp then writes whole row segments (32 lanes x 4 bytes
-    // contiguous) instead of 16 bytes in each of 8 rows per store; 16-byte chunks XOR-swizzled
-    // by row (chunk ^ row % 8): both the accumulator-order writes (8 rows, one chunk) and the
-    // row reads (one row, 8 chunks) hit 32 distinct banks.
-    static_assert(cosize_v<typename Traits::SmemLayoutQ> >= kBlockN * kHeadDim);
-    using Pair = cutlass::Array<Element, 2>;
-    auto swz = [](int r, int c) { return xor_swizzled_offset<kHeadDim>(r, c); };
-    Element* sdk = shared.smem_q.data();
-    Element* sdv = shared.smem_do.data();
-    named_barrier_sync(Traits::kNumConsumerThreads, kBwdBarEpilogue);  // Q, dO no longer read
-    cutlass::NumericArrayConverter<Element, float, 2> cvt;
-    CUTLASS_PRAGMA_UNROLL
-    for (int j = 0; j < size(tdKrdK) / 2; ++j) {
-      const int r = get<0>(tdKcdK(2 * j)), c = get<1>(tdKcdK(2 * j));
-      cutlass::Array<float, 2> k2, v2;
-      k2[0] = tdKrdK(2 * j) * params.softmax_scale;
-      k2[1] = tdKrdK(2 * j + 1) * params.softmax_scale;
-      v2[0] = tdVrdV(2 * j);
-      v2[1] = tdVrdV(2 * j + 1);
-      *reinterpret_cast<Pair*>(sdk + swz(r, c)) = cvt(k2);
-      *reinterpret_cast<Pair*>(sdv + swz(r, c)) = cvt(v2);
-    }
-    named_barrier_sync(Traits::kNumConsumerThreads, kBwdBarEpilogue);
-    Element* dk = params.dk + batch * params.dk_batch_stride + head_kv * params.dk_head_stride;
-    Element* dv = params.dv + batch * params.dv_batch_stride + head_kv * params.dv_head_stride;
-    const int warp = tidx / 32, lane = tidx % 32;
-    for (int r = warp; r < kBlockN; r += Traits::kNumConsumerThreads / 32) {
-      const int row = col0 + r;
-      if (row >= params.seqlen_k) break;
-      CUTLASS_PRAGMA_UNROLL
-      for (int c = 2 * lane; c < kHeadDim; c += 64) {
-        *reinterpret_cast<Pair*>(dk + row * params.dk_row_stride + c) = *reinterpret_cast<const Pair*>(sdk + swz(r, c));
-        *reinterpret_cast<Pair*>(dv + row * params.dv_row_stride + c) = *reinterpret_cast<const Pair*>(sdv + swz(r, c));
-      }
-    }
-  } else {
-    float* dk = params.dk_accum + bh * params.seqlen_k_pad * kHeadDim;
-    float* dv = params.dv_accum + bh * params.seqlen_k_pad * kHeadDim;
-    CUTLASS_PRAGMA_UNROLL
-    for (int j = 0; j < size(tdKrdK) / 2; ++j) {
-      const int r = get<0>(tdKcdK(2 * j)), c = get<1>(tdKcdK(2 * j));
-      const int64_t at = int64_t(col0 + r) * kHeadDim + c;
-      *reinterpret_cast<float2*>(dk + at) = make_float2(tdKrdK(2 * j), tdKrdK(2 * j + 1));
-      *reinterpret_cast<float2*>(dv + at) = make_float2(tdVrdV(2 * j), tdVrdV(2 * j + 1));
-    }
+    // ---- epilogue: dK (scaled), dV, as in bwd_kernel, but staged in the two dS^T buffers ------
+    // (the Q and dO buffers hold the next block's first tiles). The consumers meet at
+    // kBwdBarDQDrained before any stores the next block's dS^T, i.e. after every row here was read.
+    // The item and the thread index again from opaque copies: otherwise ptxas keeps the item's
+    // output pointers and the epilogue's 64 shared-memory addresses, which do not depend on the
+    // item, live across the main loop (108 bytes spilled at head dim 128, reloaded in the row loop).
+    static_assert(2 * kBlockN * kHeadDim <= int(cosize_v<typename Traits::SmemLayoutdStStore>));
+    int t_after, tidx_after;
+    asm volatile("mov.b32 %0, %1;" : "=r"(t_after) : "r"(t));
+    asm volatile("mov.b32 %0, %1;" : "=r"(tidx_after) : "r"(tidx));
+    const Item ie = item_at(t_after);
+    bwd_store_dkdv<Traits>(params, tdKrdK, tdVrdV, tidx_after, ie.n_block * kBlockN, ie.head / params.nheads_per_kv,
+                           ie.batch, ie.bh, shared.smem_pds.data(), shared.smem_pds.data() + kBlockN * kHeadDim);
   }
 }
 

@@ -2,7 +2,9 @@
 // kernel (causal or not), postprocess.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <string>
 
 #include "bwd/bwd_dispatch.h"
@@ -50,11 +52,31 @@ void launch_bwd_main(const BwdProblem& p, const BwdArgs& args, const BwdWorkspac
       p.softmax_scale,
       float(p.softmax_scale * M_LOG2E),
   };
-  auto kernel = &bwd_kernel<Traits>;
   constexpr int kSmem = Traits::kSmemBytes;
-  set_max_dynamic_smem<&bwd_kernel<Traits>>(kSmem);
   const int64_t blocks = int64_t(ws.n_blocks) * p.nheads * p.batch;
-  launch_pdl(kernel, dim3(unsigned(blocks)), Traits::kNumThreads, kSmem, args.stream, "backward kernel launch", params);
+  if constexpr (Traits::kPersistent) {
+#ifdef FLASH3_EXP_PERSIST_AB
+    // A/B experiments (docs/perf-log.md B53): FLASH3_EXP_PERSIST=0 runs the one-block-per-item kernel.
+    if (const char* e = std::getenv("FLASH3_EXP_PERSIST"); e != nullptr && *e == '0') {
+      set_max_dynamic_smem<&bwd_kernel<Traits>>(kSmem);
+      launch_pdl(&bwd_kernel<Traits>, dim3(unsigned(blocks)), Traits::kNumThreads, kSmem, args.stream,
+                 "backward kernel launch", params);
+      return;
+    }
+#endif
+    // One block per SM, taking the blocks of work from the stream's counter (or, where a graph
+    // capture found no per-stream memory, in a fixed round-robin order).
+    params.tile_counter = stream_memory(args.stream, 0, 0).tile_counter;
+    params.num_items = int(blocks);
+    const int64_t grid = std::min<int64_t>(blocks, current_device_info().sms);
+    set_max_dynamic_smem<&bwd_kernel_persistent<Traits>>(kSmem);
+    launch_pdl(&bwd_kernel_persistent<Traits>, dim3(unsigned(grid)), Traits::kNumThreads, kSmem, args.stream,
+               "backward kernel launch", params);
+  } else {
+    set_max_dynamic_smem<&bwd_kernel<Traits>>(kSmem);
+    launch_pdl(&bwd_kernel<Traits>, dim3(unsigned(blocks)), Traits::kNumThreads, kSmem, args.stream,
+               "backward kernel launch", params);
+  }
 }
 
 template <class Element, int kHeadDim>

@@ -22,6 +22,10 @@ struct BwdTraits {
   static constexpr int kStages = Config::kStages;
   static constexpr bool kCausal = kCausal_;
   static constexpr bool kSpreadVisits = Config::kSpreadVisits;  // bwd_kernel.h
+  // Persistent (bwd_kernel_persistent; causal, where bwd_config.h says): one block per SM takes
+  // blocks of work (key block, head, batch) in the causal order from a counter, so that the next
+  // one's K, V and first Q, dO load while this one's dK, dV leave.
+  static constexpr bool kPersistent = kCausal_ && Config::kPersistentCausal;
 
   // Warpgroup 0: warp 0 is the producer (TMA), warps 1.. the dQ writers; warpgroups 1 and 2 are the
   // consumers, which split every GEMM between them.
@@ -178,6 +182,8 @@ struct BwdTraits {
     int l2_section;  // causal block order: (head, batch) pairs per L2 section
     int64_t seqlen_q_pad, seqlen_k_pad;
     float softmax_scale, scale_log2;
+    int* tile_counter = nullptr;  // kPersistent: two zeroed ints (FwdTileStream), or null (static order)
+    int num_items = 0;            // kPersistent: key blocks x heads x batch
   };
 
   struct SharedStorage {
@@ -194,6 +200,9 @@ struct BwdTraits {
     cutlass::arch::ClusterTransactionBarrier barrier_kv;
     typename Pipeline::SharedStorage pipeline_q;
     typename Pipeline::SharedStorage pipeline_do;
+    cutlass::arch::ClusterBarrier barrier_kv_free;  // kPersistent: the consumers are done with K, V
+    cutlass::arch::ClusterBarrier tile_full[2], tile_empty[2], tile_request;  // kPersistent (FwdTileStream)
+    int tile_ring[2];
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "backward tile config exceeds 227 KB of shared memory");
