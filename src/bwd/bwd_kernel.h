@@ -477,6 +477,53 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
   }
 }
 
+// Both kernels' start: thread 0 initializes the K/V barrier (and, through `more`, the persistent
+// kernel's own) and prefetches the TMA descriptors; the Q and dO pipelines' parameters, warpgroup 0
+// producing.
+template <class Traits, class More>
+__device__ __forceinline__ typename Traits::Pipeline::Params bwd_init_block(typename Traits::Params const& params,
+                                                                            typename Traits::SharedStorage& shared,
+                                                                            int warpgroup, More const& more) {
+  using Pipeline = typename Traits::Pipeline;
+  typename Pipeline::Params pipe_params;
+  pipe_params.transaction_bytes = Traits::kTmaBytesQ;
+  pipe_params.role = warpgroup == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  pipe_params.is_leader = threadIdx.x == 0;
+  pipe_params.num_consumers = Traits::kNumConsumerThreads;
+  if (threadIdx.x == 0) {
+    shared.barrier_kv.init(1);
+    more();
+    cutlass::arch::fence_barrier_init();
+    cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_do.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
+  }
+  return pipe_params;
+}
+
+// The producer's loads for one visit, query block m: Q with its log-sum-exps and dO with its D
+// (lse, dpsum: the pair's rows), each into the next stage of its pipeline.
+template <class Traits, class Pipeline, class State, class QParts, class DOParts>
+__device__ __forceinline__ void bwd_load_visit(typename Traits::Params const& params,
+                                               typename Traits::SharedStorage& shared, Pipeline& pipeline_q,
+                                               Pipeline& pipeline_do, State& write_q, State& write_do,
+                                               QParts const& q_parts, DOParts const& do_parts, int m,
+                                               const float* lse, const float* dpsum) {
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr uint32_t kRowBytes = kBlockM * sizeof(float);
+  pipeline_q.producer_acquire(write_q);
+  uint64_t* bar_q = pipeline_q.producer_get_barrier(write_q);
+  copy(params.tma_q.with(*bar_q), get<0>(q_parts)(_, m), get<1>(q_parts)(_, write_q.index()));
+  bulk_load_1d(shared.smem_lse + write_q.index() * kBlockM, lse + m * kBlockM, kRowBytes, bar_q);
+  ++write_q;
+  pipeline_do.producer_acquire(write_do);
+  uint64_t* bar_do = pipeline_do.producer_get_barrier(write_do);
+  copy(params.tma_do.with(*bar_do), get<0>(do_parts)(_, m), get<1>(do_parts)(_, write_do.index()));
+  bulk_load_1d(shared.smem_dpsum + write_do.index() * kBlockM, dpsum + m * kBlockM, kRowBytes, bar_do);
+  ++write_do;
+}
+
 // The dQ writer warp `writer` (0 or 1) for one block of work: key block n_block of the (head,
 // batch) pair bh, whose i-th visit (i = writer, writer + kDQWriters, ...) is query block m_at(i).
 // NOTES: two writer warps (warp 1 + w takes the tiles i with i % 2 = w, in buffer i % kDQStages),
@@ -660,19 +707,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   const int lane = threadIdx.x % 32;
   const bool is_producer_thread = threadIdx.x == 0;
 
-  typename Pipeline::Params pipe_params;
-  pipe_params.transaction_bytes = Traits::kTmaBytesQ;
-  pipe_params.role = warpgroup == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
-  pipe_params.is_leader = is_producer_thread;
-  pipe_params.num_consumers = Traits::kNumConsumerThreads;
-  if (threadIdx.x == 0) {
-    shared.barrier_kv.init(1);
-    cutlass::arch::fence_barrier_init();
-    cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(params.tma_do.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
-  }
+  const typename Pipeline::Params pipe_params = bwd_init_block<Traits>(params, shared, warpgroup, [] {});
   Pipeline pipeline_q(shared.pipeline_q, pipe_params, Shape<_1, _1, _1>{});
   Pipeline pipeline_do(shared.pipeline_do, pipe_params, Shape<_1, _1, _1>{});
   __syncthreads();
@@ -706,7 +741,6 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       pdl_wait();  // the preprocess's lse, D (K, V are inputs: loaded before)
       const float* lse = params.lse_log2 + bh * params.seqlen_q_pad;
       const float* dpsum = params.dpsum + bh * params.seqlen_q_pad;
-      constexpr uint32_t kRowBytes = kBlockM * sizeof(float);
       PipelineState write_q = cutlass::make_producer_start_state<Pipeline>();
       PipelineState write_do = cutlass::make_producer_start_state<Pipeline>();
       // NOTES: with 24 registers (head dims 64, 128) ptxas's 4-way unrolled copy spilled its
@@ -715,17 +749,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       // the causal sweep, so it stays unrolled as ptxas chose (4).
 #pragma unroll(Traits::kProducerRegs < 32 ? 1 : 4)
       for (int i = 0; i < m_count; ++i) {
-        const int m = m_at(i);
-        pipeline_q.producer_acquire(write_q);
-        uint64_t* bar_q = pipeline_q.producer_get_barrier(write_q);
-        copy(params.tma_q.with(*bar_q), get<0>(q_parts)(_, m), get<1>(q_parts)(_, write_q.index()));
-        bulk_load_1d(shared.smem_lse + write_q.index() * kBlockM, lse + m * kBlockM, kRowBytes, bar_q);
-        ++write_q;
-        pipeline_do.producer_acquire(write_do);
-        uint64_t* bar_do = pipeline_do.producer_get_barrier(write_do);
-        copy(params.tma_do.with(*bar_do), get<0>(do_parts)(_, m), get<1>(do_parts)(_, write_do.index()));
-        bulk_load_1d(shared.smem_dpsum + write_do.index() * kBlockM, dpsum + m * kBlockM, kRowBytes, bar_do);
-        ++write_do;
+        bwd_load_visit<Traits>(params, shared, pipeline_q, pipeline_do, write_q, write_do, q_parts, do_parts, m_at(i),
+                               lse, dpsum);
       }
     } else if (warp_in_wg <= Traits::kDQWriters) {
       // ==================================== dQ writers =====================================
@@ -821,25 +846,14 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   const int lane = threadIdx.x % 32;
   const bool is_producer_thread = threadIdx.x == 0;
 
-  typename Pipeline::Params pipe_params;
-  pipe_params.transaction_bytes = Traits::kTmaBytesQ;
-  pipe_params.role = warpgroup == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
-  pipe_params.is_leader = is_producer_thread;
-  pipe_params.num_consumers = Traits::kNumConsumerThreads;
-  if (threadIdx.x == 0) {
-    shared.barrier_kv.init(1);
+  const typename Pipeline::Params pipe_params = bwd_init_block<Traits>(params, shared, warpgroup, [&] {
     shared.barrier_kv_free.init(Traits::kNumConsumerThreads);
     for (int i = 0; i < 2; ++i) {
       shared.tile_full[i].init(1);
       shared.tile_empty[i].init(kRingReaders);
     }
     shared.tile_request.init(1);
-    cutlass::arch::fence_barrier_init();
-    cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(params.tma_do.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
-  }
+  });
   Pipeline pipeline_q(shared.pipeline_q, pipe_params, Shape<_1, _1, _1>{});
   Pipeline pipeline_do(shared.pipeline_do, pipe_params, Shape<_1, _1, _1>{});
   __syncthreads();
@@ -859,7 +873,6 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       Tensor mK = params.tma_k.get_tma_tensor(params.layout_k.shape());
       Tensor mV = params.tma_v.get_tma_tensor(params.layout_k.shape());
       uint64_t& kv_bar = reinterpret_cast<uint64_t&>(shared.barrier_kv);
-      constexpr uint32_t kRowBytes = kBlockM * sizeof(float);
       PipelineState write_q = cutlass::make_producer_start_state<Pipeline>();
       PipelineState write_do = cutlass::make_producer_start_state<Pipeline>();
       for (int k = 0;; ++k) {
@@ -891,17 +904,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         const float* dpsum = params.dpsum + it.bh * params.seqlen_q_pad;
 #pragma unroll 1
         for (int i = 0; i < it.m_count; ++i) {
-          const int m = bwd_m_at(it.m_base, i);
-          pipeline_q.producer_acquire(write_q);
-          uint64_t* bar_q = pipeline_q.producer_get_barrier(write_q);
-          copy(params.tma_q.with(*bar_q), get<0>(q_parts)(_, m), get<1>(q_parts)(_, write_q.index()));
-          bulk_load_1d(shared.smem_lse + write_q.index() * kBlockM, lse + m * kBlockM, kRowBytes, bar_q);
-          ++write_q;
-          pipeline_do.producer_acquire(write_do);
-          uint64_t* bar_do = pipeline_do.producer_get_barrier(write_do);
-          copy(params.tma_do.with(*bar_do), get<0>(do_parts)(_, m), get<1>(do_parts)(_, write_do.index()));
-          bulk_load_1d(shared.smem_dpsum + write_do.index() * kBlockM, dpsum + m * kBlockM, kRowBytes, bar_do);
-          ++write_do;
+          bwd_load_visit<Traits>(params, shared, pipeline_q, pipeline_do, write_q, write_do, q_parts, do_parts,
+                                 bwd_m_at(it.m_base, i), lse, dpsum);
           if (k > 0 && i == 0) load_kv();
         }
         if (k > 0 && it.m_count == 0) load_kv();
