@@ -24,9 +24,10 @@
 // kSpreadVisits (head dim 256): where the dQ adds need no order, the key blocks of a head visit
 // the query blocks from different starting points instead of in step (bwd_kernel.h, B39).
 // kPersistentCausal (head dim 64): the causal kernel is persistent, one block per SM taking the
-// blocks of work from a counter (bwd_kernel_persistent, B53): +2-8% at causal 512-16k there; at
-// head dim 128 the same kernel measured 3% slower from 2k (its main loop ran 2-7% slower; why is
-// not known yet), at 256 (not swapped) it does not exist.
+// blocks of work from a counter (bwd_kernel_persistent, docs/perf-log.md B53): +8 / +7 / +3 / +1 /
+// +1 / +1% at causal 512-16k there; at head dim 128 the same kernel measured 1-3% slower from 2k
+// (its main loop ran 2-7% longer, B54; why is not known yet); at 256 (not swapped) it does not
+// exist. Non-causal (B55): +5% at 512, -3..+1% from 2k at head dim 64; not used.
 //
 //   head dim | kBlockM | kBlockN | stages | dQ stages | swapped | regs (dK+dV, S+dP, dQ) | smem
 //   ---------+---------+---------+--------+-----------+---------+------------------------+-------

@@ -754,7 +754,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       }
     } else if (warp_in_wg <= Traits::kDQWriters) {
       // ==================================== dQ writers =====================================
-      // (bwd_dq_writer.)
+      // (The dQ writers: bwd_dq_writer.)
       const int writer = warp_in_wg - 1;
       pdl_wait();  // the preprocess's clear of the accumulator, or of its counters
       bwd_dq_writer<Traits>(params, shared, writer, lane, bh, n_block, m_count, m_at);
