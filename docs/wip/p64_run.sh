@@ -2,11 +2,13 @@
 # Scratch (session 24, not run): the head dim 64 persistent kernel with the per-item cost cut
 # (bwd_persistent_hdim64_per_item_cost_at_ead469b.patch): check against the one-block kernel,
 # gtest, pytest, A/B (v0 one block per item, v1 the patched persistent kernel), and the same
-# with the row-by-row epilogue (FLASH3_EXP_TMA_EPI=0) as v1 for a second summary.
+# with the row-by-row epilogue (FLASH3_EXP_TMA_EPI=0) as v1 for a second summary; then the
+# per-item stamps (exp/pstamps64.py). Built with the stamps compiled in (inactive unless
+# FLASH3_STAMPS_OUT is set: a null test per stamp in the persistent kernel only).
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 t0=$(date +%s)
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASH3_BUILD_BENCH=OFF -DCMAKE_CUDA_FLAGS="-DFLASH3_EXP_PERSIST_AB" > "$OUT/cfg.log" 2>&1
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASH3_BUILD_BENCH=OFF -DCMAKE_CUDA_FLAGS="-DFLASH3_EXP_PERSIST_AB -DFLASH3_EXP_STAMPS" > "$OUT/cfg.log" 2>&1
 cmake --build build -j16 > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - t0 )) s"
 export FLASH3_LIB=$PWD/build/libflash3.so
@@ -21,4 +23,5 @@ for r in 1 2 3; do for v in 0 1; do
 done; done
 python3 exp/ab_summary.py "$OUT/ab.txt"
 grep '^v0' "$OUT/ab.txt" >> "$OUT/ab_rows.txt"; echo "row-by-row epilogue:"; python3 exp/ab_summary.py "$OUT/ab_rows.txt"
+timeout 60 python3 exp/pstamps64.py 2>&1 | tee "$OUT/pstamps64.txt"
 echo "elapsed $(( $(date +%s) - t0 )) s"
