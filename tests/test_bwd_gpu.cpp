@@ -13,7 +13,7 @@
 // are passed with null data.
 //
 // Suites: BwdGpu (the matrix), BwdGpuLong (seqlen 4096), BwdGpuPersistent (more blocks of work
-// than SMs), BwdGpuDeterministic, and BwdGpuSmall
+// than SMs), BwdGpuDeterministic, BwdGpuGraphs (captured into CUDA graphs), and BwdGpuSmall
 // (small and fast: strided layouts, empty sizes, workspaces; the compute-sanitizer subset).
 #include <algorithm>
 #include <cmath>
@@ -338,6 +338,62 @@ TEST(BwdGpuDeterministic, TwentyRunsAreBitwiseEqual) {
   expect_repeatable(deterministic({fp16, 128, true, 1, 2000, 1000, 4, 4}), 34, 20);    // rows without keys
   expect_repeatable(deterministic({bf16, 256, true, 1, 4100, 4100, 2, 1}), 35, 20);    // causal, 2 dQ copies
   expect_repeatable(deterministic({bf16, 64, true, 2, 1050, 1050, 16, 4}), 36, 20);    // persistent, 288 items
+}
+
+// ---- CUDA graphs: the persistent kernel (causal head dim 64) captured ---------------------------
+// On a fresh stream the capture finds no per-stream memory (which it may not allocate), so the
+// blocks take the items in a fixed round-robin order; on a warm stream it uses the stream's
+// counter, which every replay must leave at zero for the next. Deterministic mode, so that the
+// gradients are bitwise equal to the eager call's whatever block takes which item.
+TEST(BwdGpuGraphs, PersistentCapturedOnFreshAndWarmStreams) {
+  FLASH3_REQUIRE_HOPPER();
+  Case c{DType::kBFloat16, 64, true, 1, 1050, 1050, 32, 8};  // 9 key blocks x 32 heads = 288 items
+  c.deterministic = true;
+  BwdRun r(c);
+  Grads16 want;
+  r.run(51, want);
+  if (HasFatalFailure()) return;
+  r.check_written(want);
+  r.check_accuracy(want);
+  cudaStream_t stream;
+  FLASH3_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  auto expect_want = [&](const char* what) {
+    const Grads16 got = r.download();
+    EXPECT_TRUE(got.dq == want.dq) << what << ": dq differs from the eager call's";
+    EXPECT_TRUE(got.dk == want.dk) << what << ": dk differs from the eager call's";
+    EXPECT_TRUE(got.dv == want.dv) << what << ": dv differs from the eager call's";
+  };
+  auto capture_and_replay = [&](const char* what) {
+    BwdArgs a = r.args();
+    a.stream = stream;
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    FLASH3_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    EXPECT_NO_THROW(bwd(a));
+    FLASH3_CUDA_OK(cudaStreamEndCapture(stream, &graph));
+    FLASH3_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int replay = 0; replay < 2; ++replay) {
+      r.poison();
+      FLASH3_CUDA_OK(cudaDeviceSynchronize());
+      FLASH3_CUDA_OK(cudaGraphLaunch(exec, stream));
+      FLASH3_CUDA_OK(cudaStreamSynchronize(stream));
+      expect_want(what);
+    }
+    FLASH3_CUDA_OK(cudaGraphExecDestroy(exec));
+    FLASH3_CUDA_OK(cudaGraphDestroy(graph));
+  };
+  capture_and_replay("captured on a fresh stream");
+  {  // an eager call on the stream: it allocates the stream's counters
+    BwdArgs a = r.args();
+    a.stream = stream;
+    r.poison();
+    FLASH3_CUDA_OK(cudaDeviceSynchronize());
+    ASSERT_NO_THROW(bwd(a));
+    FLASH3_CUDA_OK(cudaStreamSynchronize(stream));
+    expect_want("eager on the stream");
+  }
+  capture_and_replay("captured on a warm stream");
+  FLASH3_CUDA_OK(cudaStreamDestroy(stream));
 }
 
 // ---- small and fast ---------------------------------------------------------------------------
