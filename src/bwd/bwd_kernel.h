@@ -808,7 +808,6 @@ template <class Traits>
 __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     bwd_kernel_persistent(const __grid_constant__ typename Traits::Params params) {
   static_assert(Traits::kPersistent && Traits::kCausal && Traits::kSdPSwapAB && !Traits::kSpreadVisits);
-  using Element = typename Traits::Element;
   using Pipeline = typename Traits::Pipeline;
   using PipelineState = typename Traits::PipelineState;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
