@@ -296,6 +296,7 @@ TEST(BwdGpuPersistent, SeveralItemsPerBlock) {
       {bf16, 64, true, 2, 1050, 1050, 16, 4},  // GQA; 9 key blocks x 32 pairs
       {fp16, 64, true, 3, 700, 1300, 8, 8},    // seqlen_q < seqlen_k; 11 x 24
       {bf16, 64, true, 1, 2100, 700, 48, 1},   // MQA, rows without keys; 6 x 48
+      {bf16, 64, true, 2, 1500, 900, 12, 12},  // MHA (dK, dV by TMA stores), rows without keys; 8 x 24
   };
   uint64_t seed = 4242;
   for (const Case& c : cases) {

@@ -289,13 +289,16 @@ __device__ __forceinline__ void bwd_mainloop_ss(typename Traits::Params const& p
 // NOTES: dS^T has two buffers, so the one barrier per block suffices: warpgroup A stores block
 // i+2's dS^T into buffer i%2 only after passing block i+1's barrier, which warpgroup B reaches
 // after its dQ GEMM of block i (the last reader of that buffer) is complete.
-template <class Traits, class Pipeline, class AccKV, class MAt>
+// smem_k: the K tile (the persistent kernel alternates two); on_kv_in_regs(): called once K and V
+// are in registers (kKVInRegs), after which the V buffer may be refilled.
+template <class Traits, class Pipeline, class AccKV, class MAt, class OnKV>
 __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params const& params,
                                                      typename Traits::SharedStorage& shared,
-                                                     Pipeline& pipeline_q, Pipeline& pipeline_do, int m_count,
-                                                     MAt const& m_at, int col0, int tidx, AccKV& tdKrdK,
+                                                     Pipeline& pipeline_q, Pipeline& pipeline_do, int g_begin,
+                                                     int g_end, MAt const& m_at, int col0, int tidx, AccKV& tdKrdK,
                                                      AccKV& tdVrdV, typename Traits::PipelineState& read_q,
-                                                     typename Traits::PipelineState& read_do) {
+                                                     typename Traits::PipelineState& read_do,
+                                                     typename Traits::Element* smem_k, OnKV const& on_kv_in_regs) {
   using Element = typename Traits::Element;
   using PipelineState = typename Traits::PipelineState;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
@@ -303,11 +306,11 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
   using TileSt = Shape<Int<kBlockN>, Int<kBlockM>>;
   Tensor sQ = make_tensor(make_smem_ptr(shared.smem_q.data()), typename Traits::SmemLayoutQ{});
   Tensor sdO = make_tensor(make_smem_ptr(shared.smem_do.data()), typename Traits::SmemLayoutdO{});
-  Tensor sK = make_tensor(make_smem_ptr(shared.smem_k.data()), typename Traits::SmemLayoutK{});
+  Tensor sK = make_tensor(make_smem_ptr(smem_k), typename Traits::SmemLayoutK{});
   Tensor sV = make_tensor(make_smem_ptr(shared.smem_v.data()), typename Traits::SmemLayoutV{});
   Tensor sQt = make_tensor(make_smem_ptr(shared.smem_q.data()), typename Traits::SmemLayoutQt{});
   Tensor sdOt = make_tensor(make_smem_ptr(shared.smem_do.data()), typename Traits::SmemLayoutdOt{});
-  Tensor sKt = make_tensor(make_smem_ptr(shared.smem_k.data()), typename Traits::SmemLayoutKt{});
+  Tensor sKt = make_tensor(make_smem_ptr(smem_k), typename Traits::SmemLayoutKt{});
   Tensor sdStStore = make_tensor(make_smem_ptr(shared.smem_pds.data()), typename Traits::SmemLayoutdStStore{});
   Tensor sdSView = make_tensor(make_smem_ptr(shared.smem_pds.data()), typename Traits::SmemLayoutdSView{});
 
@@ -326,6 +329,7 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
     auto thr_copy_kv = smem_copy_kv.get_thread_slice(tidx);
     copy(smem_copy_kv, thr_copy_kv.partition_S(sK), thr_copy_kv.retile_D(tSrK));
     copy(smem_copy_kv, thr_copy_kv.partition_S(sV), thr_copy_kv.retile_D(tdPrV));
+    on_kv_in_regs();
   }
   Tensor tdPrdO = thr_sdp.partition_fragment_B(sdO);    // (MMA, N, K, stage)
   Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOt);  // (MMA, N, K, stage)
@@ -459,7 +463,9 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
   // over the overlapped schedule it replaced (block i+1's S^T, dP^T GEMMs issued behind block
   // i's gradient GEMMs, B10). (Issuing block i+1's S^T GEMM behind block i's gradient GEMMs at
   // head dim 128: ptxas serialized the WGMMAs, C7512, and spilled 80 bytes; B11.)
-  for (int i = 0; i < m_count; ++i) {
+  // Visits g_begin.. g_end - 1 of this block (bwd_kernel: 0.. m_count - 1; the persistent kernel
+  // counts on across its items, so that the dS^T and dQ buffers and their barriers go on in turn).
+  for (int i = g_begin; i < g_end; ++i) {
     issue_sdp(read_q, read_do);
     warpgroup_wait<1>();  // S^T
     compute_p(m_at(i), read_q.index());
@@ -533,16 +539,20 @@ __device__ __forceinline__ void bwd_load_visit(typename Traits::Params const& pa
 // (deterministic 0.60-0.70x of the default at head dim 64; at head dim 256, one buffer,
 // 0.70-0.83x with one writer, 0.75-0.97x with two, B24). The buffer is handed back to the
 // consumers as soon as it has been read.
-template <class Traits, class MAt>
+// Visits g_begin.. g_end - 1 (bwd_kernel: 0.. m_count - 1; the persistent kernel counts on across
+// its items, kContinued: then every buffer is handed back, since a later item's visit may wait
+// for it).
+template <class Traits, bool kContinued = false, class MAt>
 __device__ __forceinline__ void bwd_dq_writer(typename Traits::Params const& params,
                                               typename Traits::SharedStorage& shared, int writer, int lane,
-                                              int64_t bh, int n_block, int m_count, MAt const& m_at) {
+                                              int64_t bh, int n_block, int g_begin, int g_end, MAt const& m_at) {
   // Deterministic mode: this key block adds into copy `group` of each tile, as the
   // `turn`-th (bwd_config.h, bwd_dq_groups); copies are [tile][group], groups = 1 otherwise.
   const int groups = params.dq_groups, group = n_block % groups, turn = n_block / groups;
   float* dq_accum = params.dq_accum + (bh * params.m_blocks * groups + group) * Traits::kDQElems;
   int* sem = params.dq_sem != nullptr ? params.dq_sem + bh * params.m_blocks * groups + group : nullptr;
-  for (int i = writer; i < m_count; i += Traits::kDQWriters) {
+  const int first = g_begin + ((writer - g_begin) % Traits::kDQWriters + Traits::kDQWriters) % Traits::kDQWriters;
+  for (int i = first; i < g_end; i += Traits::kDQWriters) {
     const int m = m_at(i), buf = i % Traits::kDQStages;
     named_barrier_sync(Traits::kDQBarThreads, kBwdBarDQFull + i % Traits::kDQFullBars);
     if (lane == 0) {
@@ -571,7 +581,7 @@ __device__ __forceinline__ void bwd_dq_writer(typename Traits::Params const& par
       asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // smem read
     }
     __syncwarp();
-    if (i + Traits::kDQStages < m_count) named_barrier_arrive(Traits::kDQBarThreads, kBwdBarDQEmpty + buf);
+    if (kContinued || i + Traits::kDQStages < g_end) named_barrier_arrive(Traits::kDQBarThreads, kBwdBarDQEmpty + buf);
     if (sem != nullptr && lane == 0 && (params.dq_ordered || turn == 0)) {
       asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // the adds are done
       // NOTES: the proxy fence orders the completed bulk adds (async proxy) before this
@@ -643,6 +653,52 @@ __device__ __forceinline__ void bwd_store_dkdv(typename Traits::Params const& pa
       *reinterpret_cast<float2*>(dk + at) = make_float2(tdKrdK(2 * j), tdKrdK(2 * j + 1));
       *reinterpret_cast<float2*>(dv + at) = make_float2(tdVrdV(2 * j), tdVrdV(2 * j + 1));
     }
+  }
+}
+
+// The persistent kernel's dK (scaled) and dV (MHA): into two SmemLayoutK tiles at `stage`
+// (stmatrix), then out by two TMA stores that one thread issues and commits as one group; the
+// stores clip the rows past seqlen_k. The caller waits for the group's shared-memory reads
+// (tma_store_wait) before anything writes the staging tiles again.
+// NOTES: the row-by-row stores of bwd_store_dkdv kept the consumers ~1.5 us per item with the
+// tensor pipe idle (docs/perf-log.md B54); here they go on as soon as the tiles are in shared
+// memory.
+template <class Traits, class AccKV>
+__device__ __forceinline__ void bwd_store_dkdv_tma(typename Traits::Params const& params, AccKV& tdKrdK,
+                                                   AccKV& tdVrdV, int tidx, int n_block, int head_kv, int batch,
+                                                   typename Traits::Element* stage) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  using TileKV = Shape<Int<kBlockN>, Int<kHeadDim>>;
+  using SmemLayoutK = typename Traits::SmemLayoutK;
+  warpgroup_fence_operand(tdKrdK);
+  warpgroup_fence_operand(tdVrdV);
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < size(tdKrdK); ++i) tdKrdK(i) *= params.softmax_scale;
+  Tensor tdKrOut = make_tensor<Element>(tdKrdK.layout());
+  Tensor tdVrOut = make_tensor<Element>(tdVrdV.layout());
+  convert_into<Element>(tdKrdK, tdKrOut);
+  convert_into<Element>(tdVrdV, tdVrOut);
+  Tensor sdK = make_tensor(make_smem_ptr(stage), SmemLayoutK{});
+  Tensor sdV = make_tensor(make_smem_ptr(stage + cosize_v<SmemLayoutK>), SmemLayoutK{});
+  typename Traits::TiledMmadKV mma_dkv;
+  auto smem_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_dkv);
+  auto thr_copy = smem_copy.get_thread_slice(tidx);
+  named_barrier_sync(Traits::kNumConsumerThreads, kBwdBarEpilogue);  // the staging tiles are free
+  copy(smem_copy, thr_copy.retile_S(tdKrOut), thr_copy.partition_D(sdK));
+  copy(smem_copy, thr_copy.retile_S(tdVrOut), thr_copy.partition_D(sdV));
+  cutlass::arch::fence_view_async_shared();  // stmatrix -> TMA (async proxy)
+  named_barrier_sync(Traits::kNumConsumerThreads, kBwdBarEpilogue);
+  if (tidx == 0) {
+    Tensor mdK = params.tma_dk.get_tma_tensor(params.layout_k.shape());
+    Tensor mdV = params.tma_dv.get_tma_tensor(params.layout_k.shape());
+    Tensor gdK = local_tile(mdK(_, _, head_kv, batch), TileKV{}, make_coord(n_block, _0{}));
+    Tensor gdV = local_tile(mdV(_, _, head_kv, batch), TileKV{}, make_coord(n_block, _0{}));
+    auto dk_parts = tma_partition(params.tma_dk, group_modes<0, 2>(sdK), group_modes<0, 2>(gdK));
+    auto dv_parts = tma_partition(params.tma_dv, group_modes<0, 2>(sdV), group_modes<0, 2>(gdV));
+    copy(params.tma_dk, get<1>(dk_parts), get<0>(dk_parts));
+    copy(params.tma_dv, get<1>(dv_parts), get<0>(dv_parts));
+    tma_store_arrive();
   }
 }
 
@@ -757,7 +813,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       // (The dQ writers: bwd_dq_writer.)
       const int writer = warp_in_wg - 1;
       pdl_wait();  // the preprocess's clear of the accumulator, or of its counters
-      bwd_dq_writer<Traits>(params, shared, writer, lane, bh, n_block, m_count, m_at);
+      bwd_dq_writer<Traits>(params, shared, writer, lane, bh, n_block, 0, m_count, m_at);
     }
     return;
   }
@@ -774,8 +830,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   shared.barrier_kv.wait(0);
   if constexpr (Traits::kSdPSwapAB) {
     PipelineState read_q, read_do;
-    bwd_mainloop_swapped<Traits>(params, shared, pipeline_q, pipeline_do, m_count, m_at, col0, tidx,
-                                 tdKrdK, tdVrdV, read_q, read_do);
+    bwd_mainloop_swapped<Traits>(params, shared, pipeline_q, pipeline_do, 0, m_count, m_at, col0, tidx,
+                                 tdKrdK, tdVrdV, read_q, read_do, shared.smem_k.data(), [] {});
   } else {
     bwd_mainloop_ss<Traits>(params, shared, pipeline_q, pipeline_do, m_count, m_at, col0, tidx,
                             tdKrdK, tdVrdV);
@@ -797,12 +853,12 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
 // hands it to the producer, the dQ writers and the consumers through a two-slot ring). The next
 // block's first Q, dO and then K, V load while this one finishes: K, V as soon as the consumers'
 // last GEMMs are done (barrier_kv_free), so that their load runs under the dK, dV epilogue, which
-// stages through the dS^T buffers (the Q, dO buffers already hold the next block's tiles). Per
-// block the dQ buffers and barriers start from visit 0 again: the consumers' first dQ store of a
-// block waits until the writers have read the previous block's last tile (kBwdBarDQDrained).
+// stages through the dS^T buffers (the Q, dO buffers already hold the next block's tiles) and,
+// MHA, leaves by TMA stores (bwd_store_dkdv_tma). The visits are counted on across the items, so
+// that the dS^T and dQ buffers and their barriers go on in turn: a visit waits only for the one
+// dQ buffer it reuses, not for the writers to finish the previous item.
 // NOTES: docs/perf-log.md B51 measured 1.7-3.2 us before K, V land and 2.1-2.9 us of epilogue per
 // block of the one-block-per-item kernel, 14-17% of a causal block at seqlen 2k.
-enum : int { kBwdBarDQDrained = 12 };
 
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kNumThreads, 1)
@@ -814,7 +870,6 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   using TileQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
   using TileKV = Shape<Int<kBlockN>, Int<kHeadDim>>;
   constexpr int kRingReaders = 1 + 32 * Traits::kDQWriters + Traits::kNumConsumerThreads;
-  constexpr int kDrainedThreads = Traits::kNumConsumerThreads + 32 * Traits::kDQWriters;
 
   extern __shared__ __align__(1024) char smem_raw[];
   auto& shared = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
@@ -847,6 +902,9 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
 
   const typename Pipeline::Params pipe_params = bwd_init_block<Traits>(params, shared, warpgroup, [&] {
     shared.barrier_kv_free.init(Traits::kNumConsumerThreads);
+    shared.barrier_v_free.init(Traits::kNumConsumerThreads);
+    shared.barrier_k_free[0].init(Traits::kNumConsumerThreads);
+    shared.barrier_k_free[1].init(Traits::kNumConsumerThreads);
     for (int i = 0; i < 2; ++i) {
       shared.tile_full[i].init(1);
       shared.tile_empty[i].init(kRingReaders);
@@ -874,6 +932,55 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       uint64_t& kv_bar = reinterpret_cast<uint64_t&>(shared.barrier_kv);
       PipelineState write_q = cutlass::make_producer_start_state<Pipeline>();
       PipelineState write_do = cutlass::make_producer_start_state<Pipeline>();
+      if constexpr (Traits::kEarlyKV) {
+        // The next item is requested as soon as this one is known, and its K, V are loaded once
+        // this item's first loads are out (as many as there are stages), the consumers have
+        // copied this item's V into registers, and the K buffer's previous item is done.
+        auto load_kv = [&](const Item& nx, int k_next) {
+          const int hk = nx.head / params.nheads_per_kv;
+          Tensor gK = local_tile(mK(_, _, hk, nx.batch), TileKV{}, make_coord(nx.n_block, _0{}));
+          Tensor gV = local_tile(mV(_, _, hk, nx.batch), TileKV{}, make_coord(nx.n_block, _0{}));
+          Tensor sKb = make_tensor(make_smem_ptr((k_next & 1) ? shared.smem_k_alt.data() : shared.smem_k.data()),
+                                   typename Traits::SmemLayoutK{});
+          auto k_parts = tma_partition(params.tma_k, group_modes<0, 2>(sKb), group_modes<0, 2>(gK));
+          auto v_parts = tma_partition(params.tma_v, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+          shared.barrier_kv.arrive_and_expect_tx(Traits::kTmaBytesKV);
+          copy(params.tma_k.with(kv_bar), get<0>(k_parts), get<1>(k_parts));
+          copy(params.tma_v.with(kv_bar), get<0>(v_parts), get<1>(v_parts));
+        };
+        int t = items.tile(0, shared);
+        if (t < params.num_items) {
+          load_kv(item_at(t), 0);
+          pdl_wait();  // the preprocess's lse, D (K, V are inputs: loaded before)
+        }
+        for (int k = 0; t < params.num_items; ++k) {
+          const Item it = item_at(t);
+          shared.tile_request.arrive();  // the next item, please (drawn while this one loads)
+          Tensor gQ = local_tile(mQ(_, _, it.head, it.batch), TileQ{}, make_coord(_, _0{}));  // (M, D, m)
+          Tensor gdO = local_tile(mdO(_, _, it.head, it.batch), TileQ{}, make_coord(_, _0{}));
+          auto q_parts = tma_partition(params.tma_q, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+          auto do_parts = tma_partition(params.tma_do, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
+          const float* lse = params.lse_log2 + it.bh * params.seqlen_q_pad;
+          const float* dpsum = params.dpsum + it.bh * params.seqlen_q_pad;
+          int t_next = params.num_items;
+          auto prefetch = [&]() {
+            t_next = items.tile(k + 1, shared);
+            if (t_next >= params.num_items) return;
+            shared.barrier_v_free.wait(k & 1);  // this item's V is in registers
+            if (k + 1 >= 2) shared.barrier_k_free[(k + 1) & 1].wait((((k + 1) >> 1) - 1) & 1);  // item k - 1
+            load_kv(item_at(t_next), k + 1);
+          };
+          const int at = (it.m_count < Traits::kStages ? it.m_count : Traits::kStages) - 1;
+          if (at < 0) prefetch();
+#pragma unroll 1
+          for (int i = 0; i < it.m_count; ++i) {
+            bwd_load_visit<Traits>(params, shared, pipeline_q, pipeline_do, write_q, write_do, q_parts, do_parts,
+                                   bwd_m_at(it.m_base, i), lse, dpsum);
+            if (i == at) prefetch();
+          }
+          t = t_next;
+        }
+      } else
       for (int k = 0;; ++k) {
         const int t = items.tile(k, shared);
         if (t >= params.num_items) break;
@@ -912,21 +1019,17 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       }
     } else if (warp_in_wg <= Traits::kDQWriters) {
       // ==================================== dQ writers =====================================
-      // As in bwd_kernel, per block; between blocks they tell the consumers that every dQ buffer
-      // of the previous block has been read (kBwdBarDQDrained).
+      // As in bwd_kernel, per block, the visits counted on.
       const int writer = warp_in_wg - 1;
       pdl_wait();  // the preprocess's clear of the accumulator, or of its counters
+      int g = 0;   // this block's visits so far
       for (int k = 0;; ++k) {
         const int t = items.tile(k, shared);
         if (t >= params.num_items) break;
-        // NOTES: a sync, not an arrive: a writer with no visit in an item (m_count 1: writer 1)
-        // would otherwise arrive again for the next item before the consumers had met this
-        // phase, counting for the wrong item (the hang of session 23, call 12: seqlen 3000, whose
-        // last key block visits one query block).
-        if (k > 0) named_barrier_sync(kDrainedThreads, kBwdBarDQDrained);
         const Item it = item_at(t);
-        bwd_dq_writer<Traits>(params, shared, writer, lane, it.bh, it.n_block, it.m_count,
-                              [m_base = it.m_base](int i) { return bwd_m_at(m_base, i); });
+        bwd_dq_writer<Traits, true>(params, shared, writer, lane, it.bh, it.n_block, g, g + it.m_count,
+                                    [base = it.m_base + g](int i) { return bwd_m_at(base, i); });
+        g += it.m_count;
       }
     } else if (warp_in_wg == 3 && lane == 0) {
       // ===================================== scheduler =====================================
@@ -947,24 +1050,41 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   Tensor tdVrdV = partition_fragment_C(mma_dkv, TileKV{});
   Tensor tdKrdK = partition_fragment_C(mma_dkv, TileKV{});
   PipelineState read_q, read_do;
+  int g = 0;  // this block's visits so far
   for (int k = 0;; ++k) {
     const int t = items.tile(k, shared);
     if (t >= params.num_items) break;
     const Item it = item_at(t);
     const int col0 = it.n_block * kBlockN;
-    const int m_base = it.m_base;
-    auto m_at = [m_base](int i) { return bwd_m_at(m_base, i); };
+    const int base = it.m_base + g;
+    auto m_at = [base](int i) { return bwd_m_at(base, i); };
     clear(tdVrdV);
     clear(tdKrdK);
-    if (k > 0) named_barrier_sync(kDrainedThreads, kBwdBarDQDrained);  // the writers read every dQ buffer
+    if (k > 0) {
+      // The previous item's dK, dV stores have read the staging tiles (the dS^T buffers).
+      if (tidx == 0) tma_store_wait<0>();
+      named_barrier_sync(Traits::kNumConsumerThreads, kBwdBarEpilogue);
+    }
     shared.barrier_kv.wait(k & 1);
-    bwd_mainloop_swapped<Traits>(params, shared, pipeline_q, pipeline_do, it.m_count, m_at, col0, tidx, tdKrdK,
-                                 tdVrdV, read_q, read_do);
-    shared.barrier_kv_free.arrive();  // this thread's GEMMs, the last readers of K, V, are done
+    typename Traits::Element* k_tile = shared.smem_k.data();
+    if constexpr (Traits::kEarlyKV) {
+      if (k & 1) k_tile = shared.smem_k_alt.data();
+    }
+    bwd_mainloop_swapped<Traits>(params, shared, pipeline_q, pipeline_do, g, g + it.m_count, m_at, col0, tidx,
+                                 tdKrdK, tdVrdV, read_q, read_do, k_tile, [&] {
+                                   if constexpr (Traits::kEarlyKV) shared.barrier_v_free.arrive();
+                                 });
+    g += it.m_count;
+    // This thread's GEMMs, the last readers of K (and V), are done.
+    if constexpr (Traits::kEarlyKV) {
+      shared.barrier_k_free[k & 1].arrive();
+    } else {
+      shared.barrier_kv_free.arrive();
+    }
 
     // ---- epilogue: dK (scaled), dV, as in bwd_kernel, but staged in the two dS^T buffers ------
-    // (the Q and dO buffers hold the next block's first tiles). The consumers meet at
-    // kBwdBarDQDrained before any stores the next block's dS^T, i.e. after every row here was read.
+    // (the Q and dO buffers hold the next block's first tiles). The consumers meet at the next
+    // item's start, after the stores have read them, before any stores the next dS^T.
     // The item and the thread index again from opaque copies: otherwise ptxas keeps the item's
     // output pointers and the epilogue's 64 shared-memory addresses, which do not depend on the
     // item, live across the main loop (108 bytes spilled at head dim 128, reloaded in the row loop).
@@ -973,9 +1093,15 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     asm volatile("mov.b32 %0, %1;" : "=r"(t_after) : "r"(t));
     asm volatile("mov.b32 %0, %1;" : "=r"(tidx_after) : "r"(tidx));
     const Item ie = item_at(t_after);
-    bwd_store_dkdv<Traits>(params, tdKrdK, tdVrdV, tidx_after, ie.n_block * kBlockN, ie.head / params.nheads_per_kv,
-                           ie.batch, ie.bh, shared.smem_pds.data(), shared.smem_pds.data() + kBlockN * kHeadDim);
+    if (params.dkv_tma) {
+      bwd_store_dkdv_tma<Traits>(params, tdKrdK, tdVrdV, tidx_after, ie.n_block, ie.head / params.nheads_per_kv,
+                                 ie.batch, shared.smem_pds.data());
+    } else {
+      bwd_store_dkdv<Traits>(params, tdKrdK, tdVrdV, tidx_after, ie.n_block * kBlockN, ie.head / params.nheads_per_kv,
+                             ie.batch, ie.bh, shared.smem_pds.data(), shared.smem_pds.data() + kBlockN * kHeadDim);
+    }
   }
+  if (tidx == 0) tma_store_wait<0>();  // the last stores' reads, before the block's shared memory goes
 }
 
 // ------------------------------------------------------------------------------------------

@@ -12,6 +12,15 @@ namespace flash3::detail {
 
 using namespace cute;
 
+// The persistent kernel's second K buffer (kEarlyKV), as a base of SharedStorage: empty, and so
+// no bytes, where it is not used.
+template <class Element, int kElems>
+struct BwdSecondK {
+  alignas(1024) cute::array_aligned<Element, kElems, 1024> smem_k_alt;
+};
+template <class Element>
+struct BwdSecondK<Element, 0> {};
+
 template <class Element_, int kHeadDim_, bool kCausal_>
 struct BwdTraits {
   using Element = Element_;
@@ -26,6 +35,10 @@ struct BwdTraits {
   // blocks of work (key block, head, batch) in the causal order from a counter, so that the next
   // one's K, V and first Q, dO load while this one's dK, dV leave.
   static constexpr bool kPersistent = kCausal_ && Config::kPersistentCausal;
+  // Persistent with K, V in registers (head dim 64): the next item's K, V load early, K into the
+  // second of two buffers (the dQ GEMM reads K from shared memory to the end of the loop), V as
+  // soon as the consumers have copied theirs into registers (bwd_kernel_persistent).
+  static constexpr bool kEarlyKV = kPersistent && Config::kKVInRegs;
 
   // Warpgroup 0: warp 0 is the producer (TMA), warps 1.. the dQ writers; warpgroups 1 and 2 are the
   // consumers, which split every GEMM between them.
@@ -141,8 +154,14 @@ struct BwdTraits {
     return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), layout), SmemLayoutK{},
                          Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
   }
+  // The persistent kernel's dK, dV (MHA): TMA stores from a SmemLayoutK-shaped staging tile.
+  static auto make_tma_dkv_store(Element* ptr, LayoutQKV layout) {
+    return make_tma_copy(SM90_TMA_STORE{}, make_tensor(make_gmem_ptr(ptr), layout), SmemLayoutK{},
+                         Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
+  }
   using TmaQ = decltype(make_tma_q(nullptr, LayoutQKV{}));
   using TmaKV = decltype(make_tma_kv(nullptr, LayoutQKV{}));
+  using TmaStoreKV = decltype(make_tma_dkv_store(nullptr, LayoutQKV{}));
 
   // One stage: a Q (or dO) tile plus its kBlockM log-sum-exps (or D values).
   static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element) + kBlockM * sizeof(float);
@@ -184,9 +203,11 @@ struct BwdTraits {
     float softmax_scale, scale_log2;
     int* tile_counter = nullptr;  // kPersistent: two zeroed ints (FwdTileStream), or null (static order)
     int num_items = 0;            // kPersistent: key blocks x heads x batch
+    TmaStoreKV tma_dk{}, tma_dv{};  // kPersistent, MHA: dK, dV out by TMA (bwd_kernel_persistent) ...
+    int dkv_tma = 0;                // ... where set
   };
 
-  struct SharedStorage {
+  struct SharedStorage : BwdSecondK<Element, kEarlyKV ? int(cosize_v<SmemLayoutK>) : 0> {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> smem_q;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdO>, 1024> smem_do;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> smem_k;
@@ -201,6 +222,7 @@ struct BwdTraits {
     typename Pipeline::SharedStorage pipeline_q;
     typename Pipeline::SharedStorage pipeline_do;
     cutlass::arch::ClusterBarrier barrier_kv_free;  // kPersistent: the consumers are done with K, V
+    cutlass::arch::ClusterBarrier barrier_v_free, barrier_k_free[2];  // kEarlyKV: V copied, K buffer done
     cutlass::arch::ClusterBarrier tile_full[2], tile_empty[2], tile_request;  // kPersistent (FwdTileStream)
     int tile_ring[2];
   };
