@@ -28,6 +28,9 @@
 // +1 / +1% at causal 512-16k there; at head dim 128 the same kernel measured 1-3% slower from 2k
 // (its main loop ran 2-7% longer, B54; why is not known yet); at 256 (not swapped) it does not
 // exist. Non-causal (B55): +5% at 512, -3..+1% from 2k at head dim 64; not used.
+// kTmaEpilogue: dK, dV (MHA) leave through two TMA stores from shared memory instead of
+// row-by-row stores (bwd_store_dkdv_tma, docs/perf-log.md B56, B57): head dim 64 +1-4%, 128
+// non-causal +0-4%, causal even; at 256 2-3% slower at non-causal 512-4k, so off there.
 //
 //   head dim | kBlockM | kBlockN | stages | dQ stages | swapped | regs (dK+dV, S+dP, dQ) | smem
 //   ---------+---------+---------+--------+-----------+---------+------------------------+-------
@@ -46,19 +49,19 @@ struct BwdTileConfig;
 template <> struct BwdTileConfig<64> {
   static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2, kDQStages = 4;
   static constexpr bool kSdPSwapAB = true, kKVInRegs = true, kDQAlternate = true, kSpreadVisits = false;
-  static constexpr bool kPersistentCausal = true;
+  static constexpr bool kPersistentCausal = true, kTmaEpilogue = true;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
 };
 template <> struct BwdTileConfig<128> {
   static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2, kDQStages = 2;
   static constexpr bool kSdPSwapAB = true, kKVInRegs = false, kDQAlternate = false, kSpreadVisits = false;
-  static constexpr bool kPersistentCausal = false;
+  static constexpr bool kPersistentCausal = false, kTmaEpilogue = true;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
 };
 template <> struct BwdTileConfig<256> {
   static constexpr int kBlockM = 64, kBlockN = 64, kStages = 1, kDQStages = 1;
   static constexpr bool kSdPSwapAB = false, kKVInRegs = false, kDQAlternate = false, kSpreadVisits = true;
-  static constexpr bool kPersistentCausal = false;
+  static constexpr bool kPersistentCausal = false, kTmaEpilogue = false;
   static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
 };
 

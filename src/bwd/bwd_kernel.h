@@ -656,17 +656,19 @@ __device__ __forceinline__ void bwd_store_dkdv(typename Traits::Params const& pa
   }
 }
 
-// The persistent kernel's dK (scaled) and dV (MHA): into two SmemLayoutK tiles at `stage`
-// (stmatrix), then out by two TMA stores that one thread issues and commits as one group; the
-// stores clip the rows past seqlen_k. The caller waits for the group's shared-memory reads
-// (tma_store_wait) before anything writes the staging tiles again.
-// NOTES: the row-by-row stores of bwd_store_dkdv kept the consumers ~1.5 us per item with the
+// dK (scaled) and dV of one block of work (MHA, Traits::kTmaEpilogue): into the SmemLayoutK
+// tiles at sdk_stage and sdv_stage (stmatrix; free once every consumer thread is here), then out
+// by two TMA stores that thread 0 issues and commits as one group; the stores clip the rows past
+// seqlen_k. Thread 0 waits for the group's shared-memory reads (tma_store_wait) before anything
+// writes the tiles again, or before the block exits.
+// NOTES: the row-by-row stores of bwd_store_dkdv kept the consumers ~1.5 us per block with the
 // tensor pipe idle (docs/perf-log.md B54); here they go on as soon as the tiles are in shared
-// memory.
+// memory (B56, B57).
 template <class Traits, class AccKV>
 __device__ __forceinline__ void bwd_store_dkdv_tma(typename Traits::Params const& params, AccKV& tdKrdK,
                                                    AccKV& tdVrdV, int tidx, int n_block, int head_kv, int batch,
-                                                   typename Traits::Element* stage) {
+                                                   typename Traits::Element* sdk_stage,
+                                                   typename Traits::Element* sdv_stage) {
   using Element = typename Traits::Element;
   constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   using TileKV = Shape<Int<kBlockN>, Int<kHeadDim>>;
@@ -679,8 +681,8 @@ __device__ __forceinline__ void bwd_store_dkdv_tma(typename Traits::Params const
   Tensor tdVrOut = make_tensor<Element>(tdVrdV.layout());
   convert_into<Element>(tdKrdK, tdKrOut);
   convert_into<Element>(tdVrdV, tdVrOut);
-  Tensor sdK = make_tensor(make_smem_ptr(stage), SmemLayoutK{});
-  Tensor sdV = make_tensor(make_smem_ptr(stage + cosize_v<SmemLayoutK>), SmemLayoutK{});
+  Tensor sdK = make_tensor(make_smem_ptr(sdk_stage), SmemLayoutK{});
+  Tensor sdV = make_tensor(make_smem_ptr(sdv_stage), SmemLayoutK{});
   typename Traits::TiledMmadKV mma_dkv;
   auto smem_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_dkv);
   auto thr_copy = smem_copy.get_thread_slice(tidx);
@@ -839,9 +841,18 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
 
   // ---- epilogue: dK (scaled), dV: straight to the outputs (MHA) or per query head (GQA) -------
   // Staged in the Q and dO buffers, free once both warpgroups' last GEMMs are done.
-  static_assert(cosize_v<typename Traits::SmemLayoutQ> >= kBlockN * kHeadDim);
-  bwd_store_dkdv<Traits>(params, tdKrdK, tdVrdV, tidx, col0, head_kv, batch, bh, shared.smem_q.data(),
-                         shared.smem_do.data());
+  static_assert(cosize_v<typename Traits::SmemLayoutQ> >= cosize_v<typename Traits::SmemLayoutK>);
+  if (Traits::kTmaEpilogue && params.dkv_tma) {
+    // MHA: by TMA stores; the block's shared memory stays until they have read it.
+    if constexpr (Traits::kTmaEpilogue) {
+      bwd_store_dkdv_tma<Traits>(params, tdKrdK, tdVrdV, tidx, n_block, head_kv, batch, shared.smem_q.data(),
+                                 shared.smem_do.data());
+      if (tidx == 0) tma_store_wait<0>();
+    }
+  } else {
+    bwd_store_dkdv<Traits>(params, tdKrdK, tdVrdV, tidx, col0, head_kv, batch, bh, shared.smem_q.data(),
+                           shared.smem_do.data());
+  }
 }
 
 // ------------------------------------------------------------------------------------------
@@ -1095,7 +1106,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     const Item ie = item_at(t_after);
     if (params.dkv_tma) {
       bwd_store_dkdv_tma<Traits>(params, tdKrdK, tdVrdV, tidx_after, ie.n_block, ie.head / params.nheads_per_kv,
-                                 ie.batch, shared.smem_pds.data());
+                                 ie.batch, shared.smem_pds.data(),
+                                 shared.smem_pds.data() + cosize_v<typename Traits::SmemLayoutK>);
     } else {
       bwd_store_dkdv<Traits>(params, tdKrdK, tdVrdV, tidx_after, ie.n_block * kBlockN, ie.head / params.nheads_per_kv,
                              ie.batch, ie.bh, shared.smem_pds.data(), shared.smem_pds.data() + kBlockN * kHeadDim);

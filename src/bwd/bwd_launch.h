@@ -52,6 +52,17 @@ void launch_bwd_main(const BwdProblem& p, const BwdArgs& args, const BwdWorkspac
       p.softmax_scale,
       float(p.softmax_scale * M_LOG2E),
   };
+  // MHA: dK, dV leave through TMA stores (bwd_store_dkdv_tma) where kTmaEpilogue; GQA adds FP32
+  // per query head.
+  if (Traits::kTmaEpilogue && !gqa) {
+    params.tma_dk = Traits::make_tma_dkv_store(static_cast<Element*>(args.dk.data), qkv_layout(args.dk));
+    params.tma_dv = Traits::make_tma_dkv_store(static_cast<Element*>(args.dv.data), qkv_layout(args.dv));
+    params.dkv_tma = 1;
+#ifdef FLASH3_EXP_PERSIST_AB
+    // FLASH3_EXP_TMA_EPI=0: the row-by-row epilogue of bwd_store_dkdv instead (A/B experiments).
+    if (const char* e = std::getenv("FLASH3_EXP_TMA_EPI"); e != nullptr && *e == '0') params.dkv_tma = 0;
+#endif
+  }
   constexpr int kSmem = Traits::kSmemBytes;
   const int64_t blocks = int64_t(ws.n_blocks) * p.nheads * p.batch;
   if constexpr (Traits::kPersistent) {
@@ -68,15 +79,6 @@ void launch_bwd_main(const BwdProblem& p, const BwdArgs& args, const BwdWorkspac
     // capture found no per-stream memory, in a fixed round-robin order).
     params.tile_counter = stream_memory(args.stream, 0, 0).tile_counter;
     params.num_items = int(blocks);
-    if (!gqa) {
-      params.tma_dk = Traits::make_tma_dkv_store(static_cast<Element*>(args.dk.data), qkv_layout(args.dk));
-      params.tma_dv = Traits::make_tma_dkv_store(static_cast<Element*>(args.dv.data), qkv_layout(args.dv));
-      params.dkv_tma = 1;
-#ifdef FLASH3_EXP_PERSIST_AB
-      // FLASH3_EXP_TMA_EPI=0: the row-by-row epilogue of bwd_store_dkdv instead.
-      if (const char* e = std::getenv("FLASH3_EXP_TMA_EPI"); e != nullptr && *e == '0') params.dkv_tma = 0;
-#endif
-    }
     const int64_t grid = std::min<int64_t>(blocks, current_device_info().sms);
     set_max_dynamic_smem<&bwd_kernel_persistent<Traits>>(kSmem);
     launch_pdl(&bwd_kernel_persistent<Traits>, dim3(unsigned(grid)), Traits::kNumThreads, kSmem, args.stream,

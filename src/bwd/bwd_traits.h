@@ -39,6 +39,8 @@ struct BwdTraits {
   // second of two buffers (the dQ GEMM reads K from shared memory to the end of the loop), V as
   // soon as the consumers have copied theirs into registers (bwd_kernel_persistent).
   static constexpr bool kEarlyKV = kPersistent && Config::kKVInRegs;
+  // dK, dV of MHA problems out by TMA stores (bwd_store_dkdv_tma), where bwd_config.h says so.
+  static constexpr bool kTmaEpilogue = Config::kTmaEpilogue;
 
   // Warpgroup 0: warp 0 is the producer (TMA), warps 1.. the dQ writers; warpgroups 1 and 2 are the
   // consumers, which split every GEMM between them.
