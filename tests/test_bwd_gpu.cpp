@@ -297,6 +297,8 @@ TEST(BwdGpuPersistent, SeveralItemsPerBlock) {
       {fp16, 64, true, 3, 700, 1300, 8, 8},    // seqlen_q < seqlen_k; 11 x 24
       {bf16, 64, true, 1, 2100, 700, 48, 1},   // MQA, rows without keys; 6 x 48
       {bf16, 64, true, 2, 1500, 900, 12, 12},  // MHA (dK, dV by TMA stores), rows without keys; 8 x 24
+      {fp16, 64, false, 2, 1050, 1300, 16, 2}, // non-causal; 11 x 32
+      {bf16, 64, false, 2, 1000, 1100, 12, 12},  // non-causal MHA; 9 x 24
   };
   uint64_t seed = 4242;
   for (const Case& c : cases) {
@@ -339,6 +341,7 @@ TEST(BwdGpuDeterministic, TwentyRunsAreBitwiseEqual) {
   expect_repeatable(deterministic({fp16, 128, true, 1, 2000, 1000, 4, 4}), 34, 20);    // rows without keys
   expect_repeatable(deterministic({bf16, 256, true, 1, 4100, 4100, 2, 1}), 35, 20);    // causal, 2 dQ copies
   expect_repeatable(deterministic({bf16, 64, true, 2, 1050, 1050, 16, 4}), 36, 20);    // persistent, 288 items
+  expect_repeatable(deterministic({fp16, 64, false, 2, 1050, 1300, 16, 2}), 37, 20);   // 352 items
 }
 
 // ---- CUDA graphs: the persistent kernel (causal head dim 64) captured ---------------------------

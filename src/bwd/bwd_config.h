@@ -23,20 +23,22 @@
 // the two taking turns (bwd_kernel.h), instead of split along the head dim (docs/perf-log.md B38).
 // kSpreadVisits (head dim 256): where the dQ adds need no order, the key blocks of a head visit
 // the query blocks from different starting points instead of in step (bwd_kernel.h, B39).
-// kPersistentCausal (head dim 64): the causal kernel is persistent, one block per SM taking the
-// blocks of work from a counter (bwd_kernel_persistent, docs/perf-log.md B53): +8 / +7 / +3 / +1 /
-// +1 / +1% at causal 512-16k there; at head dim 128 the same kernel measured 1-3% slower from 2k
-// (its main loop ran 2-7% longer, B54; why is not known yet); at 256 (not swapped) it does not
-// exist. Non-causal (B55): +5% at 512, -3..+1% from 2k at head dim 64; not used.
+// kPersistentCausal, kPersistentNonCausal (head dim 64): the kernel is persistent, one block per
+// SM taking the blocks of work from a counter (bwd_kernel_persistent, docs/perf-log.md B53, B56,
+// B58); with the next block's K, V loaded early (a second K buffer) and dK, dV staged in a buffer
+// of their own, +2-12% over one block per item at causal 512-4k, +2-5% non-causal. At head dim
+// 128 the causal one measured 1-3% slower from 2k (its main loop ran 2-7% longer, B54; why is
+// not known yet; no room there for the second K buffer); at 256 (not swapped) it does not exist.
 // kTmaEpilogue: dK, dV (MHA) leave through two TMA stores from shared memory instead of
 // row-by-row stores (bwd_store_dkdv_tma, docs/perf-log.md B56, B57): head dim 64 +1-4%, 128
 // non-causal +0-4%, causal even; at 256 2-3% slower at non-causal 512-4k, so off there.
 //
 //   head dim | kBlockM | kBlockN | stages | dQ stages | swapped | regs (dK+dV, S+dP, dQ) | smem
 //   ---------+---------+---------+--------+-----------+---------+------------------------+-------
-//        64  |    64   |   128   |   2    |     4     |   yes   |   64,  64, 32 (alt.)   | 160 KB
+//        64  |    64   |   128   |   2    |     4     |   yes   |   64,  64, 32 (alt.)   | 210 KB *
 //       128  |    64   |   128   |   2    |     2     |   yes   |  128,  64, 32          | 225 KB
 //       256  |    64   |    64   |   1    |     1     |   no    |  128,  32, 64          | 208 KB
+//   * 160 KB, plus the persistent kernel's second K buffer (16 KB) and dK, dV staging (32 KB).
 #pragma once
 
 #include <cstddef>
@@ -49,19 +51,19 @@ struct BwdTileConfig;
 template <> struct BwdTileConfig<64> {
   static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2, kDQStages = 4;
   static constexpr bool kSdPSwapAB = true, kKVInRegs = true, kDQAlternate = true, kSpreadVisits = false;
-  static constexpr bool kPersistentCausal = true, kTmaEpilogue = true;
+  static constexpr bool kPersistentCausal = true, kPersistentNonCausal = true, kTmaEpilogue = true;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
 };
 template <> struct BwdTileConfig<128> {
   static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2, kDQStages = 2;
   static constexpr bool kSdPSwapAB = true, kKVInRegs = false, kDQAlternate = false, kSpreadVisits = false;
-  static constexpr bool kPersistentCausal = false, kTmaEpilogue = true;
+  static constexpr bool kPersistentCausal = false, kPersistentNonCausal = false, kTmaEpilogue = true;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
 };
 template <> struct BwdTileConfig<256> {
   static constexpr int kBlockM = 64, kBlockN = 64, kStages = 1, kDQStages = 1;
   static constexpr bool kSdPSwapAB = false, kKVInRegs = false, kDQAlternate = false, kSpreadVisits = true;
-  static constexpr bool kPersistentCausal = false, kTmaEpilogue = false;
+  static constexpr bool kPersistentCausal = false, kPersistentNonCausal = false, kTmaEpilogue = false;
   static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
 };
 

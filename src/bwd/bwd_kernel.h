@@ -686,6 +686,7 @@ __device__ __forceinline__ void bwd_store_dkdv_tma(typename Traits::Params const
   typename Traits::TiledMmadKV mma_dkv;
   auto smem_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_dkv);
   auto thr_copy = smem_copy.get_thread_slice(tidx);
+  if (tidx == 0) tma_store_wait<0>();  // the last stores from these tiles have read them
   named_barrier_sync(Traits::kNumConsumerThreads, kBwdBarEpilogue);  // the staging tiles are free
   copy(smem_copy, thr_copy.retile_S(tdKrOut), thr_copy.partition_D(sdK));
   copy(smem_copy, thr_copy.retile_S(tdVrOut), thr_copy.partition_D(sdV));
@@ -856,25 +857,28 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
 }
 
 // ------------------------------------------------------------------------------------------
-// The persistent causal backward (Traits::kPersistent: causal, swapped loop, where bwd_config.h's
-// kPersistentCausal is set).
-// One block per SM takes blocks of work (key block, head, batch) in the causal order of
-// bwd_causal_block from a counter (FwdTileStream: a scheduler thread, warp 3 of the producer
-// warpgroup, draws the next one when the producer has issued the last load of the current one, and
-// hands it to the producer, the dQ writers and the consumers through a two-slot ring). The next
-// block's first Q, dO and then K, V load while this one finishes: K, V as soon as the consumers'
-// last GEMMs are done (barrier_kv_free), so that their load runs under the dK, dV epilogue, which
-// stages through the dS^T buffers (the Q, dO buffers already hold the next block's tiles) and,
-// MHA, leaves by TMA stores (bwd_store_dkdv_tma). The visits are counted on across the items, so
-// that the dS^T and dQ buffers and their barriers go on in turn: a visit waits only for the one
-// dQ buffer it reuses, not for the writers to finish the previous item.
+// The persistent backward (Traits::kPersistent: swapped loop, where bwd_config.h's
+// kPersistentCausal or kPersistentNonCausal is set).
+// One block per SM takes blocks of work (key block, head, batch) in bwd_kernel's order (causal:
+// bwd_causal_block's) from a counter (FwdTileStream: a scheduler thread, warp 3 of the producer
+// warpgroup, draws the next one when asked, and hands it to the producer, the dQ writers and the
+// consumers through a two-slot ring). The next block's first Q, dO and K, V load while this one
+// finishes. With K, V in registers (kEarlyKV, head dim 64) the next item is asked for when this
+// one starts and its K, V load once this item's first loads are out: K into the second of two
+// buffers, V once the consumers hold this item's in registers; the dK, dV epilogue stages in a
+// buffer of its own. Otherwise K, V load as soon as the consumers' last GEMMs are done
+// (barrier_kv_free), under the epilogue, which stages through the dS^T buffers (the Q, dO
+// buffers already hold the next block's tiles). MHA: dK, dV leave by TMA stores
+// (bwd_store_dkdv_tma). The visits are counted on across the items, so that the dS^T and dQ
+// buffers and their barriers go on in turn: a visit waits only for the one dQ buffer it reuses,
+// not for the writers to finish the previous item.
 // NOTES: docs/perf-log.md B51 measured 1.7-3.2 us before K, V land and 2.1-2.9 us of epilogue per
 // block of the one-block-per-item kernel, 14-17% of a causal block at seqlen 2k.
 
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     bwd_kernel_persistent(const __grid_constant__ typename Traits::Params params) {
-  static_assert(Traits::kPersistent && Traits::kCausal && Traits::kSdPSwapAB && !Traits::kSpreadVisits);
+  static_assert(Traits::kPersistent && Traits::kSdPSwapAB && !Traits::kSpreadVisits);
   using Pipeline = typename Traits::Pipeline;
   using PipelineState = typename Traits::PipelineState;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
@@ -895,14 +899,19 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   auto item_at = [&](int t) {
     Item it;
     int pair;
-    bwd_causal_block(t, params.n_blocks, params.nheads * params.batch, params.l2_section, it.n_block, pair);
+    if constexpr (Traits::kCausal) {
+      bwd_causal_block(t, params.n_blocks, params.nheads * params.batch, params.l2_section, it.n_block, pair);
+    } else {
+      it.n_block = t % params.n_blocks;
+      pair = t / params.n_blocks;
+    }
     it.head = pair % params.nheads;
     it.batch = pair / params.nheads;
     it.bh = pair;
     int m_begin, m_end;
     query_block_range<Traits>(it.n_block, params.seqlen_q, params.seqlen_k, m_begin, m_end);
     it.m_count = m_end - m_begin;
-    it.m_base = m_end - 1;
+    it.m_base = Traits::kCausal ? m_end - 1 : -m_begin;  // bwd_m_at
     return it;
   };
 
@@ -1071,7 +1080,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     auto m_at = [base](int i) { return bwd_m_at(base, i); };
     clear(tdVrdV);
     clear(tdKrdK);
-    if (k > 0) {
+    if (!Traits::kEarlyKV && k > 0) {
       // The previous item's dK, dV stores have read the staging tiles (the dS^T buffers).
       if (tidx == 0) tma_store_wait<0>();
       named_barrier_sync(Traits::kNumConsumerThreads, kBwdBarEpilogue);
@@ -1093,9 +1102,10 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       shared.barrier_kv_free.arrive();
     }
 
-    // ---- epilogue: dK (scaled), dV, as in bwd_kernel, but staged in the two dS^T buffers ------
-    // (the Q and dO buffers hold the next block's first tiles). The consumers meet at the next
-    // item's start, after the stores have read them, before any stores the next dS^T.
+    // ---- epilogue: dK (scaled), dV, as in bwd_kernel, but staged in a buffer of their own -----
+    // (kEarlyKV; the next epilogue waits for the stores' reads) or in the two dS^T buffers (the Q
+    // and dO buffers hold the next block's first tiles; the consumers meet at the next item's
+    // start, after the stores have read them, before any stores the next dS^T).
     // The item and the thread index again from opaque copies: otherwise ptxas keeps the item's
     // output pointers and the epilogue's 64 shared-memory addresses, which do not depend on the
     // item, live across the main loop (108 bytes spilled at head dim 128, reloaded in the row loop).
@@ -1105,9 +1115,11 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     asm volatile("mov.b32 %0, %1;" : "=r"(tidx_after) : "r"(tidx));
     const Item ie = item_at(t_after);
     if (params.dkv_tma) {
+      // Staged in a buffer of their own (kEarlyKV), or else in the dS^T buffers.
+      typename Traits::Element* stage = shared.smem_pds.data();
+      if constexpr (Traits::kEarlyKV) stage = shared.smem_dkv_stage.data();
       bwd_store_dkdv_tma<Traits>(params, tdKrdK, tdVrdV, tidx_after, ie.n_block, ie.head / params.nheads_per_kv,
-                                 ie.batch, shared.smem_pds.data(),
-                                 shared.smem_pds.data() + cosize_v<typename Traits::SmemLayoutK>);
+                                 ie.batch, stage, stage + cosize_v<typename Traits::SmemLayoutK>);
     } else {
       bwd_store_dkdv<Traits>(params, tdKrdK, tdVrdV, tidx_after, ie.n_block * kBlockN, ie.head / params.nheads_per_kv,
                              ie.batch, ie.bh, shared.smem_pds.data(), shared.smem_pds.data() + kBlockN * kHeadDim);

@@ -12,11 +12,12 @@ namespace flash3::detail {
 
 using namespace cute;
 
-// The persistent kernel's second K buffer (kEarlyKV), as a base of SharedStorage: empty, and so
-// no bytes, where it is not used.
+// The persistent kernel's second K buffer and dK, dV staging tiles (kEarlyKV), as a base of
+// SharedStorage: empty, and so no bytes, where they are not used.
 template <class Element, int kElems>
 struct BwdSecondK {
   alignas(1024) cute::array_aligned<Element, kElems, 1024> smem_k_alt;
+  alignas(1024) cute::array_aligned<Element, 2 * kElems, 1024> smem_dkv_stage;  // dK, dV for the TMA stores
 };
 template <class Element>
 struct BwdSecondK<Element, 0> {};
@@ -31,10 +32,10 @@ struct BwdTraits {
   static constexpr int kStages = Config::kStages;
   static constexpr bool kCausal = kCausal_;
   static constexpr bool kSpreadVisits = Config::kSpreadVisits;  // bwd_kernel.h
-  // Persistent (bwd_kernel_persistent; causal, where bwd_config.h says): one block per SM takes
-  // blocks of work (key block, head, batch) in the causal order from a counter, so that the next
-  // one's K, V and first Q, dO load while this one's dK, dV leave.
-  static constexpr bool kPersistent = kCausal_ && Config::kPersistentCausal;
+  // Persistent (bwd_kernel_persistent, where bwd_config.h says): one block per SM takes blocks of
+  // work (key block, head, batch) in bwd_kernel's order from a counter, so that the next one's K,
+  // V and first Q, dO load while this one's dK, dV leave.
+  static constexpr bool kPersistent = kCausal_ ? Config::kPersistentCausal : Config::kPersistentNonCausal;
   // Persistent with K, V in registers (head dim 64): the next item's K, V load early, K into the
   // second of two buffers (the dQ GEMM reads K from shared memory to the end of the loop), V as
   // soon as the consumers have copied theirs into registers (bwd_kernel_persistent).
@@ -205,7 +206,7 @@ struct BwdTraits {
     float softmax_scale, scale_log2;
     int* tile_counter = nullptr;  // kPersistent: two zeroed ints (FwdTileStream), or null (static order)
     int num_items = 0;            // kPersistent: key blocks x heads x batch
-    TmaStoreKV tma_dk{}, tma_dv{};  // kPersistent, MHA: dK, dV out by TMA (bwd_kernel_persistent) ...
+    TmaStoreKV tma_dk{}, tma_dv{};  // kTmaEpilogue, MHA: dK, dV out by TMA (bwd_store_dkdv_tma) ...
     int dkv_tma = 0;                // ... where set
   };
 
