@@ -417,16 +417,20 @@ TEST(BwdGpuSmall, PaddedStridesAndRaggedShapes) {
       }
 }
 
-// The persistent causal kernel (head dim 64) with two blocks of work per SM, small enough for the
-// compute-sanitizer subset: 3 key blocks x 64 (head, batch) pairs, the default and the
-// deterministic mode, strided.
+// The persistent kernels (head dim 64) with two blocks of work per SM, small enough for the
+// compute-sanitizer subset: 3 key blocks x 64 (head, batch) pairs, causal GQA (dK, dV added per
+// query head), causal and non-causal MHA (dK, dV by TMA stores, the last key block clipped), the
+// default and the deterministic mode, strided.
 TEST(BwdGpuSmall, PersistentTwoItemsPerBlock) {
   FLASH3_REQUIRE_HOPPER();
-  Case c{DType::kBFloat16, 64, true, 1, 200, 300, 64, 8, /*head_pad=*/8, /*row_pad=*/8, /*lse_pad=*/1};
-  run_case(c, 71);
-  if (HasFatalFailure()) return;
-  c.deterministic = true;
-  run_case(c, 72);
+  for (const auto& [causal, nheads_kv] : {std::pair{true, 8}, std::pair{true, 64}, std::pair{false, 64}}) {
+    Case c{DType::kBFloat16, 64, causal, 1, 200, 300, 64, nheads_kv, /*head_pad=*/8, /*row_pad=*/8, /*lse_pad=*/1};
+    run_case(c, 71 + nheads_kv + causal);
+    if (HasFatalFailure()) return;
+    c.deterministic = true;
+    run_case(c, 72 + nheads_kv + causal);
+    if (HasFatalFailure()) return;
+  }
 }
 
 // Causal with seqlen_q > seqlen_k: the first seqlen_q - seqlen_k rows see no key (lse = +inf
