@@ -22,7 +22,7 @@ for hd, s, b, h, hk, det in [(64, 2048, 8, 32, 32, False), (128, 2048, 8, 16, 16
     for mode in ("0", "1"):
         os.environ["FLASH3_EXP_PERSIST"] = mode
         g = [torch.full_like(x, float("nan")) for x in (q, k, v)]
-        flash3.backward_into(dout, q, k, v, out, lse, *g, causal=True, deterministic=det)
+        flash3.backward_into(dout, q, k, v, out, lse, *g, causal=CAUSAL, deterministic=det)
         torch.cuda.synchronize()
         res[mode] = g
     a, p = res["0"], res["1"]
