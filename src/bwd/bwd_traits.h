@@ -157,7 +157,7 @@ struct BwdTraits {
     return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), layout), SmemLayoutK{},
                          Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
   }
-  // The persistent kernel's dK, dV (MHA): TMA stores from a SmemLayoutK-shaped staging tile.
+  // kTmaEpilogue: dK, dV (MHA) out by TMA stores from SmemLayoutK-shaped staging tiles.
   static auto make_tma_dkv_store(Element* ptr, LayoutQKV layout) {
     return make_tma_copy(SM90_TMA_STORE{}, make_tensor(make_gmem_ptr(ptr), layout), SmemLayoutK{},
                          Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
