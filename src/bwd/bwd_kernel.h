@@ -955,7 +955,12 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       if constexpr (Traits::kEarlyKV) {
         // The next item is requested as soon as this one is known, and its K, V are loaded once
         // this item's first loads are out (as many as there are stages), the consumers have
-        // copied this item's V into registers, and the K buffer's previous item is done.
+        // copied this item's V into registers, and the K buffer's previous item is done. With
+        // params.late_request (deterministic, and non-causal: bwd_launch.h) the next item is
+        // requested, and its K, V loaded, only once this item's last load is out.
+        // NOTES: an item drawn early waits, drawn but not started, for up to an item's length
+        // while its SM finishes the current one; in the deterministic mode the key blocks whose
+        // adds wait for its adds stall (head dim 64 0.55-0.83x the default from 2k, B59).
         auto load_kv = [&](const Item& nx, int k_next) {
           const int hk = nx.head / params.nheads_per_kv;
           Tensor gK = local_tile(mK(_, _, hk, nx.batch), TileKV{}, make_coord(nx.n_block, _0{}));
@@ -975,7 +980,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         }
         for (int k = 0; t < params.num_items; ++k) {
           const Item it = item_at(t);
-          shared.tile_request.arrive();  // the next item, please (drawn while this one loads)
+          const bool late = params.late_request;
+          if (!late) shared.tile_request.arrive();  // the next item, please (drawn while this one loads)
           Tensor gQ = local_tile(mQ(_, _, it.head, it.batch), TileQ{}, make_coord(_, _0{}));  // (M, D, m)
           Tensor gdO = local_tile(mdO(_, _, it.head, it.batch), TileQ{}, make_coord(_, _0{}));
           auto q_parts = tma_partition(params.tma_q, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
@@ -984,13 +990,14 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
           const float* dpsum = params.dpsum + it.bh * params.seqlen_q_pad;
           int t_next = params.num_items;
           auto prefetch = [&]() {
+            if (late) shared.tile_request.arrive();
             t_next = items.tile(k + 1, shared);
             if (t_next >= params.num_items) return;
             shared.barrier_v_free.wait(k & 1);  // this item's V is in registers
             if (k + 1 >= 2) shared.barrier_k_free[(k + 1) & 1].wait((((k + 1) >> 1) - 1) & 1);  // item k - 1
             load_kv(item_at(t_next), k + 1);
           };
-          const int at = (it.m_count < Traits::kStages ? it.m_count : Traits::kStages) - 1;
+          const int at = (late || it.m_count < Traits::kStages ? it.m_count : Traits::kStages) - 1;
           if (at < 0) prefetch();
 #pragma unroll 1
           for (int i = 0; i < it.m_count; ++i) {

@@ -208,6 +208,7 @@ struct BwdTraits {
     int num_items = 0;            // kPersistent: key blocks x heads x batch
     TmaStoreKV tma_dk{}, tma_dv{};  // kTmaEpilogue, MHA: dK, dV out by TMA (bwd_store_dkdv_tma) ...
     int dkv_tma = 0;                // ... where set
+    int late_request = 0;           // kEarlyKV: the next item asked for after the last load (bwd_launch.h)
   };
 
   struct SharedStorage : BwdSecondK<Element, kEarlyKV ? int(cosize_v<SmemLayoutK>) : 0> {
