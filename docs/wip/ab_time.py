@@ -19,7 +19,8 @@ for hd in hds:
             flash3.forward_into(q, k, v, out, lse, causal=c)
             dout = torch.randn_like(q)
             dq, dk, dv = [torch.empty_like(x) for x in (q, k, v)]
-            f = lambda: flash3.backward_into(dout, q, k, v, out, lse, dq, dk, dv, causal=c)
+            det = os.environ.get('DET') == '1'
+            f = lambda: flash3.backward_into(dout, q, k, v, out, lse, dq, dk, dv, causal=c, deterministic=det)
             for _ in range(3):
                 f()
             ts = []
