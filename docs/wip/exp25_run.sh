@@ -2,13 +2,7 @@
 # Scratch (session 25): (a) head dim 64 non-causal persistent (with early K/V and TMA epilogue) against
 # one block per item; (b) causal persistent: dK/dV staged in their own buffer (FLASH3_EXP_STAGE=1)
 # against the dS^T buffers (0).
-set -uo pipefail
-OUT=${OUT:-out}; mkdir -p "$OUT"
-t0=$(date +%s)
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASH3_BUILD_BENCH=OFF -DCMAKE_CUDA_FLAGS="-DFLASH3_EXP_PERSIST_AB -DFLASH3_EXP_PERSIST_NONCAUSAL" > "$OUT/cfg.log" 2>&1
-cmake --build build -j16 > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
-echo "build: $(( $(date +%s) - t0 )) s"
-export FLASH3_LIB=$PWD/build/libflash3.so
+EXP_FLAGS="-DFLASH3_EXP_PERSIST_AB -DFLASH3_EXP_PERSIST_NONCAUSAL" source exp/exp_build.sh
 for c in 0 1; do CAUSAL=$c ONLY64=1 timeout 60 python3 exp/persist_check.py 2>&1 | tee -a "$OUT/check.log"; done
 [ "$(grep -c 'persist_check PASSED' "$OUT/check.log")" = 2 ] || { echo "check failed: no timing"; exit 1; }
 FLASH3_EXP_STAGE=0 CAUSAL=1 ONLY64=1 timeout 60 python3 exp/persist_check.py 2>&1 | tail -1

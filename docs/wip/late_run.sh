@@ -1,13 +1,7 @@
 #!/usr/bin/env bash
 # Scratch (session 25, call 5): the persistent kernel's next-item request early (v0, FLASH3_EXP_LATE=0)
 # or after the item's last load (v1, FLASH3_EXP_LATE=1), deterministic and default, head dim 64.
-set -uo pipefail
-OUT=${OUT:-out}; mkdir -p "$OUT"
-t0=$(date +%s)
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASH3_BUILD_BENCH=OFF -DCMAKE_CUDA_FLAGS="-DFLASH3_EXP_PERSIST_AB" > "$OUT/cfg.log" 2>&1
-cmake --build build -j16 > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
-echo "build: $(( $(date +%s) - t0 )) s"
-export FLASH3_LIB=$PWD/build/libflash3.so
+EXP_FLAGS="-DFLASH3_EXP_PERSIST_AB" source exp/exp_build.sh
 for L in 0 1; do
   timeout 200 env FLASH3_EXP_LATE=$L ./build/flash3_tests --gtest_filter='BwdGpuPersistent*:BwdGpuDeterministic*:BwdGpuSmall*:BwdGpuGraphs*' --gtest_brief=1 > "$OUT/gtest$L.log" 2>&1; echo "late=$L gtest rc=$?: $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/gtest$L.log" | tr '\n' ' ')"
 done

@@ -5,13 +5,7 @@
 # with the row-by-row epilogue (FLASH3_EXP_TMA_EPI=0) as v1 for a second summary; then the
 # per-item stamps (exp/pstamps64.py). Built with the stamps compiled in (inactive unless
 # FLASH3_STAMPS_OUT is set: a null test per stamp in the persistent kernel only).
-set -uo pipefail
-OUT=${OUT:-out}; mkdir -p "$OUT"
-t0=$(date +%s)
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASH3_BUILD_BENCH=OFF -DCMAKE_CUDA_FLAGS="-DFLASH3_EXP_PERSIST_AB -DFLASH3_EXP_STAMPS" > "$OUT/cfg.log" 2>&1
-cmake --build build -j16 > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
-echo "build: $(( $(date +%s) - t0 )) s"
-export FLASH3_LIB=$PWD/build/libflash3.so
+EXP_FLAGS="-DFLASH3_EXP_PERSIST_AB -DFLASH3_EXP_STAMPS" source exp/exp_build.sh
 CAUSAL=1 ONLY64=1 timeout 60 python3 exp/persist_check.py 2>&1 | tee "$OUT/check.log"
 grep -q "persist_check PASSED" "$OUT/check.log" || { echo "check failed: no timing"; exit 1; }
 timeout 150 ./build/flash3_tests --gtest_filter='BwdGpuGraphs*:BwdGpuPersistent*:BwdGpuDeterministic*:BwdGpuSmall*:BwdGpuLong*' --gtest_brief=1 > "$OUT/gtest.log" 2>&1; echo "gtest rc=$?: $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/gtest.log" | tr '\n' ' ')"

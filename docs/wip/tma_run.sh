@@ -1,13 +1,7 @@
 #!/usr/bin/env bash
 # Scratch (session 25): the TMA-store dK/dV epilogue in the one-block-per-item kernels too.
 # One build; gtest Bwd*, pytest; A/B FLASH3_EXP_TMA_EPI=0 (v0, row-by-row) against 1 (v1), 3 rounds.
-set -uo pipefail
-OUT=${OUT:-out}; mkdir -p "$OUT"
-t0=$(date +%s)
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASH3_BUILD_BENCH=OFF -DCMAKE_CUDA_FLAGS="-DFLASH3_EXP_PERSIST_AB" > "$OUT/cfg.log" 2>&1
-cmake --build build -j16 > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
-echo "build: $(( $(date +%s) - t0 )) s"
-export FLASH3_LIB=$PWD/build/libflash3.so
+EXP_FLAGS="-DFLASH3_EXP_PERSIST_AB" source exp/exp_build.sh
 timeout 200 ./build/flash3_tests --gtest_filter='Bwd*' --gtest_brief=1 > "$OUT/gtest.log" 2>&1; echo "gtest rc=$?: $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/gtest.log" | tr '\n' ' ')"
 grep -E "FAILED|Failure" "$OUT/gtest.log" | head -10
 PYTHONPATH=python timeout 60 python3 -m pytest -q -x tests/test_torch.py 2>&1 | tail -1
