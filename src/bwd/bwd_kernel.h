@@ -1087,8 +1087,14 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     auto m_at = [base](int i) { return bwd_m_at(base, i); };
     clear(tdVrdV);
     clear(tdKrdK);
-    if (!Traits::kEarlyKV && k > 0) {
-      // The previous item's dK, dV stores have read the staging tiles (the dS^T buffers).
+    // The previous item's dK, dV stores have read their staging tiles, where those were the dS^T
+    // buffers: not with kEarlyKV, whose MHA epilogue stages in a buffer of its own (kTmaEpilogue
+    // at head dim 64) and whose GQA epilogue stages nothing.
+    bool staged_in_pds = !Traits::kEarlyKV;
+#ifdef FLASH3_EXP_PERSIST_AB
+    staged_in_pds |= !params.dkv_tma && params.dk_accum == nullptr;  // FLASH3_EXP_TMA_EPI=0, MHA
+#endif
+    if (staged_in_pds && k > 0) {
       if (tidx == 0) tma_store_wait<0>();
       named_barrier_sync(Traits::kNumConsumerThreads, kBwdBarEpilogue);
     }
