@@ -88,6 +88,21 @@ TEST(CausalOrder, SmallLastSectionJoinsThePreviousOnes) {
 }
 
 // The backward's sections: even, within the budget's section size, no remnant at the end.
+// The backward's section size: half the L2 of Q and dO, or a quarter at head dims up to 128 where
+// half holds more than 32 pairs (50 MB of L2, bf16, the sweep's lengths).
+TEST(CausalOrder, BackwardSectionPairs) {
+  const long long l2 = 50ll << 20;
+  EXPECT_EQ(flash3::bwd_section_pairs(512, 64, 2, l2), 100);    // half: 200
+  EXPECT_EQ(flash3::bwd_section_pairs(1024, 64, 2, l2), 50);    // half: 100
+  EXPECT_EQ(flash3::bwd_section_pairs(2048, 64, 2, l2), 25);    // half: 50
+  EXPECT_EQ(flash3::bwd_section_pairs(4096, 64, 2, l2), 25);    // half: 25, kept
+  EXPECT_EQ(flash3::bwd_section_pairs(16384, 64, 2, l2), 6);
+  EXPECT_EQ(flash3::bwd_section_pairs(1024, 128, 2, l2), 25);   // half: 50
+  EXPECT_EQ(flash3::bwd_section_pairs(2048, 128, 2, l2), 25);   // half: 25, kept
+  EXPECT_EQ(flash3::bwd_section_pairs(512, 256, 2, l2), 50);    // head dim 256: half, as before
+  EXPECT_EQ(flash3::bwd_section_pairs(1 << 20, 128, 2, l2), 1);  // at least one
+}
+
 TEST(CausalOrder, BalancedSections) {
   EXPECT_EQ(flash3::balanced_section(128, 25), 22);  // hdim 128 causal 2k: 6 sections, 22 x 5 + 18 (was 25 x 5 + 3)
   EXPECT_EQ(flash3::balanced_section(64, 12), 11);   // hdim 128 causal 4k: 6 sections, 11 x 5 + 9 (was 12 x 5 + 4)

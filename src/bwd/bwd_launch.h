@@ -16,7 +16,7 @@ namespace flash3::detail {
 
 // (head, batch) pairs per section of the causal block order (bwd_kernel.h, bwd_block_coords).
 inline int bwd_l2_section(const BwdProblem& p, int elem_bytes) {
-  const int section = causal_section(p.seqlen_q, p.head_dim, elem_bytes, current_device_info().l2_bytes / 2);
+  const int section = bwd_section_pairs(p.seqlen_q, p.head_dim, elem_bytes, current_device_info().l2_bytes);
   return balanced_section(p.batch * p.nheads, section);
 }
 

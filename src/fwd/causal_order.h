@@ -35,6 +35,20 @@ inline int causal_section(int seqlen_k, int head_dim, int elem_bytes, long long 
   return n < 1 ? 1 : (n > (1 << 30) ? (1 << 30) : int(n));
 }
 
+// The backward's causal section size in (head, batch) pairs: as many as have their Q and dO
+// within half the L2, or, at head dims up to 128 where that is more than 32 pairs, within a
+// quarter.
+// NOTES: each pair's FP32 dQ accumulator (twice Q's bytes) is also read and written through the L2
+// while the section's key blocks add into it; the half-L2 budget counts only Q and dO. Measured
+// at causal head dims 64 and 128 (docs/perf-log.md B60, one process): a quarter was +15% at 512,
+// +13% / +7% at 1k and +3% / -1% at 2k (head dim 64 / 128: 50 / 25 pairs at half the L2), but
+// 2-3% slower at 4k (25 / 12 pairs); at 8k-16k within the noise. Head dim 256 was not measured.
+inline int bwd_section_pairs(int seqlen_q, int head_dim, int elem_bytes, long long l2_bytes) {
+  const int half = causal_section(seqlen_q, head_dim, elem_bytes, l2_bytes / 2);
+  if (head_dim > 128 || half <= 32) return half;
+  return causal_section(seqlen_q, head_dim, elem_bytes, l2_bytes / 4);
+}
+
 // The backward's sections (bwd_kernel.h, bwd_block_coords): as many sections as `section` pairs
 // per section need, with the pairs spread evenly over them (each holds ceil(pairs / sections),
 // the last one what is left, fewer by less than the number of sections), so that no section is
