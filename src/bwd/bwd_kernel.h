@@ -843,17 +843,17 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   // ---- epilogue: dK (scaled), dV: straight to the outputs (MHA) or per query head (GQA) -------
   // Staged in the Q and dO buffers, free once both warpgroups' last GEMMs are done.
   static_assert(cosize_v<typename Traits::SmemLayoutQ> >= cosize_v<typename Traits::SmemLayoutK>);
-  if (Traits::kTmaEpilogue && params.dkv_tma) {
-    // MHA: by TMA stores; the block's shared memory stays until they have read it.
-    if constexpr (Traits::kTmaEpilogue) {
+  if constexpr (Traits::kTmaEpilogue) {
+    if (params.dkv_tma) {
+      // MHA: by TMA stores; the block's shared memory stays until they have read it.
       bwd_store_dkdv_tma<Traits>(params, tdKrdK, tdVrdV, tidx, n_block, head_kv, batch, shared.smem_q.data(),
                                  shared.smem_do.data());
       if (tidx == 0) tma_store_wait<0>();
+      return;
     }
-  } else {
-    bwd_store_dkdv<Traits>(params, tdKrdK, tdVrdV, tidx, col0, head_kv, batch, bh, shared.smem_q.data(),
-                           shared.smem_do.data());
   }
+  bwd_store_dkdv<Traits>(params, tdKrdK, tdVrdV, tidx, col0, head_kv, batch, bh, shared.smem_q.data(),
+                         shared.smem_do.data());
 }
 
 // ------------------------------------------------------------------------------------------
