@@ -1,11 +1,5 @@
 #!/usr/bin/env bash
-set -uo pipefail
-OUT=${OUT:-out}; mkdir -p "$OUT"
-t0=$(date +%s)
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASH3_BUILD_BENCH=OFF -DFLASH3_BUILD_TESTS=OFF -DCMAKE_CUDA_FLAGS="-DFLASH3_EXP_PERSIST_AB" > "$OUT/cfg.log" 2>&1
-cmake --build build -j16 --target flash3 > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
-echo "build: $(( $(date +%s) - t0 )) s"
-export FLASH3_LIB=$PWD/build/libflash3.so
+EXP_TESTS=OFF EXP_FLAGS="-DFLASH3_EXP_PERSIST_AB" source exp/exp_build.sh
 for r in 1 2 3; do for v in 0 1; do
   FLASH3_EXP_PERSIST=$v HDIMS=64 CAUSAL=1 timeout 100 python3 exp/ab_time.py "v$v$r" >> "$OUT/ab.txt" 2>&1
 done; done

@@ -1,12 +1,6 @@
 #!/usr/bin/env bash
 # Scratch (session 24): head dim 64 non-causal backward, persistent against one block per item.
-set -uo pipefail
-OUT=${OUT:-out}; mkdir -p "$OUT"
-t0=$(date +%s)
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASH3_BUILD_BENCH=OFF -DCMAKE_CUDA_FLAGS="-DFLASH3_EXP_PERSIST_AB -DFLASH3_EXP_PERSIST_NONCAUSAL" > "$OUT/cfg.log" 2>&1
-cmake --build build -j16 > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
-echo "build: $(( $(date +%s) - t0 )) s"
-export FLASH3_LIB=$PWD/build/libflash3.so
+EXP_FLAGS="-DFLASH3_EXP_PERSIST_AB -DFLASH3_EXP_PERSIST_NONCAUSAL" source exp/exp_build.sh
 CAUSAL=0 ONLY64=1 timeout 60 python3 exp/persist_check.py 2>&1 | tee "$OUT/check.log"
 grep -q "persist_check PASSED" "$OUT/check.log" || { echo "check failed: no timing"; exit 1; }
 for r in 1 2 3; do for v in 0 1; do

@@ -3,12 +3,7 @@
 # CUDA_FLAGS (default -DFLASH3_EXP_PERSIST_AB) and AB_HDIMS (default 64,128) choose the build and
 # the A/B points: the head dim 128 patch runs with
 #   CUDA_FLAGS="-DFLASH3_EXP_PERSIST_AB -DFLASH3_EXP_PERSIST128" AB_HDIMS=128 bash exp/persist_run.sh
-set -uo pipefail
-OUT=${OUT:-out}; mkdir -p "$OUT"
-t0=$(date +%s)
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASH3_BUILD_BENCH=OFF -DCMAKE_CUDA_FLAGS="${CUDA_FLAGS:--DFLASH3_EXP_PERSIST_AB}" > "$OUT/cfg.log" 2>&1
-cmake --build build -j16 > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
-echo "build: $(( $(date +%s) - t0 )) s"
+EXP_FLAGS="${CUDA_FLAGS:--DFLASH3_EXP_PERSIST_AB}" source exp/exp_build.sh
 FLASH3_LIB=$PWD/build/libflash3.so timeout 120 python3 exp/persist_check.py 2>&1 | tee "$OUT/check.log"
 grep -q "persist_check PASSED" "$OUT/check.log" || { echo "check failed: no timing"; exit 1; }
 timeout 200 ./build/flash3_tests --gtest_filter='Bwd*' --gtest_brief=1 > "$OUT/gtest.log" 2>&1; echo "gtest Bwd* rc=$?: $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/gtest.log" | tr '\n' ' ')"
