@@ -223,6 +223,7 @@ TEST(BwdWorkspace, PartsAreAlignedDisjointAndLargeEnough) {
                 {ws.dq_accum, 4 * bh * ws.seqlen_q_pad * d * groups}};
             EXPECT_EQ(ws.dq_store_first, flash3::bwd_dq_store_first(det, causal, d, ws.n_blocks));
             if (ws.dq_store_first) parts.emplace_back(ws.dq_sem, 4 * bh * ws.m_blocks * groups);
+            parts.emplace_back(ws.dq_done, 4 * bh);
             if (gqa) {
               parts.emplace_back(ws.dk_accum, 4 * bh * ws.seqlen_k_pad * d);
               parts.emplace_back(ws.dv_accum, 4 * bh * ws.seqlen_k_pad * d);

@@ -124,13 +124,16 @@ inline bool bwd_dq_store_first(bool deterministic, bool causal, int head_dim, in
 //            (bwd_dq_store_first): deterministic, the adds into each copy so far (key block n
 //            adds into copy n % groups, as its (n / groups)-th); default, 1 once key block 0
 //            has stored the tile
+//   dq_done  int   [batch][nheads]   the key blocks' dQ writers that have finished with the pair
+//            (each of the kDQWriters writers of each key block adds 1 once its adds are complete),
+//            so that the postprocess converts a pair's dQ while the main kernel still runs
 //   dk_accum, dv_accum float [batch][nheads][seqlen_k_pad][d]   GQA/MQA only: per-query-head dK, dV
 // seqlen_q_pad = m_blocks * kBlockM, seqlen_k_pad = n_blocks * kBlockN.
 struct BwdWorkspaceLayout {
   int block_m = 0, block_n = 0, m_blocks = 0, n_blocks = 0, dq_groups = 1;
   bool dq_store_first = false;  // dq_sem is there (bwd_dq_store_first)
   int64_t seqlen_q_pad = 0, seqlen_k_pad = 0;
-  size_t lse_log2 = 0, dpsum = 0, dq_accum = 0, dq_sem = 0, dk_accum = 0, dv_accum = 0;  // offsets
+  size_t lse_log2 = 0, dpsum = 0, dq_accum = 0, dq_sem = 0, dq_done = 0, dk_accum = 0, dv_accum = 0;  // offsets
   size_t bytes = 0;
 
   BwdWorkspaceLayout(int batch, int nheads, int seqlen_q, int seqlen_k, int head_dim,
@@ -154,6 +157,7 @@ struct BwdWorkspaceLayout {
     dpsum = take(sizeof(float) * bh * seqlen_q_pad);
     dq_accum = take(sizeof(float) * bh * seqlen_q_pad * head_dim * dq_groups);
     if (dq_store_first) dq_sem = take(sizeof(int) * bh * m_blocks * dq_groups);
+    dq_done = take(sizeof(int) * bh);
     if (gqa) {
       dk_accum = take(sizeof(float) * bh * seqlen_k_pad * head_dim);
       dv_accum = take(sizeof(float) * bh * seqlen_k_pad * head_dim);

@@ -594,6 +594,13 @@ __device__ __forceinline__ void bwd_dq_writer(typename Traits::Params const& par
     }
     __syncwarp();
   }
+  // This writer is done with the pair's dQ for this key block: once its adds are complete, one
+  // more on the pair's count, which the postprocess waits for (bwd_postprocess_dq), as above.
+  if (params.dq_done != nullptr && lane == 0) {
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+    asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(params.dq_done + bh) : "memory");
+  }
 }
 
 // dK (scaled) and dV of one block of work (keys col0.., pair bh) out of the registers: to the
@@ -705,6 +712,16 @@ __device__ __forceinline__ void bwd_store_dkdv_tma(typename Traits::Params const
   }
 }
 
+// The main kernel's producer thread: wait for the preprocess, then let the postprocess launch.
+// NOTES: the postprocess launches once every block of the main kernel has been here (or has
+// ended), so the preprocess is complete by then: the postprocess reads the pair counts the
+// preprocess zeroed (dq_done) without a wait of its own (bwd_postprocess_dq). (One thread's
+// launch_dependents counts for its block.)
+__device__ __forceinline__ void bwd_pdl_wait_then_launch() {
+  pdl_wait();
+  pdl_launch_dependents();
+}
+
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     bwd_kernel(const __grid_constant__ typename Traits::Params params) {
@@ -720,7 +737,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   // Programmatic dependent launch (bwd_launch.h): the producer and the dQ writers wait for the
   // preprocess where they first read its output (pdl_wait below); the consumers read only what
   // the producer loaded after its wait, and write dK, dV, which the preprocess does not touch.
-  pdl_launch_dependents();
+  // The producer lets the postprocess launch once past its wait (bwd_pdl_wait_then_launch).
 
   int n_block, head, batch;
   bwd_block_coords<Traits::kCausal>(params.n_blocks, params.nheads, params.batch, params.l2_section,
@@ -797,7 +814,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       shared.barrier_kv.arrive_and_expect_tx(Traits::kTmaBytesKV);
       copy(params.tma_k.with(kv_bar), get<0>(k_parts), get<1>(k_parts));
       copy(params.tma_v.with(kv_bar), get<0>(v_parts), get<1>(v_parts));
-      pdl_wait();  // the preprocess's lse, D (K, V are inputs: loaded before)
+      bwd_pdl_wait_then_launch();  // the preprocess's lse, D (K, V are inputs: loaded before)
       const float* lse = params.lse_log2 + bh * params.seqlen_q_pad;
       const float* dpsum = params.dpsum + bh * params.seqlen_q_pad;
       PipelineState write_q = cutlass::make_producer_start_state<Pipeline>();
@@ -888,7 +905,6 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
 
   extern __shared__ __align__(1024) char smem_raw[];
   auto& shared = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
-  pdl_launch_dependents();
 
   const FwdTileStream<true> items{params.tile_counter, params.num_items};
   // Work item t: its key block, (head, batch) pair and query blocks, visited last to first.
@@ -976,7 +992,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         int t = items.tile(0, shared);
         if (t < params.num_items) {
           load_kv(item_at(t), 0);
-          pdl_wait();  // the preprocess's lse, D (K, V are inputs: loaded before)
+          bwd_pdl_wait_then_launch();  // the preprocess's lse, D (K, V are inputs: loaded before)
         }
         for (int k = 0; t < params.num_items; ++k) {
           const Item it = item_at(t);
@@ -1031,7 +1047,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         };
         if (k == 0) {
           load_kv();
-          pdl_wait();  // the preprocess's lse, D (K, V are inputs: loaded before)
+          bwd_pdl_wait_then_launch();  // the preprocess's lse, D (K, V are inputs: loaded before)
         }
         const float* lse = params.lse_log2 + it.bh * params.seqlen_q_pad;
         const float* dpsum = params.dpsum + it.bh * params.seqlen_q_pad;
@@ -1160,17 +1176,21 @@ struct BwdAuxParams {
   int batch, seqlen_q, nheads, head_dim, m_blocks;
   int64_t seqlen_q_pad;
   float softmax_scale;
+  int* dq_done = nullptr;  // per pair: the main kernel's writers done (bwd_config.h); null: see below
+  int dq_done_target = 0;  // ... their number: key blocks x writers
 };
 
-// Block -> (query tile, head, batch), the last (head, batch) first.
+// Block -> (query tile, head, batch), the last (head, batch) first, or the first (`forward`).
 // NOTES: the main kernel starts with the first (head, batch) pairs and ends with the last, so
 // the preprocess, in reverse, leaves the first pairs' dO and cleared dQ tiles (or counters) in
-// L2 for the main kernel's start, and the postprocess, in reverse, reads the tiles the main
-// kernel added into last while they are still in L2 (50 MB, about a third of the FP32 dQ at
-// 16k tokens x hidden 2048). With programmatic dependent launch (bwd_launch.h): +0.3-2% at
-// 512-4k, docs/perf-log.md B31.
-__device__ __forceinline__ void aux_block_coords(int m_blocks, int nheads, int& m, int& head, int& batch) {
-  const int b = int(gridDim.x) - 1 - int(blockIdx.x);
+// L2 for the main kernel's start. The postprocess, where it waits for the whole main kernel,
+// in reverse reads the tiles the main kernel added into last while they are still in L2 (50 MB,
+// about a third of the FP32 dQ at 16k tokens x hidden 2048; with programmatic dependent launch,
+// bwd_launch.h: +0.3-2% at 512-4k, docs/perf-log.md B31); where it waits per pair (dq_done), it
+// goes first to last, in the order the main kernel finishes the pairs.
+__device__ __forceinline__ void aux_block_coords(int m_blocks, int nheads, int& m, int& head, int& batch,
+                                                 bool forward = false) {
+  const int b = forward ? int(blockIdx.x) : int(gridDim.x) - 1 - int(blockIdx.x);
   m = b % m_blocks;
   head = (b / m_blocks) % nheads;
   batch = (b / m_blocks) / nheads;
@@ -1228,6 +1248,7 @@ __global__ void __launch_bounds__(256) bwd_preprocess(const BwdAuxParams p) {
                            : INFINITY;
     }
   }
+  if (p.dq_done != nullptr && m == 0 && threadIdx.x == 0) p.dq_done[bh] = 0;
   if (p.dq_sem != nullptr) {  // each copy's first add is a store (bwd_config.h)
     if (int(threadIdx.x) < p.dq_groups) p.dq_sem[(bh * p.m_blocks + m) * p.dq_groups + threadIdx.x] = 0;
   } else {
@@ -1243,16 +1264,37 @@ __global__ void __launch_bounds__(256) bwd_preprocess(const BwdAuxParams p) {
 // thread writes 16 contiguous bytes of dQ. (Writing 4 bytes per thread straight from the
 // register order scattered every warp store over 8 rows: 177 us where cuDNN's conversion
 // takes 57, at 16k tokens x 16 heads x 128.)
+// NOTES: with dq_done, a block waits only for its own pair's key blocks (all their writers have
+// counted their adds complete, bwd_dq_writer), so that the postprocess runs on the SMs the main
+// kernel's last wave leaves idle: the postprocess launches under the main kernel (programmatic
+// dependent launch, once the preprocess is complete: bwd_pdl_wait_then_launch) and its blocks
+// take SMs as the main kernel's blocks end. The grid's last block still waits for the whole main
+// kernel, so that the postprocess ends after it (its dK, dV, and the GQA postprocess's FP32
+// inputs, are complete when the stream moves on). Without dq_done (no main kernel: seqlen_k = 0;
+// or an experiment switch, bwd_launch.h), every block waits for the main kernel to end.
 template <class Traits>
 __global__ void __launch_bounds__(256) bwd_postprocess_dq(const BwdAuxParams p) {
-  pdl_wait();  // the main kernel's adds
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim, kStride = kHeadDim + 8;
   extern __shared__ float4 smem_dq_raw[];
   float* tile_s = reinterpret_cast<float*>(smem_dq_raw);
+  const bool per_pair = p.dq_done != nullptr;
   int m, head, batch;
-  aux_block_coords(p.m_blocks, p.nheads, m, head, batch);
+  aux_block_coords(p.m_blocks, p.nheads, m, head, batch, per_pair);
   const int64_t bh = int64_t(batch) * p.nheads + head;
+  if (!per_pair || blockIdx.x == gridDim.x - 1) pdl_wait();  // the whole main kernel
+  if (per_pair) {
+    if (threadIdx.x == 0) {
+      for (int sleep = 64;;) {
+        int seen;
+        asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(p.dq_done + bh) : "memory");
+        if (seen >= p.dq_done_target) break;
+        __nanosleep(sleep);
+        sleep = sleep < 2048 ? 2 * sleep : sleep;
+      }
+    }
+    __syncthreads();  // the acquire above, for the whole block
+  }
   // Fragment thread t (bwd_dq_frag_thread), its pairs j0 .. j0 + kPairs - 1 (all of them where
   // the dQ GEMM has 256 threads; half where it has 128, kDQAlternate).
   constexpr int kFrag = Traits::kDQFragThreads;

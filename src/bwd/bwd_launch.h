@@ -20,6 +20,15 @@ inline int bwd_l2_section(const BwdProblem& p, int elem_bytes) {
   return balanced_section(p.batch * p.nheads, section);
 }
 
+// Whether the postprocess waits per pair (dq_done) rather than for the whole main kernel.
+inline bool bwd_dq_overlap() {
+#ifdef FLASH3_EXP_PERSIST_AB
+  // FLASH3_EXP_DQ_OVERLAP=0: every postprocess block waits for the whole main kernel (A/B).
+  if (const char* e = std::getenv("FLASH3_EXP_DQ_OVERLAP"); e != nullptr && *e == '0') return false;
+#endif
+  return true;
+}
+
 template <class Traits>
 void launch_bwd_main(const BwdProblem& p, const BwdArgs& args, const BwdWorkspaceLayout& ws, char* base) {
   using Element = typename Traits::Element;
@@ -52,6 +61,7 @@ void launch_bwd_main(const BwdProblem& p, const BwdArgs& args, const BwdWorkspac
       p.softmax_scale,
       float(p.softmax_scale * M_LOG2E),
   };
+  if (bwd_dq_overlap()) params.dq_done = reinterpret_cast<int*>(base + ws.dq_done);
   // MHA: dK, dV leave through TMA stores (bwd_store_dkdv_tma) where kTmaEpilogue; GQA adds FP32
   // per query head.
   if (Traits::kTmaEpilogue && !gqa) {
@@ -113,6 +123,12 @@ void run_bwd(const BwdProblem& p, const BwdArgs& args, const BwdWorkspaceLayout&
       ws.dq_groups,
       p.batch, p.seqlen_q, p.nheads, p.head_dim, ws.m_blocks, ws.seqlen_q_pad, p.softmax_scale,
   };
+  // The postprocess converts each pair's dQ once the main kernel's writers are done with it
+  // (bwd_postprocess_dq), where there is a main kernel.
+  if (p.seqlen_k > 0 && bwd_dq_overlap()) {
+    aux.dq_done = reinterpret_cast<int*>(base + ws.dq_done);
+    aux.dq_done_target = ws.n_blocks * Traits::kDQWriters;
+  }
   const int64_t aux_blocks = int64_t(ws.m_blocks) * p.nheads * p.batch;
   bwd_preprocess<Element, kBlockM, kHeadDim><<<dim3(unsigned(aux_blocks)), 256, 0, args.stream>>>(aux);
   check_cuda(cudaGetLastError(), "backward preprocess launch");

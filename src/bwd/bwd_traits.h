@@ -209,6 +209,7 @@ struct BwdTraits {
     TmaStoreKV tma_dk{}, tma_dv{};  // kTmaEpilogue, MHA: dK, dV out by TMA (bwd_store_dkdv_tma) ...
     int dkv_tma = 0;                // ... where set
     int late_request = 0;           // kEarlyKV: the next item asked for after the last load (bwd_launch.h)
+    int* dq_done = nullptr;         // per pair: writers done (bwd_config.h), for the postprocess; or null
   };
 
   struct SharedStorage : BwdSecondK<Element, kEarlyKV ? int(cosize_v<SmemLayoutK>) : 0> {
