@@ -1,6 +1,7 @@
 import json, sys, math, collections
 runs = collections.defaultdict(list)
 for line in open(sys.argv[1]):
+    if line.startswith("#"): continue
     tag, js = line.split(" ", 1); runs[tag[:2]].append(json.loads(js))
 keys = list(runs["v0"][0]); med = lambda xs: sorted(xs)[len(xs) // 2]; g = []
 print(f"{'point':>14} | {'one item per block':>18} | {'persistent':>14} | ratio")
