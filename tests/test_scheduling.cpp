@@ -87,7 +87,6 @@ TEST(CausalOrder, SmallLastSectionJoinsThePreviousOnes) {
   EXPECT_EQ(flash3::causal_tail_first(7, 100, 64, 132), 0);  // every pair fits one section
 }
 
-// The backward's sections: even, within the budget's section size, no remnant at the end.
 // The backward's section size: half the L2 of Q and dO, or a quarter at head dims up to 128 where
 // half holds more than 32 pairs (50 MB of L2, bf16, the sweep's lengths).
 TEST(CausalOrder, BackwardSectionPairs) {
@@ -103,50 +102,73 @@ TEST(CausalOrder, BackwardSectionPairs) {
   EXPECT_EQ(flash3::bwd_section_pairs(1 << 20, 128, 2, l2), 1);  // at least one
 }
 
-TEST(CausalOrder, BalancedSections) {
-  EXPECT_EQ(flash3::balanced_section(128, 25), 22);  // hdim 128 causal 2k: 6 sections, 22 x 5 + 18 (was 25 x 5 + 3)
-  EXPECT_EQ(flash3::balanced_section(64, 12), 11);   // hdim 128 causal 4k: 6 sections, 11 x 5 + 9 (was 12 x 5 + 4)
-  EXPECT_EQ(flash3::balanced_section(256, 50), 43);  // hdim 64 causal 2k: 6 sections, 43 x 5 + 41 (was 50 x 5 + 6)
-  EXPECT_EQ(flash3::balanced_section(100, 25), 25);  // divides: unchanged
-  EXPECT_EQ(flash3::balanced_section(7, 100), 7);    // one section
-  EXPECT_EQ(flash3::balanced_section(0, 3), 1);
-  EXPECT_EQ(flash3::balanced_section(5, 0), 1);
+// The sections' sizes, written out independently of bwd_causal_block: the first `big` of size + 1
+// pairs, then of `size`, the last one what is left.
+static std::vector<int> section_sizes(int pairs, flash3::BwdSections s) {
+  std::vector<int> sizes;
+  for (int left = pairs; left > 0;) {
+    const int n = std::min(left, int(sizes.size()) < s.big ? s.size + 1 : s.size);
+    sizes.push_back(n);
+    left -= n;
+  }
+  return sizes;
+}
+
+// The backward's sections: no more than the budget needs, within it; B50's sizes where their last
+// section holds at least half of one, else even (no remnant at the end).
+TEST(CausalOrder, BackwardSections) {
+  using V = std::vector<int>;
+  auto sizes = [](int pairs, int section) { return section_sizes(pairs, flash3::bwd_sections(pairs, section)); };
+  EXPECT_EQ(sizes(128, 25), V({22, 22, 22, 22, 22, 18}));  // hdim 128 causal 2k (B50; 25 x 5 + 3 before)
+  EXPECT_EQ(sizes(32, 6), V({6, 6, 5, 5, 5, 5}));          // hdim 256 causal 4k (B50: 6 x 5 + 2)
+  EXPECT_EQ(sizes(16, 3), V({3, 3, 3, 3, 2, 2}));          // hdim 256 causal 8k (B50: 3 x 5 + 1)
+  EXPECT_EQ(sizes(256, 25), V({24, 24, 24, 24, 24, 24, 24, 24, 24, 24, 16}));  // hdim 64 causal 2k
+  EXPECT_EQ(sizes(100, 25), V({25, 25, 25, 25}));          // divides
+  EXPECT_EQ(sizes(7, 100), V({7}));                        // one section
+  EXPECT_EQ(sizes(1, 3), V({1}));
+  EXPECT_EQ(sizes(5, 0), V({1, 1, 1, 1, 1}));
   for (int pairs = 1; pairs <= 300; ++pairs) {
     for (int section = 1; section <= 64; ++section) {
-      const int b = flash3::balanced_section(pairs, section);
-      const int sections = (pairs + section - 1) / section;
-      EXPECT_LE(b, section);                               // within the budget
-      EXPECT_EQ((pairs + b - 1) / b, sections);            // no more sections than before
-      EXPECT_GE(pairs - (sections - 1) * b, b - sections);  // the last one is not a remnant
+      const std::vector<int> v = sizes(pairs, section);
+      EXPECT_EQ(int(v.size()), (pairs + section - 1) / section);  // no more sections than the budget needs
+      EXPECT_LE(*std::max_element(v.begin(), v.end()), section);   // within the budget
+      EXPECT_GE(2 * v.back(), v.front() - 1);                      // the last one is not a remnant
     }
   }
 }
 
-// The backward's causal block order with any section size (balanced or not): every (key block,
-// pair) once, key block n - 1 of a pair before key block n (the deterministic mode waits on it),
-// key blocks non-decreasing within a section (longest first), sections in pair order.
+// The backward's causal block order with any sections: every (key block, pair) once, key block
+// n - 1 of a pair before key block n (the deterministic mode waits on it), key blocks non-decreasing
+// within a section (longest first), sections in pair order.
 TEST(CausalOrder, BackwardBlocksOnceInOrder) {
   for (int n_blocks : {1, 2, 3, 16, 33}) {
     for (int pairs : {1, 2, 7, 32, 128}) {
-      for (int section : {1, 3, 6, 25, pairs, flash3::balanced_section(pairs, 25), flash3::balanced_section(pairs, 6)}) {
-        SCOPED_TRACE(testing::Message() << "n_blocks " << n_blocks << " pairs " << pairs << " section " << section);
+      for (flash3::BwdSections sec : {flash3::BwdSections{1, 0}, flash3::BwdSections{3, 0}, flash3::BwdSections{25, 0},
+                                      flash3::BwdSections{pairs, 0}, flash3::bwd_sections(pairs, 6),
+                                      flash3::bwd_sections(pairs, 25), flash3::BwdSections{pairs / 3, pairs % 3}}) {
+        if (sec.size < 1) continue;
+        SCOPED_TRACE(testing::Message() << "n_blocks " << n_blocks << " pairs " << pairs << " size " << sec.size
+                                        << " big " << sec.big);
+        std::vector<int> section_of;  // pair -> its section
+        const std::vector<int> sz = section_sizes(pairs, sec);
+        for (int i = 0; i < int(sz.size()); ++i) section_of.insert(section_of.end(), size_t(sz[size_t(i)]), i);
         std::vector<int> pos(size_t(n_blocks) * pairs, -1);
-        int prev_n = -1, prev_first = 0;
+        int prev_n = -1, prev_section = 0;
         for (int bid = 0; bid < n_blocks * pairs; ++bid) {
           int n = -1, p = -1;
-          flash3::bwd_causal_block(bid, n_blocks, pairs, section, n, p);
+          flash3::bwd_causal_block(bid, n_blocks, pairs, sec.size, sec.big, n, p);
           ASSERT_TRUE(n >= 0 && n < n_blocks && p >= 0 && p < pairs) << "block " << bid;
           ASSERT_EQ(pos[size_t(n) * pairs + p], -1) << "(" << n << ", " << p << ") twice";
           pos[size_t(n) * pairs + p] = bid;
-          const int first = p / section * section;
-          if (first == prev_first) {
+          const int section = section_of[size_t(p)];
+          if (section == prev_section) {
             EXPECT_GE(n, prev_n) << "key blocks out of order within a section at block " << bid;
           } else {
-            EXPECT_EQ(first, prev_first + section) << "sections out of order at block " << bid;
+            EXPECT_EQ(section, prev_section + 1) << "sections out of order at block " << bid;
             EXPECT_EQ(n, 0);
           }
           prev_n = n;
-          prev_first = first;
+          prev_section = section;
         }
         for (int p = 0; p < pairs; ++p) {
           for (int n = 1; n < n_blocks; ++n) EXPECT_LT(pos[size_t(n - 1) * pairs + p], pos[size_t(n) * pairs + p]);

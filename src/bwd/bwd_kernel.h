@@ -51,18 +51,19 @@ __device__ __forceinline__ void query_block_range(int n_block, int seqlen_q, int
 
 // Block index -> (n_block, head, batch). Non-causal: n_block fastest (the blocks of one head
 // run together and share its Q, dO in L2). Causal: longest-processing-time first (n_block 0
-// visits every query block, the last one the fewest), within sections of `l2_section` (head,
-// batch) pairs whose Q and dO fit in half the L2: n_block slowest inside a section. (With
+// visits every query block, the last one the fewest), within sections of (head, batch) pairs
+// whose Q and dO fit in half the L2 (the first l2_big of l2_section + 1 pairs, then of
+// l2_section: causal_order.h, bwd_sections): n_block slowest inside a section. (With
 // n_block slowest over all heads, 132 blocks streamed 132 heads' Q, dO at once: at 16k, hdim
 // 256 that is ~2 GB, from DRAM.) Both orders dispatch block (n-1, h, b) before (n, h, b), which
 // the deterministic mode relies on.
 template <bool kCausal>
 __device__ __forceinline__ void bwd_block_coords(int n_blocks, int nheads, int batches, int l2_section,
-                                                 int& n_block, int& head, int& batch) {
+                                                 int l2_big, int& n_block, int& head, int& batch) {
   const int bid = blockIdx.x;
   int bh;
   if constexpr (kCausal) {
-    bwd_causal_block(bid, n_blocks, nheads * batches, l2_section, n_block, bh);  // causal_order.h
+    bwd_causal_block(bid, n_blocks, nheads * batches, l2_section, l2_big, n_block, bh);  // causal_order.h
   } else {
     n_block = bid % n_blocks;
     bh = bid / n_blocks;
@@ -740,7 +741,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   // The producer lets the postprocess launch once past its wait (bwd_pdl_wait_then_launch).
 
   int n_block, head, batch;
-  bwd_block_coords<Traits::kCausal>(params.n_blocks, params.nheads, params.batch, params.l2_section,
+  bwd_block_coords<Traits::kCausal>(params.n_blocks, params.nheads, params.batch, params.l2_section, params.l2_big,
                                     n_block, head, batch);
   const int head_kv = head / params.nheads_per_kv;
   int m_begin, m_end;
@@ -916,7 +917,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     Item it;
     int pair;
     if constexpr (Traits::kCausal) {
-      bwd_causal_block(t, params.n_blocks, params.nheads * params.batch, params.l2_section, it.n_block, pair);
+      bwd_causal_block(t, params.n_blocks, params.nheads * params.batch, params.l2_section, params.l2_big,
+                       it.n_block, pair);
     } else {
       it.n_block = t % params.n_blocks;
       pair = t / params.n_blocks;

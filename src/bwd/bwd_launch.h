@@ -14,10 +14,10 @@
 
 namespace flash3::detail {
 
-// (head, batch) pairs per section of the causal block order (bwd_kernel.h, bwd_block_coords).
-inline int bwd_l2_section(const BwdProblem& p, int elem_bytes) {
+// Sections of the causal block order (bwd_kernel.h, bwd_block_coords; causal_order.h).
+inline BwdSections bwd_l2_sections(const BwdProblem& p, int elem_bytes) {
   const int section = bwd_section_pairs(p.seqlen_q, p.head_dim, elem_bytes, current_device_info().l2_bytes);
-  return balanced_section(p.batch * p.nheads, section);
+  return bwd_sections(p.batch * p.nheads, section);
 }
 
 // Whether the postprocess waits per pair (dq_done) rather than for the whole main kernel.
@@ -34,6 +34,7 @@ void launch_bwd_main(const BwdProblem& p, const BwdArgs& args, const BwdWorkspac
   using Element = typename Traits::Element;
   using Params = typename Traits::Params;
   const bool gqa = p.nheads != p.nheads_kv;
+  const BwdSections sections = bwd_l2_sections(p, int(sizeof(Element)));
   Params params{
       Traits::make_tma_q(static_cast<const Element*>(args.q.data), qkv_layout(args.q)),
       Traits::make_tma_q(static_cast<const Element*>(args.dout.data), qkv_layout(args.dout)),
@@ -55,8 +56,8 @@ void launch_bwd_main(const BwdProblem& p, const BwdArgs& args, const BwdWorkspac
       args.dv.stride[1], args.dv.stride[2], args.dv.stride[0],
       p.batch, p.seqlen_q, p.seqlen_k, p.nheads, p.nheads / p.nheads_kv,
       ws.m_blocks, ws.n_blocks,
-      // (head, batch) pairs whose Q and dO fit in half the L2, spread evenly over the sections.
-      bwd_l2_section(p, int(sizeof(Element))),
+      // Sections of (head, batch) pairs whose Q and dO fit in half the L2 (causal_order.h).
+      sections.size, sections.big,
       ws.seqlen_q_pad, ws.seqlen_k_pad,
       p.softmax_scale,
       float(p.softmax_scale * M_LOG2E),

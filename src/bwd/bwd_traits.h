@@ -201,7 +201,7 @@ struct BwdTraits {
     int64_t dv_row_stride, dv_head_stride, dv_batch_stride;
     int batch, seqlen_q, seqlen_k, nheads, nheads_per_kv;
     int m_blocks, n_blocks;
-    int l2_section;  // causal block order: (head, batch) pairs per L2 section
+    int l2_section, l2_big;  // causal block order: sections of (head, batch) pairs (bwd_sections)
     int64_t seqlen_q_pad, seqlen_k_pad;
     float softmax_scale, scale_log2;
     int* tile_counter = nullptr;  // kPersistent: two zeroed ints (FwdTileStream), or null (static order)

@@ -49,31 +49,53 @@ inline int bwd_section_pairs(int seqlen_q, int head_dim, int elem_bytes, long lo
   return causal_section(seqlen_q, head_dim, elem_bytes, l2_bytes / 4);
 }
 
-// The backward's sections (bwd_kernel.h, bwd_block_coords): as many sections as `section` pairs
-// per section need, with the pairs spread evenly over them (each holds ceil(pairs / sections),
-// the last one what is left, fewer by less than the number of sections), so that no section is
-// larger than `section` and the last one is not a remnant.
+// The backward's sections (bwd_kernel.h, bwd_block_coords): as many as `section` pairs per
+// section need, the pairs spread evenly over them. BwdSections{size, big}: the first `big`
+// sections hold size + 1 pairs, the others size, the last one what is left (bwd_causal_block).
+// Where ceil(pairs / sections) per section leaves at least half a section for the last one, that
+// (big = 0); where it leaves less, the sections as even as they go (size = pairs / sections,
+// big = pairs % sections). No section is larger than `section`.
 // NOTES: with sections of `section` pairs the last one held what was left, e.g. 3 pairs of 25 at
 // head dim 128, causal 2k (48 blocks): its longest blocks, dispatched last, ran with most SMs
-// idle (65 us of a 700 us kernel, docs/perf-log.md B50).
-inline int balanced_section(int pairs, int section) {
+// idle (65 us of a 700 us kernel, docs/perf-log.md B50). B50's ceil(pairs / sections) still left
+// a small last section where few pairs are cut into many sections: 6 x 5 + 2 at head dim 256
+// causal 4k, 128 causal 8k and 64 causal 16k (32 pairs, 6 per section), 3 x 5 + 1 at 256 causal
+// 8k and 128 causal 16k. As even as they go (6, 6, 5, 5, 5, 5 and 3, 3, 3, 3, 2, 2) measured
+// +1.5 / +4.6 / +7.6 / +2.5 / +3.1% there (B63, one process), but 0.3-1.4% slower at 512-4k
+// (hdim 64, 128), where B50's last section is 9 of 11 pairs, 16 of 24, 18 of 22.
+struct BwdSections {
+  int size = 1, big = 0;
+};
+inline BwdSections bwd_sections(int pairs, int section) {
   section = section < 1 ? 1 : section;
-  if (pairs <= section) return pairs < 1 ? 1 : pairs;
-  const int sections = (pairs + section - 1) / section;
-  return (pairs + sections - 1) / sections;
+  pairs = pairs < 1 ? 1 : pairs;
+  const int n = (pairs + section - 1) / section;
+  const int even = (pairs + n - 1) / n, last = pairs - (n - 1) * even;
+  if (2 * last >= even) return {even, 0};
+  return {pairs / n, pairs % n};
 }
 
 // The backward's causal block order: block `bid` -> (key block, (head, batch) pair), longest
-// first (key block 0 visits every query block) within sections of `section` pairs, key block
-// slowest inside a section; the last section holds the pairs that are left. Key block n - 1 of a
-// pair comes before key block n, which the deterministic mode relies on (bwd_kernel.h).
-FLASH3_HOST_DEVICE void bwd_causal_block(int bid, int n_blocks, int pairs, int section, int& n_block,
+// first (key block 0 visits every query block) within sections of consecutive pairs (the first
+// `big` of size + 1 pairs, then of `size`, the last one holding what is left: BwdSections), key
+// block slowest inside a section. Key block n - 1 of a pair comes before key block n, which the
+// deterministic mode relies on (bwd_kernel.h).
+FLASH3_HOST_DEVICE void bwd_causal_block(int bid, int n_blocks, int pairs, int size, int big, int& n_block,
                                          int& pair) {
-  const int per_section = section * n_blocks;
-  const int index = bid / per_section;
-  const int first = index * section;
-  const int count = section < pairs - first ? section : pairs - first;
-  const int r = bid - index * per_section;
+  const int big_blocks = (size + 1) * n_blocks;  // blocks of each of the first `big` sections
+  int first, count, r;
+  if (bid < big * big_blocks) {
+    const int index = bid / big_blocks;
+    first = index * (size + 1);
+    count = size + 1;
+    r = bid - index * big_blocks;
+  } else {
+    const int rest = bid - big * big_blocks, per_section = size * n_blocks;
+    const int index = rest / per_section;
+    first = big * (size + 1) + index * size;
+    count = size < pairs - first ? size : pairs - first;
+    r = rest - index * per_section;
+  }
   n_block = r / count;
   pair = first + r % count;
 }
