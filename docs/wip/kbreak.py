@@ -56,7 +56,7 @@ def run_point(d, causal, s):
         for c in calls:
             get = lambda kind: [y for y in c if y[2] == kind]
             pre, main, post = get("pre"), get("main"), get("post")
-            if not (pre and main and post):
+            if not (pre and main):  # (no post kernel where the main kernel converts dQ itself)
                 continue
             span = max(y[1] for y in c) - min(y[0] for y in c)
             pre_x = pre[0][1] - pre[0][0]
