@@ -12,5 +12,9 @@ for r in 1 2 3; do for v in 0 1; do
   FLASH3_EXP_DQ_FOLD=$v HDIMS=128,256 CAUSAL=0,1 timeout 100 python3 exp/ab_time.py "v$v$r" >> "$OUT/ab.txt" 2>&1
 done; done
 echo "v0 B61 postprocess, v1 dQ converted in the main kernel (columns: v0 rounds | v1 rounds | ratio)"; python3 exp/ab_summary.py "$OUT/ab.txt"
+for v in 0 1; do  # the 2 MB limit (bwd_dq_fold): v1 folds every length, v0 as built
+  FLASH3_EXP_DQ_FOLD_MB=$(( v ? 1024 : 2 )) HDIMS=128,256 SEQS=4096,8192,16384 timeout 100 python3 exp/ab_time.py "v${v}1" >> "$OUT/ab_limit.txt" 2>&1
+done
+echo "v0 fold up to 2 MB per pair, v1 fold everywhere"; python3 exp/ab_summary.py "$OUT/ab_limit.txt"
 FLASH3_EXP_DQ_FOLD=1 HDIMS=128,256 SEQS=2048,4096 timeout 100 python3 exp/kbreak.py > "$OUT/kbreak.txt" 2>&1; echo "kbreak rc=$?"
 echo "elapsed $(( $(date +%s) - t0 )) s"
