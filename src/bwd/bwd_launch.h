@@ -20,11 +20,19 @@ inline BwdSections bwd_l2_sections(const BwdProblem& p, int elem_bytes) {
   return bwd_sections(p.batch * p.nheads, section);
 }
 
+#ifdef FLASH3_EXP_PERSIST_AB
+// A/B experiments: whether the environment turns the switch `name` off (its value starts with 0).
+inline bool exp_switch_off(const char* name) {
+  const char* e = std::getenv(name);
+  return e != nullptr && *e == '0';
+}
+#endif
+
 // Whether the postprocess waits per pair (dq_done) rather than for the whole main kernel.
 inline bool bwd_dq_overlap() {
 #ifdef FLASH3_EXP_PERSIST_AB
   // FLASH3_EXP_DQ_OVERLAP=0: every postprocess block waits for the whole main kernel (A/B).
-  if (const char* e = std::getenv("FLASH3_EXP_DQ_OVERLAP"); e != nullptr && *e == '0') return false;
+  if (exp_switch_off("FLASH3_EXP_DQ_OVERLAP")) return false;
 #endif
   return true;
 }
@@ -71,7 +79,7 @@ void launch_bwd_main(const BwdProblem& p, const BwdArgs& args, const BwdWorkspac
     params.dkv_tma = 1;
 #ifdef FLASH3_EXP_PERSIST_AB
     // FLASH3_EXP_TMA_EPI=0: the row-by-row epilogue of bwd_store_dkdv instead (A/B experiments).
-    if (const char* e = std::getenv("FLASH3_EXP_TMA_EPI"); e != nullptr && *e == '0') params.dkv_tma = 0;
+    if (exp_switch_off("FLASH3_EXP_TMA_EPI")) params.dkv_tma = 0;
 #endif
   }
   constexpr int kSmem = Traits::kSmemBytes;
@@ -79,7 +87,7 @@ void launch_bwd_main(const BwdProblem& p, const BwdArgs& args, const BwdWorkspac
   if constexpr (Traits::kPersistent) {
 #ifdef FLASH3_EXP_PERSIST_AB
     // A/B experiments (docs/perf-log.md B53): FLASH3_EXP_PERSIST=0 runs the one-block-per-item kernel.
-    if (const char* e = std::getenv("FLASH3_EXP_PERSIST"); e != nullptr && *e == '0') {
+    if (exp_switch_off("FLASH3_EXP_PERSIST")) {
       set_max_dynamic_smem<&bwd_kernel<Traits>>(kSmem);
       launch_pdl(&bwd_kernel<Traits>, dim3(unsigned(blocks)), Traits::kNumThreads, kSmem, args.stream,
                  "backward kernel launch", params);
