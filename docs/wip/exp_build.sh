@@ -4,7 +4,7 @@
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 t0=$(date +%s)
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASH3_BUILD_BENCH=OFF -DFLASH3_BUILD_TESTS="${EXP_TESTS:-ON}" -DCMAKE_CUDA_FLAGS="$EXP_FLAGS" > "$OUT/cfg.log" 2>&1
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASH3_BUILD_BENCH=OFF -DFLASH3_BUILD_TESTS="${EXP_TESTS:-ON}" -DCMAKE_CUDA_FLAGS="$EXP_FLAGS" -DCMAKE_CXX_FLAGS="$EXP_FLAGS" > "$OUT/cfg.log" 2>&1
 cmake --build build -j16 --target "$( [ "${EXP_TESTS:-ON}" = OFF ] && echo flash3 || echo all )" > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - t0 )) s"
 export FLASH3_LIB=$PWD/build/libflash3.so

@@ -6,6 +6,7 @@ import torch
 sys.path.insert(0, "python")
 import flash3
 VAR = os.environ.get("CHECK_VAR", "FLASH3_EXP_DQ_OVERLAP")
+VALS = os.environ.get("CHECK_VALS", "0,1").split(",")  # the switch's values for "old" and "new"
 HD = [int(x) for x in os.environ.get("HDIMS", "64,128,256").split(",")]
 cases = [(hd, c, s, 16384 // s, 2048 // hd, 2048 // hd) for hd in HD for c in (0, 1) for s in (2048, 8192)]
 cases += [x for x in [(128, 1, 3000, 3, 16, 2), (64, 0, 1000, 9, 32, 8), (256, 1, 4096, 2, 8, 1), (256, 0, 777, 3, 8, 2),
@@ -20,7 +21,7 @@ for hd, c, s, b, h, hk in cases:
     flash3.forward_into(q, k, v, out, lse, causal=bool(c))
     dout = torch.randn_like(q)
     def run(ovl, det):
-        os.environ[VAR] = str(ovl)
+        os.environ[VAR] = VALS[ovl]
         g = [torch.full_like(x, float("nan")) for x in (q, k, v)]
         flash3.backward_into(dout, q, k, v, out, lse, *g, causal=bool(c), deterministic=det)
         torch.cuda.synchronize()

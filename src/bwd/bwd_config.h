@@ -104,14 +104,11 @@ inline int bwd_dq_groups(bool deterministic, bool causal, int n_blocks) {
 // per tile instead of the tile (at 16k tokens x hidden 2048, 134 MB: about 35 us). But every key
 // block of a head then moves at key block 0's pace: measured (docs/perf-log.md B25), +1-4% at
 // non-causal head dims 64 and 128 up to 32 key blocks and +2-9% at causal head dim 256 up to 32,
-// 1-6% slower at 128 key blocks and more, and 1-2% slower at non-causal head dim 256 (one dQ
-// buffer: the writer's wait stalls the consumers at once). So in the default mode only up to 32
-// key blocks. (Causal head dims 64 and 128 were visited first to last, and cleared, until
-// B28.)
-inline bool bwd_dq_store_first(bool deterministic, bool causal, int head_dim, int n_blocks) {
-  if (deterministic) return true;
-  if (n_blocks > 32) return false;
-  return causal || head_dim != 256;
+// 1-6% slower at 128 key blocks and more. So in the default mode only up to 32 key blocks. (B66,
+// session 27: 64 and 128 key blocks measured even (8k, 16k at head dims 64, 128); non-causal head
+// dim 256, 1-2% slower in B25 with its single dQ buffer, now +7 / +3 / +1% at 512 / 1k / 2k.)
+inline bool bwd_dq_store_first(bool deterministic, int n_blocks) {
+  return deterministic || n_blocks <= 32;
 }
 
 // The scratch memory of one backward call, carved from one buffer (each part 256-byte aligned):
@@ -145,7 +142,7 @@ struct BwdWorkspaceLayout {
     seqlen_q_pad = int64_t(m_blocks) * block_m;
     seqlen_k_pad = int64_t(n_blocks) * block_n;
     dq_groups = bwd_dq_groups(deterministic, causal, n_blocks);
-    dq_store_first = bwd_dq_store_first(deterministic, causal, head_dim, n_blocks);
+    dq_store_first = bwd_dq_store_first(deterministic, n_blocks);
     const int64_t bh = int64_t(batch) * nheads;
     size_t at = 0;
     auto take = [&at](size_t n) {
