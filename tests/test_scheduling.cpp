@@ -215,6 +215,19 @@ TEST(BwdWorkspace, StoreFirstWhereKeyBlockZeroLeads) {
 }
 
 // Every part 256-byte aligned, large enough for what the kernels index, disjoint, inside bytes.
+// The persistent backward leaves two SMs to the dQ postprocess at causal lengths up to 8k
+// (docs/perf-log.md B67), never more blocks than work items.
+TEST(BwdWorkspace, PersistentGridLeavesTwoSMsAtShortCausal) {
+  EXPECT_EQ(flash3::bwd_persistent_grid(132, 4096, true, 2048), 130);
+  EXPECT_EQ(flash3::bwd_persistent_grid(132, 4096, true, 8192), 130);
+  EXPECT_EQ(flash3::bwd_persistent_grid(132, 4096, true, 8193), 132);
+  EXPECT_EQ(flash3::bwd_persistent_grid(132, 4096, false, 2048), 132);
+  EXPECT_EQ(flash3::bwd_persistent_grid(132, 100, true, 2048), 100);
+  EXPECT_EQ(flash3::bwd_persistent_grid(132, 131, true, 2048), 130);
+  EXPECT_EQ(flash3::bwd_persistent_grid(8, 100, true, 2048), 8);
+  EXPECT_EQ(flash3::bwd_persistent_grid(132, int64_t(1) << 40, true, 512), 130);
+}
+
 TEST(BwdWorkspace, PartsAreAlignedDisjointAndLargeEnough) {
   for (int d : {64, 128, 256}) {
     for (int seqlen_k : {1, 300, 8192}) {

@@ -111,6 +111,18 @@ inline bool bwd_dq_store_first(bool deterministic, int n_blocks) {
   return deterministic || n_blocks <= 32;
 }
 
+// The persistent backward's grid (bwd_kernel_persistent): one block per SM, but at causal
+// lengths up to 8k two SMs are left to the dQ postprocess, which then converts each (head, batch)
+// pair as it completes (bwd_postprocess_dq) instead of after the main kernel: all the persistent
+// blocks run out of work within a few microseconds of each other, so with every SM taken the
+// whole conversion (34-62 us on an H100 at head dim 64 causal 2k-8k) came after them. Measured
+// (docs/perf-log.md B67): +1.1 / +0.6 / +1.0% at causal 2k / 4k / 8k, the post after the main
+// kernel 5-9 us; the main kernel grows by 2 / 132, more than the conversion it hides from 16k.
+inline int bwd_persistent_grid(int sms, int64_t items, bool causal, int seqlen_q) {
+  const int spare = causal && seqlen_q <= 8192 && sms > 8 ? 2 : 0;
+  return int(items < sms - spare ? items : sms - spare);
+}
+
 // The scratch memory of one backward call, carved from one buffer (each part 256-byte aligned):
 //   lse_log2 float [batch][nheads][seqlen_q_pad]   lse * log2(e); +inf on padding rows
 //   dpsum    float [batch][nheads][seqlen_q_pad]   D = rowsum(dO * O); 0 on padding rows

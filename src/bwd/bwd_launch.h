@@ -104,7 +104,7 @@ void launch_bwd_main(const BwdProblem& p, const BwdArgs& args, const BwdWorkspac
 #ifdef FLASH3_EXP_PERSIST_AB
     if (const char* e = std::getenv("FLASH3_EXP_LATE"); e != nullptr) params.late_request = *e == '1';
 #endif
-    const int64_t grid = std::min<int64_t>(blocks, current_device_info().sms);
+    const int grid = bwd_persistent_grid(current_device_info().sms, blocks, Traits::kCausal, p.seqlen_q);
     set_max_dynamic_smem<&bwd_kernel_persistent<Traits>>(kSmem);
     launch_pdl(&bwd_kernel_persistent<Traits>, dim3(unsigned(grid)), Traits::kNumThreads, kSmem, args.stream,
                "backward kernel launch", params);
