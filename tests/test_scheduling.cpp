@@ -214,7 +214,6 @@ TEST(BwdWorkspace, StoreFirstWhereKeyBlockZeroLeads) {
   }
 }
 
-// Every part 256-byte aligned, large enough for what the kernels index, disjoint, inside bytes.
 // The persistent backward leaves two SMs to the dQ postprocess at causal lengths up to 8k
 // (docs/perf-log.md B67), never more blocks than work items.
 TEST(BwdWorkspace, PersistentGridLeavesTwoSMsAtShortCausal) {
@@ -228,6 +227,7 @@ TEST(BwdWorkspace, PersistentGridLeavesTwoSMsAtShortCausal) {
   EXPECT_EQ(flash3::bwd_persistent_grid(132, int64_t(1) << 40, true, 512), 130);
 }
 
+// Every part 256-byte aligned, large enough for what the kernels index, disjoint, inside bytes.
 TEST(BwdWorkspace, PartsAreAlignedDisjointAndLargeEnough) {
   for (int d : {64, 128, 256}) {
     for (int seqlen_k : {1, 300, 8192}) {

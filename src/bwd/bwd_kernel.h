@@ -877,19 +877,19 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
 // ------------------------------------------------------------------------------------------
 // The persistent backward (Traits::kPersistent: swapped loop, where bwd_config.h's
 // kPersistentCausal or kPersistentNonCausal is set).
-// One block per SM takes blocks of work (key block, head, batch) in bwd_kernel's order (causal:
-// bwd_causal_block's) from a counter (FwdTileStream: a scheduler thread, warp 3 of the producer
-// warpgroup, draws the next one when asked, and hands it to the producer, the dQ writers and the
-// consumers through a two-slot ring). The next block's first Q, dO and K, V load while this one
-// finishes. With K, V in registers (kEarlyKV, head dim 64) the next item is asked for when this
-// one starts and its K, V load once this item's first loads are out: K into the second of two
-// buffers, V once the consumers hold this item's in registers; the dK, dV epilogue stages in a
-// buffer of its own. Otherwise K, V load as soon as the consumers' last GEMMs are done
-// (barrier_kv_free), under the epilogue, which stages through the dS^T buffers (the Q, dO
+// One block per SM (bwd_persistent_grid) takes blocks of work (key block, head, batch) in
+// bwd_kernel's order (causal: bwd_causal_block's) from a counter (FwdTileStream: a scheduler
+// thread, warp 3 of the producer warpgroup, draws the next one when asked, and hands it to the
+// producer, the dQ writers and the consumers through a two-slot ring). The next block's first Q, dO
+// and K, V load while this one finishes. With K, V in registers (kEarlyKV, head dim 64) the next
+// item is asked for when this one starts and its K, V load once this item's first loads are out: K
+// into the second of two buffers, V once the consumers hold this item's in registers; the dK, dV
+// epilogue stages in a buffer of its own. Otherwise K, V load as soon as the consumers' last GEMMs
+// are done (barrier_kv_free), under the epilogue, which stages through the dS^T buffers (the Q, dO
 // buffers already hold the next block's tiles). MHA: dK, dV leave by TMA stores
-// (bwd_store_dkdv_tma). The visits are counted on across the items, so that the dS^T and dQ
-// buffers and their barriers go on in turn: a visit waits only for the one dQ buffer it reuses,
-// not for the writers to finish the previous item.
+// (bwd_store_dkdv_tma). The visits are counted on across the items, so that the dS^T and dQ buffers
+// and their barriers go on in turn: a visit waits only for the one dQ buffer it reuses, not for the
+// writers to finish the previous item.
 // NOTES: docs/perf-log.md B51 measured 1.7-3.2 us before K, V land and 2.1-2.9 us of epilogue per
 // block of the one-block-per-item kernel, 14-17% of a causal block at seqlen 2k.
 

@@ -94,8 +94,9 @@ void launch_bwd_main(const BwdProblem& p, const BwdArgs& args, const BwdWorkspac
       return;
     }
 #endif
-    // One block per SM, taking the blocks of work from the stream's counter (or, where a graph
-    // capture found no per-stream memory, in a fixed round-robin order).
+    // One block per SM (two SMs short at causal lengths up to 8k: bwd_persistent_grid), taking
+    // the blocks of work from the stream's counter (or, where a graph capture found no per-stream
+    // memory, in a fixed round-robin order).
     params.tile_counter = stream_memory(args.stream, 0, 0).tile_counter;
     params.num_items = int(blocks);
     // The next item asked for late (bwd_kernel_persistent) where the dQ adds wait for other key
