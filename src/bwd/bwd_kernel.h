@@ -531,6 +531,25 @@ __device__ __forceinline__ void bwd_load_visit(typename Traits::Params const& pa
   ++write_do;
 }
 
+// A gpu-scope acquire load of a counter (the dQ chain's dq_sem, the pairs' dq_done).
+__device__ __forceinline__ int ld_acquire_gpu(const int* counter) {
+  int seen;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
+  return seen;
+}
+
+// One more on `counter` once this thread's bulk adds (async proxy) are complete, released at gpu
+// scope for whoever acquires the counter (ld_acquire_gpu).
+// NOTES: the proxy fence orders the completed bulk adds (async proxy) before this thread's
+// generic-proxy release; the release itself is the gpu-scope fence. (A __threadfence() before
+// it, a second full fence per add, lengthened every link of the chain of key blocks adding into
+// one tile: deterministic mode 3-11% slower, docs/perf-log.md B20.)
+__device__ __forceinline__ void bwd_count_bulk_done(int* counter) {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // the adds are done
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(counter) : "memory");
+}
+
 // The dQ writer warp `writer` (0 or 1) for one block of work: key block n_block of the (head,
 // batch) pair bh, whose i-th visit (i = writer, writer + kDQWriters, ...) is query block m_at(i).
 // NOTES: two writer warps (warp 1 + w takes the tiles i with i % 2 = w, in buffer i % kDQStages),
@@ -566,8 +585,7 @@ __device__ __forceinline__ void bwd_dq_writer(typename Traits::Params const& par
         // NOTES: a short sleep between polls, so that the polling of the writers waiting on
         // a tile does not compete in L2 with the adds they wait for.
         for (;;) {
-          int seen;
-          asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(sem + m * groups) : "memory");
+          const int seen = ld_acquire_gpu(sem + m * groups);
           if (params.dq_ordered ? seen == turn : seen > 0) break;
           __nanosleep(128);
         }
@@ -583,25 +601,12 @@ __device__ __forceinline__ void bwd_dq_writer(typename Traits::Params const& par
     }
     __syncwarp();
     if (kContinued || i + Traits::kDQStages < g_end) named_barrier_arrive(Traits::kDQBarThreads, kBwdBarDQEmpty + buf);
-    if (sem != nullptr && lane == 0 && (params.dq_ordered || turn == 0)) {
-      asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // the adds are done
-      // NOTES: the proxy fence orders the completed bulk adds (async proxy) before this
-      // thread's generic-proxy release; the release itself is the gpu-scope fence. (A
-      // __threadfence() before it, a second full fence per add, lengthened every link of
-      // the chain of key blocks adding into one tile: deterministic mode 3-11% slower,
-      // docs/perf-log.md B20.)
-      asm volatile("fence.proxy.async.global;" ::: "memory");
-      asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(sem + m * groups) : "memory");
-    }
+    if (sem != nullptr && lane == 0 && (params.dq_ordered || turn == 0)) bwd_count_bulk_done(sem + m * groups);
     __syncwarp();
   }
   // This writer is done with the pair's dQ for this key block: once its adds are complete, one
   // more on the pair's count, which the postprocess waits for (bwd_postprocess_dq), as above.
-  if (params.dq_done != nullptr && lane == 0) {
-    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-    asm volatile("fence.proxy.async.global;" ::: "memory");
-    asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(params.dq_done + bh) : "memory");
-  }
+  if (params.dq_done != nullptr && lane == 0) bwd_count_bulk_done(params.dq_done + bh);
 }
 
 // dK (scaled) and dV of one block of work (keys col0.., pair bh) out of the registers: to the
@@ -1288,9 +1293,7 @@ __global__ void __launch_bounds__(256) bwd_postprocess_dq(const BwdAuxParams p) 
   if (per_pair) {
     if (threadIdx.x == 0) {
       for (int sleep = 64;;) {
-        int seen;
-        asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(p.dq_done + bh) : "memory");
-        if (seen >= p.dq_done_target) break;
+        if (ld_acquire_gpu(p.dq_done + bh) >= p.dq_done_target) break;
         __nanosleep(sleep);
         sleep = sleep < 2048 ? 2 * sleep : sleep;
       }
