@@ -20,3 +20,8 @@ for cfg in "256 2048 0" "128 2048 0" "256 4096 1"; do
   timeout 150 ncu --profile-from-start off --clock-control none --metrics $M python3 tools/prof.py --pass bwd --hdim $1 --seqlen $2 --causal $3 > "$OUT/ncu_l2_d$1_s$2_c$3.txt" 2>&1
   grep -E "^  [a-zA-Z_].*\(|lts__t_sectors_op_red|lts__t_requests_op_red" "$OUT/ncu_l2_d$1_s$2_c$3.txt" | cut -c1-130
 done
+# Call 6 (B70's last part), with bwd_dq_red_hdim256_at_07e6742.patch applied and the build configured with
+# -DFLASH3_EXP_PERSIST_AB (CMAKE_CUDA_FLAGS and CMAKE_CXX_FLAGS): the reds' L2 sectors against the bulk adds'.
+#   M=lts__t_sectors_op_red.sum,lts__t_requests_op_red.sum,lts__t_sectors_op_red.avg.pct_of_peak_sustained_elapsed,...
+#   FLASH3_EXP_DQ_RED=1 (or 0) ncu --profile-from-start off --clock-control none -k regex:bwd_kernel --metrics $M \
+#     python3 tools/prof.py --pass bwd --hdim 256 --seqlen 2048 --causal 0 --only flash3
