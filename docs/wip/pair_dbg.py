@@ -10,8 +10,11 @@ dout = torch.randn_like(q)
 dq, dk, dv = [torch.empty_like(x) for x in (q, k, v)]
 flash3.backward_into(dout, q, k, v, out, lse, dq, dk, dv, causal=False)
 torch.cuda.synchronize()
-os.environ["FLASH3_EXP_DQ_PAIR"] = "0"
-dq0, dk0, dv0 = [torch.empty_like(x) for x in (q, k, v)]
-flash3.backward_into(dout, q, k, v, out, lse, dq0, dk0, dv0, causal=False)
-torch.cuda.synchronize()
-print("max |pair - main|: dq %.3g dk %.3g dv %.3g (|dq| max %.3g)" % ((dq.float()-dq0.float()).abs().max(), (dk.float()-dk0.float()).abs().max(), (dv.float()-dv0.float()).abs().max(), dq0.float().abs().max()))
+# Reference: PyTorch autograd in FP32 on the same inputs (the switch is read once per shape by the
+# binding's cached workspace size, so the two flash3 paths are not compared in one process).
+qf, kf, vf = [x.float().requires_grad_() for x in (q, k, v)]
+ref = torch.nn.functional.scaled_dot_product_attention(*[x.transpose(1, 2) for x in (qf, kf, vf)]).transpose(1, 2)
+ref.backward(dout.float())
+print("max |flash3 - fp32 autograd|: dq %.3g dk %.3g dv %.3g (|dq| max %.3g)" % tuple(
+    float(x) for x in ((dq.float() - qf.grad).abs().max(), (dk.float() - kf.grad).abs().max(),
+                       (dv.float() - vf.grad).abs().max(), qf.grad.abs().max())))

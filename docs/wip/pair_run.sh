@@ -1,8 +1,9 @@
 # Scratch (session 28, B71, device call 8): key-block pairs (two-block clusters) summing dQ on chip at head
 # dim 256 (docs/wip/bwd_dq_pair_hdim256_at_*.patch, -DFLASH3_EXP_DQ_PAIR, FLASH3_EXP_DQ_PAIR=1/0 in one build).
 # Copy ab_time.py, ab_summary.py, exp_build.sh, pair_dbg.py and this file to exp/, then `bash exp/pair_run.sh`.
-# (pair_dbg.py toggles the switch between two calls in one process, which the binding's cached workspace
-# size does not follow: it fails with a workspace-size error; run it with the switch fixed.)
+# (In call 8 pair_dbg.py still toggled the switch between two calls in one process, which the binding's
+# cached workspace size does not follow, and failed with a workspace-size error; it now compares with FP32
+# autograd instead.)
 EXP_FLAGS="-DFLASH3_EXP_DQ_PAIR" EXP_TESTS=ON source exp/exp_build.sh
 export PYTHONPATH=python
 for cfg in "128 1 1" "2048 2 2"; do set -- $cfg; S=$1 B=$2 H=$3 FLASH3_EXP_DQ_PAIR=1 timeout 60 python3 exp/pair_dbg.py 2>&1 | tail -2; done
