@@ -13,13 +13,7 @@ b() {  # build dir, flags, tests
   echo "$1 built at $(( $(date +%s) - t0 )) s"
 }
 b build2 "$F -DFLASH3_EXP_N80_WRITERS" ON
-timeout 240 ./build2/flash3_tests --gtest_filter='Bwd*:CausalOrder*' --gtest_brief=1 > "$OUT/gtest_bwd.log" 2>&1
-echo "gtest Bwd* (writers) rc=$?: $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/gtest_bwd.log" | tr '\n' ' ')"
-grep -E "FAILED|Failure" "$OUT/gtest_bwd.log" | head -10
-FLASH3_LIB=$PWD/build2/libflash3.so PYTHONPATH=python timeout 200 python3 -m pytest -q -x tests/test_torch.py -k "backward" > "$OUT/pytest_bwd.log" 2>&1
-echo "pytest backward (writers) rc=$?: $(tail -1 "$OUT/pytest_bwd.log")"
-timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 ./build2/flash3_tests --gtest_filter='BwdGpuSmall.*' --gtest_brief=1 > "$OUT/memcheck.log" 2>&1
-echo "memcheck (writers) rc=$?: $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1)"
+TEST_BUILD=build2 source exp/exp_tests.sh
 b build "$F" OFF
 for r in 1 2 3; do
   FLASH3_LIB=$PWD/build/libflash3.so FLASH3_EXP_DQ_RED=0 HDIMS=256 CAUSAL=0,1 timeout 90 python3 exp/ab_time.py "v0$r" >> "$OUT/ab.txt" 2>&1

@@ -5,13 +5,7 @@
 # after cp -r docs/wip exp.
 F="-DFLASH3_EXP_PERSIST_AB -DFLASH3_EXP_N80_REGS40 -DFLASH3_EXP_N80_ORDER -DFLASH3_EXP_N80_Q2"
 EXP_FLAGS="$F" EXP_TESTS=ON source exp/exp_build.sh
-timeout 240 ./build/flash3_tests --gtest_filter='Bwd*:CausalOrder*' --gtest_brief=1 > "$OUT/gtest_bwd.log" 2>&1
-echo "gtest Bwd* rc=$?: $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/gtest_bwd.log" | tr '\n' ' ')"
-grep -E "FAILED|Failure" "$OUT/gtest_bwd.log" | head -10
-PYTHONPATH=python timeout 200 python3 -m pytest -q -x tests/test_torch.py -k "backward" > "$OUT/pytest_bwd.log" 2>&1
-echo "pytest backward rc=$?: $(tail -1 "$OUT/pytest_bwd.log")"
-timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 ./build/flash3_tests --gtest_filter='BwdGpuSmall.*' --gtest_brief=1 > "$OUT/memcheck.log" 2>&1
-echo "memcheck rc=$?: $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1)"
+source exp/exp_tests.sh
 for r in 1 2 3; do for v in 0 1; do
   FLASH3_EXP_DQ_RED=$v HDIMS=256 CAUSAL=0,1 timeout 90 python3 exp/ab_time.py "v$v$r" >> "$OUT/ab.txt" 2>&1
 done; done

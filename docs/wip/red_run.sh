@@ -5,14 +5,7 @@
 # `bash exp/red_run.sh` from the repository root. RED_TESTS=0 skips the tests.
 EXP_FLAGS="-DFLASH3_EXP_PERSIST_AB" EXP_TESTS=ON source exp/exp_build.sh
 if [ "${RED_TESTS:-1}" = 1 ]; then
-t1=$(date +%s)
-timeout 200 ./build/flash3_tests --gtest_filter='Bwd*:CausalOrder*' --gtest_brief=1 > "$OUT/gtest_bwd.log" 2>&1
-echo "gtest Bwd* rc=$? in $(( $(date +%s) - t1 )) s: $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/gtest_bwd.log" | tr '\n' ' ')"
-grep -E "FAILED|Failure" "$OUT/gtest_bwd.log" | head -20
-PYTHONPATH=python timeout 200 python3 -m pytest -q -x tests/test_torch.py -k "backward" > "$OUT/pytest_bwd.log" 2>&1
-echo "pytest backward rc=$?: $(tail -1 "$OUT/pytest_bwd.log")"
-timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 ./build/flash3_tests --gtest_filter='BwdGpuSmall.*' --gtest_brief=1 > "$OUT/memcheck.log" 2>&1
-echo "memcheck rc=$?: $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1)"
+GTEST_TIMEOUT=200 source exp/exp_tests.sh
 fi
 for r in 1 2 3; do for v in 0 1; do
   FLASH3_EXP_DQ_RED=$v HDIMS=256 CAUSAL=0,1 timeout 90 python3 exp/ab_time.py "v$v$r" >> "$OUT/ab_red.txt" 2>&1
