@@ -4,9 +4,8 @@ import os, sys
 import torch
 sys.path.insert(0, "python")
 import flash3
-for spec in os.environ.get("POINTS", "0:2048,0:16384,1:4096").split(","):
-    c, s = spec.split(":"); c, s = bool(int(c)), int(s)
-    hd = 256
+for spec in os.environ.get("POINTS", "256:0:2048,256:0:16384,256:1:4096").split(","):
+    hd, c, s = spec.split(":"); hd, c, s = int(hd), bool(int(c)), int(s)
     torch.manual_seed(0)
     b, h = 16384 // s, 2048 // hd
     q, k, v = [torch.randn(b, s, h, hd, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
@@ -16,7 +15,7 @@ for spec in os.environ.get("POINTS", "0:2048,0:16384,1:4096").split(","):
     dout = torch.randn_like(q)
     dq, dk, dv = [torch.empty_like(x) for x in (q, k, v)]
     f = lambda: flash3.backward_into(dout, q, k, v, out, lse, dq, dk, dv, causal=c)
-    print(f"== hdim 256 causal {int(c)} seqlen {s}", flush=True)
+    print(f"== hdim {hd} causal {int(c)} seqlen {s}", flush=True)
     for _ in range(4):
         f(); torch.cuda.synchronize()
     sys.stdout.flush()
