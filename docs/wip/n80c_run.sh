@@ -3,15 +3,8 @@
 # registers (call 2's best), dQ from registers (build) or through one 32 KB buffer in two parts and
 # the writers' bulk adds (build2, -DFLASH3_EXP_N80_WRITERS, tested), against main's 64 x 64 kernel
 # (FLASH3_EXP_DQ_RED=0). `bash exp/n80c_run.sh` after cp -r docs/wip exp.
-set -uo pipefail
-OUT=${OUT:-out}; mkdir -p "$OUT"; t0=$(date +%s)
-F="-DFLASH3_EXP_N80_REGS40 -DFLASH3_EXP_N80_ORDER"
-b() {  # build dir, flags, tests
-  cmake -S . -B "$1" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASH3_BUILD_BENCH=OFF -DFLASH3_BUILD_TESTS=$3 \
-    -DCMAKE_CUDA_FLAGS="-DFLASH3_EXP_PERSIST_AB $2" -DCMAKE_CXX_FLAGS="-DFLASH3_EXP_PERSIST_AB $2" > "$OUT/cfg_$1.log" 2>&1
-  cmake --build "$1" -j16 > "$OUT/build_$1.log" 2>&1 || { tail -30 "$OUT/build_$1.log"; exit 1; }
-  echo "$1 built at $(( $(date +%s) - t0 )) s"
-}
+source exp/exp_builds.sh
+F="-DFLASH3_EXP_PERSIST_AB -DFLASH3_EXP_N80_REGS40 -DFLASH3_EXP_N80_ORDER"  # (the old inline b() added PERSIST_AB)
 b build2 "$F -DFLASH3_EXP_N80_WRITERS" ON
 TEST_BUILD=build2 source exp/exp_tests.sh
 b build "$F" OFF

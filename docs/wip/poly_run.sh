@@ -1,15 +1,8 @@
 #!/usr/bin/env bash
 # Scratch (session 30, B74): every 4th exponential of the swapped loop's P^T on the FMA pipe
 # (exp2_fma, -DFLASH3_EXP_POLY=4; build, tested) against MUFU only (build2). `bash exp/poly_run.sh`.
-set -uo pipefail
-OUT=${OUT:-out}; mkdir -p "$OUT"; t0=$(date +%s)
+source exp/exp_builds.sh
 P=${POLY:-4}
-b() {  # build dir, flags, tests
-  cmake -S . -B "$1" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASH3_BUILD_BENCH=OFF -DFLASH3_BUILD_TESTS=$3 \
-    -DCMAKE_CUDA_FLAGS="$2" -DCMAKE_CXX_FLAGS="$2" > "$OUT/cfg_$1.log" 2>&1
-  cmake --build "$1" -j16 > "$OUT/build_$1.log" 2>&1 || { tail -30 "$OUT/build_$1.log"; exit 1; }
-  echo "$1 built at $(( $(date +%s) - t0 )) s"
-}
 b build "-DFLASH3_EXP_POLY=$P" ON
 cuobjdump --dump-sass build/CMakeFiles/flash3.dir/src/bwd/bwd_bf16_hdim64.cu.o | grep -c "MUFU.EX2" | sed 's/^/MUFU.EX2 in hdim64 TU: /'
 TEST_BUILD=build GTEST_TIMEOUT=200 source exp/exp_tests.sh

@@ -2,14 +2,7 @@
 # Scratch (session 30, B73): head dim 256 with S and dP each computed whole by one warpgroup
 # (m64n64 SS, kSdPByGemm; build, tested) against main's split (m64n32 SS; build2,
 # -DFLASH3_EXP_SDP_OFF). `bash exp/sdp_run.sh`.
-set -uo pipefail
-OUT=${OUT:-out}; mkdir -p "$OUT"; t0=$(date +%s)
-b() {  # build dir, flags, tests
-  cmake -S . -B "$1" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASH3_BUILD_BENCH=OFF -DFLASH3_BUILD_TESTS=$3 \
-    -DCMAKE_CUDA_FLAGS="$2" -DCMAKE_CXX_FLAGS="$2" > "$OUT/cfg_$1.log" 2>&1
-  cmake --build "$1" -j16 > "$OUT/build_$1.log" 2>&1 || { tail -30 "$OUT/build_$1.log"; exit 1; }
-  echo "$1 built at $(( $(date +%s) - t0 )) s"
-}
+source exp/exp_builds.sh
 b build "" ON
 cuobjdump --dump-sass build/CMakeFiles/flash3.dir/src/bwd/bwd_bf16_hdim256.cu.o | grep -oE "HGMMA\.[0-9x]+" | sort | uniq -c > "$OUT/hgmma256.txt"; cat "$OUT/hgmma256.txt"
 TEST_BUILD=build source exp/exp_tests.sh
