@@ -1,8 +1,7 @@
 # Scratch (session 23): flash3 backward TFLOP/s over a few sweep points, for A/B runs of two builds.
 import json, os, sys
 import torch
-sys.path.insert(0, "python")
-import flash3
+from exp_inputs import bwd_call
 tag = sys.argv[1]
 hds = [int(x) for x in os.environ.get("HDIMS", "64,128").split(",")]
 seqs = [int(x) for x in os.environ.get("SEQS", "512,1024,2048,4096,8192,16384").split(",")]
@@ -11,16 +10,7 @@ row = {}
 for hd in hds:
     for c in [bool(int(x)) for x in os.environ.get("CAUSAL", "0,1").split(",")]:
         for s in seqs:
-            torch.manual_seed(0)
-            b, h = 16384 // s, 2048 // hd
-            q, k, v = [torch.randn(b, s, h, hd, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
-            out = torch.empty_like(q)
-            lse = torch.empty(b, h, s, device="cuda", dtype=torch.float32)
-            flash3.forward_into(q, k, v, out, lse, causal=c)
-            dout = torch.randn_like(q)
-            dq, dk, dv = [torch.empty_like(x) for x in (q, k, v)]
-            det = os.environ.get('DET') == '1'
-            f = lambda: flash3.backward_into(dout, q, k, v, out, lse, dq, dk, dv, causal=c, deterministic=det)
+            f, fl = bwd_call(hd, c, s, os.environ.get('DET') == '1')
             for _ in range(3):
                 f()
             ts = []
@@ -30,6 +20,5 @@ for hd in hds:
                 e0.record(); f(); e1.record(); e1.synchronize()
                 ts.append(e0.elapsed_time(e1))
             ms = sorted(ts)[len(ts) // 2]
-            fl = 4 * b * h * s * s * hd * (0.5 if c else 1.0) * 2.5
             row[f"{hd} {int(c)} {s}"] = fl / ms / 1e9
 print(tag, json.dumps({k: round(v, 1) for k, v in row.items()}), flush=True)
