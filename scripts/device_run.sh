@@ -4,7 +4,7 @@
 # and the benchmarks. Logs and JSON go to $OUT (default ./out). The CUTLASS headers and the
 # GoogleTest sources must already be in third_party/ (run scripts/setup.sh here, then carry
 # third_party: the GPU machine has no network).
-#   usage: bash scripts/device_run.sh [all|build|bwdcheck|test|sanitize|profile|prof|causal|bench|bwdbench|quick]...
+#   usage: bash scripts/device_run.sh [all|build|bwdcheck|test|sanitize|profile|prof|causal|bench|bwdbench|power|quick]...
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -97,6 +97,12 @@ if has bwdbench; then
     timeout ${BENCH_TIMEOUT:-300} python3 bench/bench_torch.py --pass bwd ${BWD_BENCH_ARGS:-} --json "$OUT/bench_torch_bwd.json" 2>&1 | tee "$OUT/bench_torch_bwd.log"
   python3 bench/plot.py "$OUT/bench_torch_bwd.json" "$OUT/bwd_chart.png" || true
   python3 bench/table.py "$OUT/bench_torch_bwd.json" | tee -a "$OUT/summary.txt" || true
+fi
+if has power; then
+  # Backward under sustained load beside cuDNN, with the SM clock and power draw (tools/bwd_power.py;
+  # its JSON goes into logs.tar.gz, its table into summary.txt).
+  FLASH3_LIB="$root/build/libflash3.so" PYTHONPATH="$root/python" PYTHONUNBUFFERED=1 \
+    timeout ${POWER_TIMEOUT:-200} python3 tools/bwd_power.py --json "$OUT/bwd_power.json" 2>&1 | tee -a "$OUT/summary.txt"
 fi
 # At most 8 files come back from the GPU machine: keep the key ones, pack the rest.
 keep="summary.txt bench_torch.json fwd_chart.png bench_cpp.json ablation.json bench_torch_bwd.json bwd_chart.png"
