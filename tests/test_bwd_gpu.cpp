@@ -340,6 +340,7 @@ TEST(BwdGpuDeterministic, TwentyRunsAreBitwiseEqual) {
   expect_repeatable(deterministic({bf16, 256, false, 1, 1024, 2048, 4, 1}), 33, 20);   // MQA
   expect_repeatable(deterministic({fp16, 128, true, 1, 2000, 1000, 4, 4}), 34, 20);    // rows without keys
   expect_repeatable(deterministic({bf16, 256, true, 1, 4100, 4100, 2, 1}), 35, 20);    // causal, 2 dQ copies
+  expect_repeatable(deterministic({bf16, 256, true, 1, 8200, 8200, 1, 1}), 38, 20);    // causal, 4 dQ copies
   expect_repeatable(deterministic({bf16, 64, true, 2, 1050, 1050, 16, 4}), 36, 20);    // persistent, 288 items
   expect_repeatable(deterministic({fp16, 64, false, 2, 1050, 1300, 16, 2}), 37, 20);   // 352 items
 }

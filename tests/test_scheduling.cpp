@@ -195,14 +195,33 @@ TEST(CausalOrder, EveryTileOnceLongestFirstPerSection) {
 
 // Deterministic mode: two copies of the dQ accumulator where the chain of key blocks adding into
 // a tile is long (>= 8 key blocks without a mask, >= 64 causal: measured, docs/perf-log.md B24),
-// one otherwise and always one in the default mode.
+// one otherwise and always one in the default mode; head dim 256 causal two from 32 key blocks
+// and four from 128 while the four copies fit in 1 GiB (B80).
 TEST(BwdWorkspace, DeterministicCopiesWhereTheChainIsLong) {
-  EXPECT_EQ(flash3::bwd_dq_groups(false, false, 1000), 1);
-  EXPECT_EQ(flash3::bwd_dq_groups(false, true, 1000), 1);
-  EXPECT_EQ(flash3::bwd_dq_groups(true, false, 7), 1);
-  EXPECT_EQ(flash3::bwd_dq_groups(true, false, 8), 2);
-  EXPECT_EQ(flash3::bwd_dq_groups(true, true, 63), 1);
-  EXPECT_EQ(flash3::bwd_dq_groups(true, true, 64), 2);
+  const int64_t mb = int64_t(1) << 20;
+  for (int d : {64, 128, 256}) {
+    SCOPED_TRACE(::testing::Message() << "d " << d);
+    EXPECT_EQ(flash3::bwd_dq_groups(false, false, 1000, d, mb), 1);
+    EXPECT_EQ(flash3::bwd_dq_groups(false, true, 1000, d, mb), 1);
+    EXPECT_EQ(flash3::bwd_dq_groups(true, false, 7, d, mb), 1);
+    EXPECT_EQ(flash3::bwd_dq_groups(true, false, 8, d, mb), 2);
+    EXPECT_EQ(flash3::bwd_dq_groups(true, false, 1000, d, mb), 2);
+  }
+  for (int d : {64, 128}) {
+    EXPECT_EQ(flash3::bwd_dq_groups(true, true, 63, d, mb), 1);
+    EXPECT_EQ(flash3::bwd_dq_groups(true, true, 64, d, mb), 2);
+    EXPECT_EQ(flash3::bwd_dq_groups(true, true, 1000, d, mb), 2);
+  }
+  EXPECT_EQ(flash3::bwd_dq_groups(true, true, 31, 256, mb), 1);
+  EXPECT_EQ(flash3::bwd_dq_groups(true, true, 32, 256, mb), 2);
+  EXPECT_EQ(flash3::bwd_dq_groups(true, true, 127, 256, mb), 2);
+  EXPECT_EQ(flash3::bwd_dq_groups(true, true, 128, 256, mb), 4);
+  EXPECT_EQ(flash3::bwd_dq_groups(true, true, 128, 256, 256 * mb), 4);
+  EXPECT_EQ(flash3::bwd_dq_groups(true, true, 128, 256, 256 * mb + 1), 2);
+  // The paper's sweep at head dim 256, causal 16k: 8 heads x 16384 rows x 256 x 4 bytes a copy.
+  EXPECT_EQ(flash3::bwd_dq_copy_bytes(8, 16384, 256), 134217728);
+  const flash3::BwdWorkspaceLayout ws(1, 8, 16384, 16384, 256, true, true, false);
+  EXPECT_EQ(ws.dq_groups, 4);
 }
 
 // The first add into a dQ tile is a store (no clear) always in the deterministic mode; in the
@@ -239,7 +258,8 @@ TEST(BwdWorkspace, PartsAreAlignedDisjointAndLargeEnough) {
             SCOPED_TRACE(::testing::Message() << "d " << d << " seqlen_k " << seqlen_k << " causal " << causal
                                               << " det " << det << " gqa " << gqa);
             const size_t bh = size_t(batch) * nheads;
-            const int groups = flash3::bwd_dq_groups(det, causal, ws.n_blocks);
+            const int groups = flash3::bwd_dq_groups(det, causal, ws.n_blocks, d,
+                                                     flash3::bwd_dq_copy_bytes(int64_t(bh), ws.seqlen_q_pad, d));
             EXPECT_EQ(ws.dq_groups, groups);
             EXPECT_EQ(ws.m_blocks, (seqlen_q + ws.block_m - 1) / ws.block_m);
             EXPECT_EQ(ws.n_blocks, (seqlen_k + ws.block_n - 1) / ws.block_n);

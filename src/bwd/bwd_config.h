@@ -90,10 +90,22 @@ inline int bwd_block_n(int head_dim) {
 // (seqlen_q x nheads x d x 4 bytes per batch) and the postprocess reads G tiles per tile, which
 // at short sequences costs more than the chain (docs/perf-log.md B24, measured G = 1, 2, 4 at
 // every sweep point: two copies gained from 8 key blocks on without a mask, and causal from 64
-// on, where the chain is long enough; four were never better than two).
-inline int bwd_dq_groups(bool deterministic, bool causal, int n_blocks) {
+// on, where the chain is long enough; four were never better than two). Head dim 256 causal,
+// whose 64 KB tiles make each link the longest (session 31 on an H200, B80: det / default with
+// 1 / 2 / 4 copies 0.82 / 0.88 / 0.77 at 2k (32 key blocks), 0.79 / 0.88 / 0.85 at 4k, 0.76 / 0.87 /
+// 0.91 at 8k, 0.76 / 0.90 / 0.95 at 16k): two copies from 32 key blocks, four from 128 while the
+// four take at most 1 GiB together (copy_bytes: one copy, bwd_dq_copy_bytes), two beyond.
+inline int bwd_dq_groups(bool deterministic, bool causal, int n_blocks, int head_dim, int64_t copy_bytes) {
   if (!deterministic) return 1;
+  if (causal && head_dim == 256) {
+    if (n_blocks >= 128 && 4 * copy_bytes <= (int64_t(1) << 30)) return 4;
+    return n_blocks >= 32 ? 2 : 1;
+  }
   return n_blocks >= (causal ? 64 : 8) ? 2 : 1;
+}
+// One copy of the FP32 dQ accumulator: batch x nheads x seqlen_q_pad x d floats.
+inline int64_t bwd_dq_copy_bytes(int64_t bh, int64_t seqlen_q_pad, int head_dim) {
+  return int64_t(sizeof(float)) * bh * seqlen_q_pad * head_dim;
 }
 
 // Whether the first add into each dQ tile (copy) is a store, so that the accumulator needs no
@@ -153,9 +165,9 @@ struct BwdWorkspaceLayout {
     n_blocks = (seqlen_k + block_n - 1) / block_n;
     seqlen_q_pad = int64_t(m_blocks) * block_m;
     seqlen_k_pad = int64_t(n_blocks) * block_n;
-    dq_groups = bwd_dq_groups(deterministic, causal, n_blocks);
-    dq_store_first = bwd_dq_store_first(deterministic, n_blocks);
     const int64_t bh = int64_t(batch) * nheads;
+    dq_groups = bwd_dq_groups(deterministic, causal, n_blocks, head_dim, bwd_dq_copy_bytes(bh, seqlen_q_pad, head_dim));
+    dq_store_first = bwd_dq_store_first(deterministic, n_blocks);
     size_t at = 0;
     auto take = [&at](size_t n) {
       const size_t off = at;
