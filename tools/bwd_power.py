@@ -25,10 +25,8 @@ import threading
 import time
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import flash3
+from prof import paper_problem  # tools/prof.py (this script's folder is on sys.path)
 
 FIELDS = ["clocks.sm", "power.draw", "temperature.gpu", "clocks_throttle_reasons.active"]
 DEFAULT_POINTS = "64:0:4096,64:1:4096,64:1:16384,128:0:16384,128:1:2048,256:0:2048,256:1:4096"
@@ -87,17 +85,7 @@ def main():
         b, h = 16384 // s, 2048 // d
         causal = bool(c)
         flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0) * 2.5
-        torch.manual_seed(0)
-        q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-        for t in (q, k, v):
-            t.requires_grad_()
-
-        def cudnn(q, k, v):
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                      is_causal=causal).transpose(1, 2)
-
-        impls = {"flash3": lambda q, k, v: flash3.flash_attn_func(q, k, v, causal=causal), "cudnn": cudnn}
+        (q, k, v, dout), impls = paper_problem(d, s, causal)
         for name, fn in impls.items():
             out = fn(q, k, v)
             call = lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)  # noqa: E731

@@ -15,17 +15,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import flash3
 
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--pass", dest="pss", choices=("fwd", "bwd"), default="fwd")
-    p.add_argument("--hdim", type=int, default=128)
-    p.add_argument("--seqlen", type=int, default=2048)
-    p.add_argument("--causal", type=int, default=0)
-    p.add_argument("--only", choices=("flash3", "cudnn"), default=None)
-    a = p.parse_args()
-    s, d = a.seqlen, a.hdim
+def paper_problem(d, s, causal):
+    """The paper's sweep shape at head dim d, seqlen s (batch 16384 / s, heads 2048 / d), bf16,
+    seed 0: (q, k, v, dout) with q, k, v requiring grad, and {name: attention(q, k, v)} for
+    flash3 and cuDNN (PyTorch SDPA's cuDNN backend), both in flash3's (b, s, h, d) layout."""
     b, h = max(1, 16384 // s), max(1, 2048 // d)
-    causal = bool(a.causal)
     torch.manual_seed(0)
     q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     for t in (q, k, v):
@@ -37,6 +31,21 @@ def main():
                                                   is_causal=causal).transpose(1, 2)
 
     impls = {"flash3": lambda q, k, v: flash3.flash_attn_func(q, k, v, causal=causal), "cudnn": cudnn}
+    return (q, k, v, dout), impls
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--pass", dest="pss", choices=("fwd", "bwd"), default="fwd")
+    p.add_argument("--hdim", type=int, default=128)
+    p.add_argument("--seqlen", type=int, default=2048)
+    p.add_argument("--causal", type=int, default=0)
+    p.add_argument("--only", choices=("flash3", "cudnn"), default=None)
+    a = p.parse_args()
+    s, d = a.seqlen, a.hdim
+    b, h = max(1, 16384 // s), max(1, 2048 // d)
+    causal = bool(a.causal)
+    (q, k, v, dout), impls = paper_problem(d, s, causal)
     if a.only:
         impls = {a.only: impls[a.only]}
     calls = {}
