@@ -6,11 +6,8 @@
 # tensor-pipe cycles; `exp/energy_table.py` (below) divides by each call's FLOPs, so that the bytes
 # per FLOP where flash3 moves more than cuDNN stand out. From the repository root on the GPU machine:
 # `bash exp/energy_ncu_run.sh` (~4-6 minutes: 7 points x 2 libraries, all kernels of one call each).
-set -uo pipefail
-OUT=${OUT:-out}; mkdir -p "$OUT"; t0=$(date +%s)
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASH3_BUILD_BENCH=OFF -DFLASH3_BUILD_TESTS=OFF > /dev/null 2>&1
-cmake --build build -j16 --target flash3 > "$OUT/build.log" 2>&1 || { tail -5 "$OUT/build.log"; exit 1; }
-echo "built at $(( $(date +%s) - t0 )) s"
+source exp/exp_builds.sh  # $OUT, t0, b (copy exp_builds.sh to exp/ too)
+b build ""
 export FLASH3_LIB=$PWD/build/libflash3.so PYTHONPATH=python
 M=lts__t_sectors_op_read.sum,lts__t_sectors_op_write.sum,lts__t_sectors_op_red.sum,lts__t_sectors_op_atom.sum,lts__t_sector_hit_rate.pct,dram__bytes_read.sum,dram__bytes_write.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,smsp__inst_executed.sum,sm__inst_executed_pipe_tensor_op_hmma.sum,gpu__time_duration.sum
 for cfg in "64 1 4096" "64 1 16384" "64 0 4096" "128 1 2048" "128 0 16384" "256 0 2048" "256 1 4096"; do

@@ -4,11 +4,9 @@
 # Nsight Compute over flash3's main kernel alone (tools/prof.py --only flash3), non-causal 16k,
 # causal 16k and causal 4k: speed of light, warp states, L2 hit rate and sectors, tensor pipe.
 # From the repository root on the GPU machine, main's build: `bash exp/ncu64_run.sh`.
-set -uo pipefail
-OUT=${OUT:-out}; mkdir -p "$OUT"; t0=$(date +%s)
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASH3_BUILD_BENCH=OFF -DFLASH3_BUILD_TESTS=OFF > /dev/null 2>&1
-cmake --build build -j16 --target flash3 > "$OUT/build.log" 2>&1 || { tail -5 "$OUT/build.log"; exit 1; }
-echo "built at $(( $(date +%s) - t0 )) s"
+# (Call 3 ran it with the same library build written out here; since then the build is exp_builds.sh's.)
+source exp/exp_builds.sh  # $OUT, t0, b (copy exp_builds.sh to exp/ too)
+b build ""
 export FLASH3_LIB=$PWD/build/libflash3.so PYTHONPATH=python
 S="--section SpeedOfLight --section WarpStateStats --section LaunchStats --section Occupancy"
 M=lts__t_sector_hit_rate.pct,lts__t_sectors_op_read.sum,lts__t_sectors_op_red.sum,lts__t_sectors_op_write.sum,sm__pipe_tensor_op_hgmma_cycles_active.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum,dram__bytes_write.sum,sm__cycles_active.avg,smsp__inst_executed.sum,smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_wait_per_issue_active.ratio,smsp__average_warps_issue_stalled_membar_per_issue_active.ratio,smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_mio_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_sleeping_per_issue_active.ratio,smsp__average_warps_issue_stalled_no_instruction_per_issue_active.ratio,smsp__average_warps_issue_stalled_selected_per_issue_active.ratio,smsp__average_warps_issue_stalled_dispatch_stall_per_issue_active.ratio,smsp__average_warps_issue_stalled_branch_resolving_per_issue_active.ratio,smsp__average_warps_issue_stalled_math_per_issue_active.ratio,smsp__average_warps_issue_stalled_tex_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_drain_per_issue_active.ratio,smsp__average_warps_issue_stalled_imc_miss_per_issue_active.ratio,smsp__average_warps_issue_stalled_misc_per_issue_active.ratio
