@@ -20,7 +20,7 @@ for path in sorted(glob.glob(os.path.join(out, "ncu_*_d*_c*_s*.csv"))):
         except (TypeError, ValueError):
             continue
         scale = {"Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "byte": 1.0, "usecond": 1e-6, "msecond": 1e-3,
-                 "nsecond": 1e-9, "second": 1.0}.get(unit, 1.0)
+                 "nsecond": 1e-9, "second": 1.0, "ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}.get(unit, 1.0)
         if name.endswith("hit_rate.pct"):
             rows[(d, c, s, impl)]["l2_hit_pct_max"] = max(rows[(d, c, s, impl)]["l2_hit_pct_max"], v)
         else:

@@ -35,10 +35,12 @@
 //
 //   head dim | kBlockM | kBlockN | stages | dQ stages | swapped | regs (dK+dV, S+dP, dQ) | smem
 //   ---------+---------+---------+--------+-----------+---------+------------------------+-------
-//        64  |    64   |   128   |   2    |     4     |   yes   |   64,  64, 32 (alt.)   | 210 KB *
+//        64  |    64   |   128   |   3    |     4     |   yes   |   64,  64, 32 (alt.)   | 226 KB *
 //       128  |    64   |   128   |   2    |     2     |   yes   |  128,  64, 32          | 225 KB
 //       256  |    64   |    64   |   1    |     1     |   no    |  128,  32, 64          | 208 KB
-//   * 160 KB, plus the persistent kernel's second K buffer (16 KB) and dK, dV staging (32 KB).
+//   * 178 KB, plus the persistent kernel's second K buffer (16 KB) and dK, dV staging (32 KB).
+// Head dim 64 has three Q/dO stages (the room was there): +1-3% at 1k-4k, even from 8k
+// (docs/perf-log.md B82; two stages before).
 #pragma once
 
 #include <cstddef>
@@ -49,7 +51,7 @@ namespace flash3 {
 template <int kHeadDim>
 struct BwdTileConfig;
 template <> struct BwdTileConfig<64> {
-  static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2, kDQStages = 4;
+  static constexpr int kBlockM = 64, kBlockN = 128, kStages = 3, kDQStages = 4;
   static constexpr bool kSdPSwapAB = true, kKVInRegs = true, kDQAlternate = true, kSpreadVisits = false;
   static constexpr bool kPersistentCausal = true, kPersistentNonCausal = true, kTmaEpilogue = true;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
