@@ -8,10 +8,6 @@ b build_v1 "-DFLASH3_EXP_D128_STAGES=3 -DFLASH3_EXP_D128_DQ=1" ON
 TEST_BUILD=build_v1 GTEST_TIMEOUT=200 source exp/exp_tests.sh
 b build_v2 "-DFLASH3_EXP_D128_STAGES=2 -DFLASH3_EXP_D128_DQ=1"
 b build_v0 ""
-for r in 1 2; do
-  for v in 0 1 2; do
-    FLASH3_LIB=$PWD/build_v$v/libflash3.so HDIMS=128 CAUSAL=0,1 SEQS=1024,2048,4096,8192,16384 timeout 60 python3 exp/ab_time.py "v$v$r" >> "$OUT/ab.txt" 2>&1
-  done
-done
-python3 exp/abn_summary.py "$OUT/ab.txt"
+export HDIMS=128 CAUSAL=0,1 SEQS=1024,2048,4096,8192,16384
+abt 2 build_v0 build_v1 build_v2
 echo "elapsed $(( $(date +%s) - t0 )) s"

@@ -5,14 +5,9 @@
 # cp -r docs/wip exp; `bash exp/d64stages2_run.sh`.
 source exp/exp_builds.sh
 b build_v1 "-DFLASH3_EXP_D64_STAGES=4 -DFLASH3_EXP_D64_DQ=2"
-FLASH3_LIB=$PWD/build_v1/libflash3.so PYTHONPATH=python timeout 100 python3 -m pytest -q -x tests/test_torch.py -k "backward" > "$OUT/pytest_bwd.log" 2>&1
-echo "pytest backward (v1) rc=$?: $(tail -1 "$OUT/pytest_bwd.log")"
+pyt build_v1
 b build_v2 "-DFLASH3_EXP_D64_STAGES=3 -DFLASH3_EXP_D64_DQ=2"
 b build_v0 ""
-for r in 1 2; do
-  for v in 0 1 2; do
-    FLASH3_LIB=$PWD/build_v$v/libflash3.so HDIMS=64 CAUSAL=0,1 SEQS=1024,2048,4096,8192,16384 timeout 60 python3 exp/ab_time.py "v$v$r" >> "$OUT/ab.txt" 2>&1
-  done
-done
-python3 exp/abn_summary.py "$OUT/ab.txt"
+export HDIMS=64 CAUSAL=0,1 SEQS=1024,2048,4096,8192,16384
+abt 2 build_v0 build_v1 build_v2
 echo "elapsed $(( $(date +%s) - t0 )) s"

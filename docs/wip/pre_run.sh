@@ -6,8 +6,7 @@
 # cp -r docs/wip exp; `bash exp/pre_run.sh`.
 source exp/exp_builds.sh
 b build_pre "-DFLASH3_EXP_PRE_HEADS"
-FLASH3_LIB=$PWD/build_pre/libflash3.so PYTHONPATH=python timeout 100 python3 -m pytest -q -x tests/test_torch.py -k "backward" > "$OUT/pytest_bwd.log" 2>&1
-echo "pytest backward rc=$?: $(tail -1 "$OUT/pytest_bwd.log")"
+pyt build_pre
 b build2 ""
 for v in 0 1; do
   lib=$([ $v = 0 ] && echo build2 || echo build_pre)
@@ -15,11 +14,6 @@ for v in 0 1; do
   FLASH3_LIB=$PWD/$lib/libflash3.so HDIMS=64,128,256 SEQS=1024,2048,4096,8192 timeout 100 python3 exp/kbreak.py 2>/dev/null >> "$OUT/kbreak.txt"
 done
 grep -E "^ *(64|128|256) |==" "$OUT/kbreak.txt" | cut -c1-60
-for r in 1 2; do
-  for v in 0 1; do
-    lib=$([ $v = 0 ] && echo build2 || echo build_pre)
-    FLASH3_LIB=$PWD/$lib/libflash3.so HDIMS=64,128,256 CAUSAL=0,1 SEQS=1024,2048,4096 timeout 80 python3 exp/ab_time.py "v$v$r" >> "$OUT/ab.txt" 2>&1
-  done
-done
-python3 exp/abn_summary.py "$OUT/ab.txt"
+export HDIMS=64,128,256 CAUSAL=0,1 SEQS=1024,2048,4096
+AB_TIMEOUT=80 abt 2 build2 build_pre
 echo "elapsed $(( $(date +%s) - t0 )) s"
