@@ -40,7 +40,8 @@
 //       256  |    64   |    64   |   1    |     1     |   no    |  128,  32, 64          | 208 KB
 //   * 178 KB, plus the persistent kernel's second K buffer (16 KB) and dK, dV staging (32 KB).
 // Head dim 64 has three Q/dO stages (the room was there): +1-3% at 1k-4k, even from 8k
-// (docs/perf-log.md B82; two stages before).
+// (docs/perf-log.md B82; two stages before; four with two dQ stages measured even, B84). At head
+// dim 128 a third stage in the room of one of the two dQ stages measured 0.99x (B86).
 #pragma once
 
 #include <cstddef>
