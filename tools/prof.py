@@ -43,9 +43,9 @@ def main():
     p.add_argument("--only", choices=("flash3", "cudnn"), default=None)
     a = p.parse_args()
     s, d = a.seqlen, a.hdim
-    b, h = max(1, 16384 // s), max(1, 2048 // d)
     causal = bool(a.causal)
     (q, k, v, dout), impls = paper_problem(d, s, causal)
+    b, h = q.shape[0], q.shape[2]
     if a.only:
         impls = {a.only: impls[a.only]}
     calls = {}
