@@ -447,10 +447,9 @@ def test_cpu_kernel_layout_rule_for_incoming_gradients():
     assert flash3._kernel_layout(one)  # the stride of a dim of size 1 is never used
 
 
-def test_cpu_autograd_wiring(monkeypatch):
-    """loss.backward() reaches backward_into with the forward's saved tensors and options and a
-    kernel-readable dout; the library calls are stood in for by the math on the CPU."""
-    calls = []
+def _cpu_library_fakes(monkeypatch, calls):
+    """flash3's two library calls stood in for by the math on the CPU; each backward_into call's
+    arguments are appended to calls."""
 
     def fake_forward(q, k, v, softmax_scale, causal, want_lse):
         out, lse = attention(q, k, v, softmax_scale or 1 / math.sqrt(q.shape[-1]), causal, upcast=False)
@@ -467,6 +466,13 @@ def test_cpu_autograd_wiring(monkeypatch):
 
     monkeypatch.setattr(flash3, "_forward", fake_forward)
     monkeypatch.setattr(flash3, "backward_into", fake_backward_into)
+
+
+def test_cpu_autograd_wiring(monkeypatch):
+    """loss.backward() reaches backward_into with the forward's saved tensors and options and a
+    kernel-readable dout; the library calls are stood in for by the math on the CPU."""
+    calls = []
+    _cpu_library_fakes(monkeypatch, calls)
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(2, 9, 4, 8, generator=gen).requires_grad_()
     k, v = (torch.randn(2, 12, 2, 8, generator=gen).requires_grad_() for _ in range(2))
@@ -480,5 +486,29 @@ def test_cpu_autograd_wiring(monkeypatch):
     assert c["out"] is not None and c["lse"].shape == (2, 4, 9)
     xs = [t.detach().requires_grad_() for t in (q, k, v)]
     ref = torch.autograd.grad(attention(*xs, 0.5, True, upcast=False)[0].sum(), xs)
+    for got, r in zip((q.grad, k.grad, v.grad), ref):
+        assert torch.allclose(got, r)
+
+
+def test_cpu_lse_gradient_not_materialized(monkeypatch):
+    """The backward gets None for the non-differentiable lse, not a zero-filled float32 tensor
+    (one allocation and one fill kernel per call), and the gradients are unchanged."""
+    calls, seen = [], []
+    _cpu_library_fakes(monkeypatch, calls)
+    original = flash3._FlashAttnFunc.backward
+
+    def spy(ctx, dout, dlse):
+        seen.append(dlse)
+        return original(ctx, dout, dlse)
+
+    monkeypatch.setattr(flash3._FlashAttnFunc, "backward", staticmethod(spy))
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 7, 2, 8, generator=gen).requires_grad_() for _ in range(3))
+    dout = torch.randn(1, 7, 2, 8, generator=gen)
+    out, lse = flash3.flash_attn_func(q, k, v, softmax_scale=0.25, causal=True, return_attn_probs=True)
+    out.backward(dout)
+    assert seen == [None] and len(calls) == 1
+    xs = [t.detach().requires_grad_() for t in (q, k, v)]
+    ref = torch.autograd.grad(attention(*xs, 0.25, True, upcast=False)[0], xs, dout)
     for got, r in zip((q.grad, k.grad, v.grad), ref):
         assert torch.allclose(got, r)

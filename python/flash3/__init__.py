@@ -206,11 +206,17 @@ class _FlashAttnFunc(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
         ctx.mark_non_differentiable(lse)
+        # NOTES: lse has no gradient; materialized, autograd would allocate and zero-fill a
+        # float32 (batch, nheads, seqlen_q) tensor for it on every backward (one more allocation
+        # and kernel launch per call: docs/perf-log.md, H2). Unmaterialized, it arrives as None.
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, dlse):
+        if dout is None:  # no gradient reached out (unmaterialized): none for q, k, v either
+            return None, None, None, None, None, None
         q, k, v, out, lse = ctx.saved_tensors
         # an incoming gradient may be any view (sum() gives a stride-0 expand): copy it only when
         # the kernels cannot read it as it is
