@@ -6,11 +6,7 @@
 # writer). x built with tests (gtest Bwd*, pytest backward, memcheck), then the A/B of
 # main / z / y / x over HDIMS x CAUSAL x SEQS (exported by the caller), ROUNDS rounds.
 source exp/exp_builds.sh
+source exp/exp_variants.sh
 Z="-DFLASH3_EXP_M128=2 -DFLASH3_EXP_DSFIRST"
-b build_x "$Z -DFLASH3_EXP_FA3WAIT -DFLASH3_EXP_DQWG" ON
-TEST_BUILD=build_x GTEST_TIMEOUT=200 source exp/exp_tests.sh
-b build_y "$Z -DFLASH3_EXP_FA3WAIT"
-b build_z "$Z"
-b build2 ""
-abt "${ROUNDS:-2}" build2 build_z build_y build_x
+variants_ab x "z:$Z" "y:$Z -DFLASH3_EXP_FA3WAIT" "x:$Z -DFLASH3_EXP_FA3WAIT -DFLASH3_EXP_DQWG"
 echo "elapsed $(( $(date +%s) - t0 )) s"

@@ -5,11 +5,7 @@
 # per-warpgroup dQ hand-off at head dim 128 (-DFLASH3_EXP_DQWG -DFLASH3_EXP_DQWG128); main. A/B of
 # main / w / x / h over HDIMS x CAUSAL x SEQS (exported), ROUNDS rounds.
 source exp/exp_builds.sh
+source exp/exp_variants.sh
 W="-DFLASH3_EXP_M128=2 -DFLASH3_EXP_DSFIRST -DFLASH3_EXP_DQWG"
-b build_x "$W -DFLASH3_EXP_M128P" ON
-TEST_BUILD=build_x GTEST_TIMEOUT=200 source exp/exp_tests.sh
-b build_w "$W"
-b build_h "-DFLASH3_EXP_DQWG -DFLASH3_EXP_DQWG128"
-b build2 ""
-abt "${ROUNDS:-2}" build2 build_w build_x build_h
+variants_ab x "w:$W" "x:$W -DFLASH3_EXP_M128P" "h:-DFLASH3_EXP_DQWG -DFLASH3_EXP_DQWG128"
 echo "elapsed $(( $(date +%s) - t0 )) s"
