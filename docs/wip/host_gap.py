@@ -2,27 +2,22 @@
 # cuDNN: host latency of one call from an idle GPU, and the GPU timeline of one call (torch.profiler,
 # CPU + CUDA), at a few sweep points.
 import os, sys, time, statistics
-# PYDIR: the flash3 package to use (default: the repository's python/); PROFILE=1: one call's timeline.
-sys.path.insert(0, os.environ.get("PYDIR") or
-                os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
-import torch, flash3
-from torch.nn.attention import SDPBackend, sdpa_kernel
+# Run as exp/host_gap.py from the repository root. PYDIR: the flash3 package to use (default:
+# the repository's python/); PROFILE=1: one call's timeline.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.environ.get("PYDIR") or os.path.join(ROOT, "python"))
+sys.path.insert(1, os.path.join(ROOT, "tools"))
+import torch
 from torch.profiler import profile, ProfilerActivity
+from prof import paper_problem  # tools/prof.py: the sweep's inputs and the flash3, cuDNN calls
 
 POINTS = [(64, True, 8192), (128, True, 2048), (64, False, 2048)]
 spin = torch.cuda._sleep
 
 
 def run(d, causal, s):
-    b, h = 16384 // s, 2048 // d
-    torch.manual_seed(0)
-    mk = lambda: torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    q, k, v = mk(), mk(), mk()
-    dout = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
-    outs = {"flash3": flash3.flash_attn_func(q, k, v, causal=causal)}
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-        outs["cudnn"] = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal).transpose(1, 2)
+    (q, k, v, dout), impls = paper_problem(d, s, causal)
+    outs = {name: fn(q, k, v) for name, fn in impls.items()}
     for impl, out in outs.items():
         if impl not in os.environ.get("IMPLS", "flash3,cudnn").split(","):
             continue
