@@ -27,12 +27,12 @@ import statistics
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def ratio_test(run, r, fa3):
+def ratio_test(run, r, fa3, gemm_anchor):
     return r.get("flash3_over_fa3_implied")
 
 
-def normalized(run, r, fa3):
-    gemm_run, gemm_anchor = run.get("gemm_bf16_tflops"), fa3.get("gemm")
+def normalized(run, r, fa3, gemm_anchor):
+    gemm_run = run.get("gemm_bf16_tflops")
     f = fa3.get((r["hdim"], bool(r["causal"]), r["seqlen"]))
     if not (f and gemm_run and gemm_anchor and r.get("flash3_tflops")):
         return None
@@ -43,11 +43,12 @@ MEASURES = (("flash3/cuDNN over FA3/cuDNN (the issues' test)", ratio_test),
             ("flash3/GEMM over FA3/GEMM (absolute rates, each over its run's GEMM)", normalized))
 
 
-def point_values(runs, fa3, fn):
+def point_values(runs, fa3, gemm_anchor, fn):
     """{(hdim, causal, seqlen): [value in run 0, run 1, ...]} over the points every run has."""
     per_run = []
     for run in runs:
-        per_run.append({(r["hdim"], bool(r["causal"]), r["seqlen"]): fn(run, r, fa3) for r in run["rows"]})
+        per_run.append({(r["hdim"], bool(r["causal"]), r["seqlen"]): fn(run, r, fa3, gemm_anchor)
+                        for r in run["rows"]})
     keys = set(per_run[0])
     for d in per_run[1:]:
         keys &= set(d)
@@ -88,12 +89,12 @@ def main():
         p.error("bench_json: the runs mix forward and backward JSONs; give runs of one pass")
     min_seqlen = a.min_seqlen if a.min_seqlen is not None else (1024 if pss == "fwd" else 2048)
     fa3 = {(r["hd"], bool(r["causal"]), r["seqlen"]): r.get(f"fa3_{pss}") for r in anchors["rows"]}
-    fa3["gemm"] = anchors.get("gemm_bf16_tflops")
+    gemm_anchor = anchors.get("gemm_bf16_tflops")
     for run in runs:
         print(f"{run.get('device', '?')}, {pss}, {run.get('date', '')}: GEMM {run.get('gemm_bf16_tflops', 0):.0f} "
-              f"TFLOP/s here, {fa3['gemm']:.0f} in the anchors' run ({anchors.get('what', '')[:60]}...)")
+              f"TFLOP/s here, {gemm_anchor:.0f} in the anchors' run ({anchors.get('what', '')[:60]}...)")
     for title, fn in MEASURES:
-        values = point_values(runs, fa3, fn)
+        values = point_values(runs, fa3, gemm_anchor, fn)
         seqlens = sorted({k[2] for k in values})
         groups = sorted({k[:2] for k in values})
         print(f"\n{title}" + (f", median over {len(runs)} runs [lowest-highest]" if len(runs) > 1 else ""))
