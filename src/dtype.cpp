@@ -1,5 +1,6 @@
 // dtype names and sizes, TensorRef helpers, and the host-side CUDA queries used by validation.
 #include "flash3/flash3.h"
+#include "dispatch.h"
 
 #include <cuda_runtime_api.h>
 
@@ -51,7 +52,7 @@ TensorRef TensorRef::contiguous(void* data, DType dtype, std::initializer_list<i
 }
 
 bool is_supported_head_dim(int head_dim) {
-  return head_dim == 64 || head_dim == 128 || head_dim == 256;
+  return detail::kernel_built(DType::kBFloat16, head_dim) || detail::kernel_built(DType::kFloat16, head_dim);
 }
 
 bool hopper_available(std::string* why_not) {

@@ -1,4 +1,4 @@
-// flash3: CPU tests of the causal forward tile order (src/fwd/causal_order.h): every tile is
+// flash3: CPU tests of the causal forward tile order (src/common/block_order.h): every tile is
 // handed out once, longest first within each section, sections within the L2 budget, and a last
 // section that fills the GPU at least once. And the backward workspace (src/bwd/bwd_config.h):
 // the deterministic mode's dQ copies and a layout whose parts hold them without overlap.
@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "bwd/bwd_config.h"
-#include "fwd/causal_order.h"
-#include "fwd/tail_split.h"
+#include "common/block_order.h"
+#include "common/tail_split.h"
 
 namespace {
 
@@ -289,7 +289,7 @@ TEST(BwdWorkspace, PartsAreAlignedDisjointAndLargeEnough) {
   }
 }
 
-// ---- the non-causal forward's tail split (src/fwd/tail_split.h) ----------------------------
+// ---- the non-causal forward's tail split (src/common/tail_split.h) ----------------------------
 
 TEST(TailSplit, SplitsOnlyWhereItSavesEnough) {
   // The sweep's hdim 128 shape at 16k: 2048 tiles of 94 key blocks on 132 SMs: 15 waves and 68

@@ -57,20 +57,6 @@ class CudaError : public Error {
   explicit CudaError(const std::string& what) : Error(what) {}
 };
 
-// Benchmark switches that turn one technique of the forward kernel off (the paper's Table 2).
-// kNoPersistent works everywhere; kNoPingpong and kNoOverlap are built for bfloat16, head dim
-// 128, non-causal only (fwd() throws flash3::Error elsewhere).
-enum class FwdVariant : int {
-  kDefault = 0,
-  kNoPersistent = 1,  // one block per tile instead of one persistent block per SM
-  kNoPingpong = 2,    // consumer warpgroups issue their GEMMs without taking turns
-  kNoOverlap = 3,     // no intra-warpgroup GEMM-softmax pipelining (Algorithm 1 as written)
-  kPersistent = 4,    // persistent with the static tile order also for causal masks (by default
-                      // causal is persistent with the dynamic scheduler)
-  kThreeStage = 5,    // the 3-stage GEMM-softmax pipeline of the paper's Appendix B.3 (kBlockN 96)
-  kTwoStageBlockN96 = 6,  // the default pipeline at the 3-stage variant's tile (comparison)
-};
-
 struct FwdArgs {
   TensorRef q, k, v;
   TensorRef out;
@@ -80,7 +66,6 @@ struct FwdArgs {
   // j <= i + seqlen_k - seqlen_q. Query rows that can see no key get out = 0 and lse = +inf.
   bool causal = false;
   cudaStream_t stream = nullptr;
-  FwdVariant variant = FwdVariant::kDefault;
 };
 
 // Forward attention: out = softmax(scale * q k^T [masked]) v, and the log-sum-exp.
@@ -91,7 +76,7 @@ struct FwdArgs {
 // first call on the stream that needs it; it only grows, and a buffer outgrown stays allocated
 // (a CUDA graph captured earlier may use it). A call captured into a CUDA graph allocates
 // nothing and, where the memory does not exist yet, runs without it (whole tiles: non-causal,
-// the results of FwdVariant::kPersistent, bitwise; causal, the default's).
+// the results of the static persistent order, bitwise; causal, the default's).
 void fwd(const FwdArgs& args);
 
 // ---------------------------------------------------------------------------------------------

@@ -1,10 +1,11 @@
 // flash3: the public backward entry point: validate, size and (if needed) allocate the
-// workspace, then dispatch on (dtype, head dim).
+// workspace, then dispatch over the kernel table.
 #include <string>
 
-#include "bwd/bwd_dispatch.h"
+#include "bwd/bwd_config.h"
+#include "dispatch.h"
 #include "flash3/flash3.h"
-#include "fwd/fwd_dispatch.h"
+#include "runtime/runtime.h"
 
 namespace flash3 {
 
@@ -39,15 +40,9 @@ void bwd(const BwdArgs& args) {
   }
   detail::require_hopper("flash3::bwd");
 
-  using Run = void (*)(const BwdProblem&, const BwdArgs&, const BwdWorkspaceLayout&, char*);
-  Run run = nullptr;
-  const bool bf16 = p.dtype == DType::kBFloat16;
-  switch (p.head_dim) {
-    case 64: run = bf16 ? detail::run_bwd_bf16_hdim64 : detail::run_bwd_fp16_hdim64; break;
-    case 128: run = bf16 ? detail::run_bwd_bf16_hdim128 : detail::run_bwd_fp16_hdim128; break;
-    case 256: run = bf16 ? detail::run_bwd_bf16_hdim256 : detail::run_bwd_fp16_hdim256; break;
+  if (!detail::kernel_built(p.dtype, p.head_dim)) {  // validate_bwd admits only the table's rows
+    throw Error("flash3::bwd: no kernel for head_dim " + std::to_string(p.head_dim));
   }
-  if (run == nullptr) throw Error("flash3::bwd: no kernel for head_dim " + std::to_string(p.head_dim));
 
   char* base = static_cast<char*>(args.workspace);
   const bool own = base == nullptr;
@@ -57,7 +52,9 @@ void bwd(const BwdArgs& args) {
     base = static_cast<char*>(ptr);
   }
   try {
-    run(p, args, ws, base);
+    detail::dispatch(p.dtype, p.head_dim, [&](auto dtype, auto head_dim) {
+      detail::run_bwd<decltype(dtype)::value, decltype(head_dim)::value>(p, args, ws, base);
+    });
   } catch (...) {
     if (own) cudaFreeAsync(base, args.stream);
     throw;

@@ -24,9 +24,10 @@
 #include <cmath>
 
 #include "bwd/bwd_traits.h"
-#include "fwd/causal_order.h"
-#include "fwd/tile_scheduler.h"
-#include "fwd/utils.h"
+#include "common/block_order.h"
+#include "common/ptx.h"
+#include "common/wgmma.h"
+#include "common/tile_stream.h"
 
 namespace flash3::detail {
 
@@ -70,28 +71,6 @@ __device__ __forceinline__ void bwd_block_coords(int n_blocks, int nheads, int b
   }
   head = bh % nheads;
   batch = bh / nheads;
-}
-
-__device__ __forceinline__ void bulk_load_1d(void* smem_dst, const void* gmem_src, uint32_t bytes,
-                                             uint64_t* mbar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-          cute::cast_smem_ptr_to_uint(smem_dst)),
-      "l"(gmem_src), "r"(bytes), "r"(cute::cast_smem_ptr_to_uint(mbar))
-      : "memory");
-}
-
-__device__ __forceinline__ void bulk_store_f32(float* gmem_dst, const float* smem_src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(gmem_dst),
-               "r"(cute::cast_smem_ptr_to_uint(smem_src)), "r"(bytes)
-               : "memory");
-  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-}
-__device__ __forceinline__ void bulk_reduce_add_f32(float* gmem_dst, const float* smem_src, uint32_t bytes) {
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(gmem_dst),
-               "r"(cute::cast_smem_ptr_to_uint(smem_src)), "r"(bytes)
-               : "memory");
-  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
 }
 
 // The query block of a key block's i-th visit: |m_base - i| is m_begin + i with m_base =
@@ -883,7 +862,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
 // The persistent backward (Traits::kPersistent: swapped loop, where bwd_config.h's
 // kPersistentCausal or kPersistentNonCausal is set).
 // One block per SM (bwd_persistent_grid) takes blocks of work (key block, head, batch) in
-// bwd_kernel's order (causal: bwd_causal_block's) from a counter (FwdTileStream: a scheduler
+// bwd_kernel's order (causal: bwd_causal_block's) from a counter (TileStream: a scheduler
 // thread, warp 3 of the producer warpgroup, draws the next one when asked, and hands it to the
 // producer, the dQ writers and the consumers through a two-slot ring). The next block's first Q, dO
 // and K, V load while this one finishes. With K, V in registers (kEarlyKV, head dim 64) the next
@@ -912,7 +891,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   extern __shared__ __align__(1024) char smem_raw[];
   auto& shared = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
 
-  const FwdTileStream<true> items{params.tile_counter, params.num_items};
+  const TileStream<true> items{params.tile_counter, params.num_items};
   // Work item t: its key block, (head, batch) pair and query blocks, visited last to first.
   struct Item {
     int n_block, head, batch, m_count, m_base;

@@ -7,10 +7,12 @@
 #include <cstdlib>
 #include <string>
 
-#include "bwd/bwd_dispatch.h"
 #include "bwd/bwd_kernel.h"
-#include "fwd/causal_order.h"
-#include "fwd/fwd_dispatch.h"
+#include "common/block_order.h"
+#include "common/element.h"
+#include "dispatch.h"
+#include "runtime/launch.h"
+#include "runtime/runtime.h"
 
 namespace flash3::detail {
 
@@ -116,8 +118,9 @@ void launch_bwd_main(const BwdProblem& p, const BwdArgs& args, const BwdWorkspac
   }
 }
 
-template <class Element, int kHeadDim>
+template <DType kDType, int kHeadDim>
 void run_bwd(const BwdProblem& p, const BwdArgs& args, const BwdWorkspaceLayout& ws, char* base) {
+  using Element = detail::Element<kDType>;
   using Traits = BwdTraits<Element, kHeadDim, false>;
   constexpr int kBlockM = Traits::kBlockM;
   BwdAuxParams aux{

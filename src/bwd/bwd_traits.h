@@ -204,7 +204,7 @@ struct BwdTraits {
     int l2_section, l2_big;  // causal block order: sections of (head, batch) pairs (bwd_sections)
     int64_t seqlen_q_pad, seqlen_k_pad;
     float softmax_scale, scale_log2;
-    int* tile_counter = nullptr;  // kPersistent: two zeroed ints (FwdTileStream), or null (static order)
+    int* tile_counter = nullptr;  // kPersistent: two zeroed ints (TileStream), or null (static order)
     int num_items = 0;            // kPersistent: key blocks x heads x batch
     TmaStoreKV tma_dk{}, tma_dv{};  // kTmaEpilogue, MHA: dK, dV out by TMA (bwd_store_dkdv_tma) ...
     int dkv_tma = 0;                // ... where set
@@ -228,7 +228,7 @@ struct BwdTraits {
     typename Pipeline::SharedStorage pipeline_do;
     cutlass::arch::ClusterBarrier barrier_kv_free;  // kPersistent: the consumers are done with K, V
     cutlass::arch::ClusterBarrier barrier_v_free, barrier_k_free[2];  // kEarlyKV: V copied, K buffer done
-    cutlass::arch::ClusterBarrier tile_full[2], tile_empty[2], tile_request;  // kPersistent (FwdTileStream)
+    cutlass::arch::ClusterBarrier tile_full[2], tile_empty[2], tile_request;  // kPersistent (TileStream)
     int tile_ring[2];
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));

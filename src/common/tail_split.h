@@ -16,11 +16,7 @@
 // A problem with fewer tiles than SMs is all tail: it runs split over the keys on every SM.
 #pragma once
 
-#if defined(__CUDACC__)
-#define FLASH3_HD __host__ __device__ __forceinline__
-#else
-#define FLASH3_HD inline
-#endif
+#include "common/host_device.h"
 
 namespace flash3 {
 

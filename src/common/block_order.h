@@ -1,6 +1,5 @@
 // flash3: the order of the causal forward tiles and backward blocks, in plain C++ (no CuTe) so
-// that the CPU tests can check it: the kernels (tile_scheduler.h, bwd_kernel.h) and the launchers
-// use these functions.
+// that the CPU tests can check it: the kernels' schedulers and the launchers use these functions.
 //
 // Longest-processing-time first (the last query blocks, which see the most keys, come first, so
 // the short tiles fill the tail), within sections of (head, batch) pairs whose K and V fit in
@@ -17,11 +16,7 @@
 // at head dim 256 and at head dim 64 8k.
 #pragma once
 
-#if defined(__CUDACC__)
-#define FLASH3_HOST_DEVICE __host__ __device__ __forceinline__
-#else
-#define FLASH3_HOST_DEVICE inline
-#endif
+#include "common/host_device.h"
 
 namespace flash3 {
 
@@ -80,7 +75,7 @@ inline BwdSections bwd_sections(int pairs, int section) {
 // `big` of size + 1 pairs, then of `size`, the last one holding what is left: BwdSections), key
 // block slowest inside a section. Key block n - 1 of a pair comes before key block n, which the
 // deterministic mode relies on (bwd_kernel.h).
-FLASH3_HOST_DEVICE void bwd_causal_block(int bid, int n_blocks, int pairs, int size, int big, int& n_block,
+FLASH3_HD void bwd_causal_block(int bid, int n_blocks, int pairs, int size, int big, int& n_block,
                                          int& pair) {
   const int big_blocks = (size + 1) * n_blocks;  // blocks of each of the first `big` sections
   int first, count, r;
@@ -109,7 +104,7 @@ inline int causal_tail_first(int pairs, int section, int num_m_blocks, int num_s
 }
 
 // Tile t (0 <= t < num_m_blocks x pairs) -> its query block and (head, batch) pair.
-FLASH3_HOST_DEVICE void causal_tile(int t, int num_m_blocks, int pairs, int section, int tail_first,
+FLASH3_HD void causal_tile(int t, int num_m_blocks, int pairs, int section, int tail_first,
                                     int& m_block, int& pair) {
   int first, count;
   if (t < tail_first * num_m_blocks) {

@@ -2,7 +2,8 @@
 // held in WGMMA accumulator registers in (row, col) view.
 #pragma once
 
-#include "fwd/utils.h"
+#include "common/ptx.h"
+#include "common/wgmma.h"
 
 namespace flash3::detail {
 

@@ -1,12 +1,12 @@
-// flash3: the public forward entry point: validate, then dispatch on (dtype, head dim).
+// flash3: host runtime helpers shared by the forward and backward entry points: CUDA error
+// checks, the cached device attributes, the per-stream device memory, the Hopper check.
+#include "runtime/runtime.h"
+
 #include <algorithm>
 #include <map>
 #include <mutex>
-#include <utility>
 #include <string>
-
-#include "flash3/flash3.h"
-#include "fwd/fwd_dispatch.h"
+#include <utility>
 
 namespace flash3 {
 
@@ -105,25 +105,5 @@ void require_hopper(const char* op) {
 }
 
 }  // namespace detail
-
-void fwd(const FwdArgs& args) {
-  const FwdProblem p = validate_fwd(args);
-  if (p.batch == 0 || p.seqlen_q == 0 || p.nheads == 0) return;
-  detail::require_hopper("flash3::fwd");
-  if (p.seqlen_k == 0) return detail::fill_no_keys(p, args);
-
-  using Run = void (*)(const FwdProblem&, const FwdArgs&);
-  Run run = nullptr;
-  const bool bf16 = p.dtype == DType::kBFloat16;
-  switch (p.head_dim) {
-    case 64: run = bf16 ? detail::run_fwd_bf16_hdim64 : detail::run_fwd_fp16_hdim64; break;
-    case 128: run = bf16 ? detail::run_fwd_bf16_hdim128 : detail::run_fwd_fp16_hdim128; break;
-    case 256: run = bf16 ? detail::run_fwd_bf16_hdim256 : detail::run_fwd_fp16_hdim256; break;
-  }
-  if (run == nullptr) {  // validate_fwd admits only built head dims; keep the guard anyway
-    throw Error("flash3::fwd: no kernel for head_dim " + std::to_string(p.head_dim));
-  }
-  run(p, args);
-}
 
 }  // namespace flash3

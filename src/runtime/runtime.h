@@ -1,19 +1,13 @@
-// flash3: entry points of the forward kernels, one per (dtype, head dim); each handles causal
-// and non-causal. Plain C++ so that host code compiled by the C++ compiler can call them.
+// flash3: host runtime helpers shared by the forward and backward entry points (plain C++):
+// CUDA error checks, cached device attributes, per-stream device memory, the Hopper check, and
+// the small fill kernels of the degenerate shapes.
 #pragma once
+
+#include <cstddef>
 
 #include "flash3/flash3.h"
 
 namespace flash3::detail {
-
-#define FLASH3_DECLARE_FWD(NAME) void NAME(const FwdProblem& problem, const FwdArgs& args);
-FLASH3_DECLARE_FWD(run_fwd_bf16_hdim64)
-FLASH3_DECLARE_FWD(run_fwd_bf16_hdim128)
-FLASH3_DECLARE_FWD(run_fwd_bf16_hdim256)
-FLASH3_DECLARE_FWD(run_fwd_fp16_hdim64)
-FLASH3_DECLARE_FWD(run_fwd_fp16_hdim128)
-FLASH3_DECLARE_FWD(run_fwd_fp16_hdim256)
-#undef FLASH3_DECLARE_FWD
 
 // seqlen_k == 0: out = 0 and lse = +inf, without the main kernel.
 void fill_no_keys(const FwdProblem& problem, const FwdArgs& args);

@@ -1,7 +1,7 @@
 // flash3: the forward result when there are no keys (seqlen_k == 0): out = 0, lse = +inf,
 // the same values the main kernel writes for query rows that can see no key; and a zero fill
 // for the backward's dk, dv when there are no queries.
-#include "fwd/fwd_dispatch.h"
+#include "runtime/runtime.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

@@ -1,9 +1,0 @@
-// flash3: backward kernels for fp16, head dim 128 (causal and non-causal).
-#include "bwd/bwd_launch.h"
-
-namespace flash3::detail {
-void run_bwd_fp16_hdim128(const BwdProblem& problem, const BwdArgs& args, const BwdWorkspaceLayout& ws,
-                         char* base) {
-  run_bwd<cutlass::half_t, 128>(problem, args, ws, base);
-}
-}  // namespace flash3::detail

@@ -1,0 +1,40 @@
+// flash3: dispatch over the kernel table (kernel_table.inc). Plain C++: the entry points, compiled
+// by the C++ compiler, call the kernels' launchers through these declarations; each is defined
+// once per row, in the row's generated translation unit.
+#pragma once
+
+#include <type_traits>
+
+#include "flash3/flash3.h"
+
+namespace flash3::detail {
+
+enum class FwdAblation : int;
+struct BwdWorkspaceLayout;
+
+// The forward (fwd/fwd_launch.h) and backward (bwd/bwd_launch.h) launchers of one row.
+template <DType kDType, int kHeadDim>
+void run_fwd(const FwdProblem& problem, const FwdArgs& args, FwdAblation ablation);
+template <DType kDType, int kHeadDim>
+void run_bwd(const BwdProblem& problem, const BwdArgs& args, const BwdWorkspaceLayout& ws, char* base);
+
+// Calls visit(std::integral_constant<DType, kDType>, std::integral_constant<int, kHeadDim>) for
+// the row of (dtype, head_dim) and returns true, or returns false when the table has no such row.
+template <class Visit>
+bool dispatch(DType dtype, int head_dim, Visit&& visit) {
+#define FLASH3_KERNEL(DT, HD)                                                               \
+  if (dtype == DType::DT && head_dim == HD) {                                               \
+    visit(std::integral_constant<DType, DType::DT>{}, std::integral_constant<int, HD>{});   \
+    return true;                                                                            \
+  }
+#include "kernel_table.inc"
+#undef FLASH3_KERNEL
+  return false;
+}
+
+// Whether the table has a row for (dtype, head_dim).
+inline bool kernel_built(DType dtype, int head_dim) {
+  return dispatch(dtype, head_dim, [](auto, auto) {});
+}
+
+}  // namespace flash3::detail

@@ -1,0 +1,57 @@
+// flash3: host-side launch helpers shared by the forward and backward launchers: the CuTe view
+// the TMA descriptors are built from, launches with programmatic dependent launch, and the
+// once-per-device shared-memory attribute.
+#pragma once
+
+#include <atomic>
+
+#include <cute/tensor.hpp>
+
+#include "flash3/flash3.h"
+#include "runtime/runtime.h"
+
+namespace flash3::detail {
+
+using namespace cute;
+
+// The (seqlen, head_dim, heads, batch) CuTe view, head dim contiguous, of a (batch, seqlen,
+// heads, head_dim) tensor: what the TMA descriptors are built from (host side).
+inline auto qkv_layout(const TensorRef& t) {
+  return make_layout(make_shape(int32_t(t.shape[1]), int32_t(t.shape[3]), int32_t(t.shape[2]),
+                                int32_t(t.shape[0])),
+                     make_stride(t.stride[1], _1{}, t.stride[2], t.stride[0]));
+}
+
+// A launch with programmatic dependent launch: the kernel may start while the previous kernel of
+// the stream finishes, and must call pdl_wait before it reads that kernel's output or writes what
+// that kernel may read (docs/perf-log.md B31, step 24).
+template <class... KArgs, class... Args>
+void launch_pdl(void (*kernel)(KArgs...), dim3 grid, int threads, int smem, cudaStream_t stream,
+                const char* what, Args const&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(unsigned(threads));
+  cfg.dynamicSmemBytes = size_t(smem);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  check_cuda(cudaLaunchKernelEx(&cfg, kernel, args...), what);
+}
+
+// Raises kKernel's dynamic shared-memory limit to `bytes`, once per device: the attribute holds
+// for the rest of the process, and the driver call would otherwise cost host time on every
+// forward and backward call. (Keyed by the kernel itself: kernels of one signature, as the main
+// and tail forward kernels, are set apart.) Devices 64 and up are set on every call.
+template <auto kKernel>
+void set_max_dynamic_smem(int bytes, const char* what = "cudaFuncSetAttribute(max dynamic shared memory)") {
+  static std::atomic<unsigned long long> done{0};  // bit d: set on device d
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  const unsigned long long bit = device >= 0 && device < 64 ? 1ull << device : 0ull;
+  if (bit != 0 && (done.load(std::memory_order_acquire) & bit) != 0) return;
+  check_cuda(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), what);
+  done.fetch_or(bit, std::memory_order_release);
+}  // namespace flash3::detail
