@@ -24,27 +24,16 @@ kernel time with that; flash3_over_fa3_implied_same_method compares flash3 witho
 import argparse
 import datetime
 import json
-import math
 import os
-import statistics
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "python"))
 
-TOKENS, HIDDEN = 16384, 2048
-BWD_FLOPS_FACTOR = 2.5  # backward FLOPs / forward FLOPs (the paper's convention)
-SPIN_CYCLES = {"fwd": 200_000, "bwd": 1_000_000}  # about 0.1 ms / 0.5 ms at 1.98 GHz
-MISMATCH = 1e-2  # relative (norm) difference to cuDNN above which a point is flagged
+from timing import (BWD_FLOPS_FACTOR, MISMATCH, SPIN_CYCLES, first_line, fmt, gemm_tflops,  # noqa: E402
+                    geomean, ints, log, median_time_ms, ratio, sdpa, spin_kernel, sweep_points)
+
 GRADS = ("dq", "dk", "dv")
-
-
-def log(*a):
-    print(*a, flush=True)
-
-
-def ints(s):
-    return [int(x) for x in s.split(",") if x]
 
 
 def parse_args():
@@ -85,23 +74,8 @@ def load_anchors(pss="fwd"):
     return None, {}
 
 
-def fmt(x, spec):
-    return "-" if x is None else format(x, spec)
-
-
-def ratio(x, y):
-    return x / y if x is not None and y else None
-
-
-def first_line(e):
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-
-
 def geomeans(rows, keys):
-    def one(key):
-        xs = [r[key] for r in rows if r.get(key)]
-        return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
-    return {k: one(k) for k in keys}
+    return {k: geomean(r.get(k) for r in rows) for k in keys}
 
 
 def main():
@@ -128,44 +102,24 @@ def main():
         log(f"bench_torch: flash3 unavailable, its columns will be empty: {why}")
     anchors_path, anchors = load_anchors(a.pss)
     dev = torch.device("cuda")
-    spin = getattr(torch.cuda, "_sleep", None)  # spin kernel: keeps the GPU busy while the host launches
+    spin = spin_kernel(torch)  # spin kernel: keeps the GPU busy while the host launches
 
     def time_ms(fn, spin_cycles=None):
         cycles = a.spin if spin_cycles is None else spin_cycles
-        for _ in range(a.warmup):
-            fn()
-        times = []
-        for _ in range(a.reps):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            if spin is not None and cycles:
-                spin(cycles)  # the GPU is busy while the host launches: time only the kernel(s)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e))
-        return statistics.median(times)
+        return median_time_ms(torch, fn, a.warmup, a.reps, cycles)
 
     # ---- the ceiling: bf16 GEMM 8192^3 ------------------------------------------------------
-    n = 8192
-    x = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
-    y = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
-    gemm = 2 * n ** 3 / (time_ms(lambda: torch.matmul(x, y)) * 1e-3) / 1e12
-    del x, y
+    gemm = gemm_tflops(torch, dev, a.warmup, a.reps, a.spin)
     log(f"device: {torch.cuda.get_device_name(dev)}; torch {torch.__version__}, cuDNN "
         f"{torch.backends.cudnn.version()}, CUDA {torch.version.cuda}; flash3 {f3_version}")
     log(f"bf16 GEMM 8192^3: {gemm:.1f} TFLOP/s")
     log(f"anchors: {anchors_path or 'not found (FA3 columns empty)'}")
 
-    def sdpa(backend):
-        def run(q, k, v, causal):
-            with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                      is_causal=causal).transpose(1, 2)
-        return run
+    def sdpa_backend(backend):
+        return sdpa(F, sdpa_kernel, backend)
 
     causals = {"0": [False], "1": [True], "both": [False, True]}[a.causal]
-    env = dict(torch=torch, dev=dev, flash3=flash3 if ok else None, sdpa=sdpa, SDPBackend=SDPBackend,
+    env = dict(torch=torch, dev=dev, flash3=flash3 if ok else None, sdpa=sdpa_backend, SDPBackend=SDPBackend,
                anchors=anchors, causals=causals, time_ms=time_ms)
     if a.pss == "bwd":
         rows, summary, what, method = sweep_bwd(a, env)
@@ -194,16 +148,6 @@ def main():
     return 0
 
 
-def sweep_points(a, env, factor):
-    """(hdim, causal, seqlen, batch, nheads, FLOPs) of each point of the paper's sweep: 16k tokens,
-    hidden 2048; FLOPs = factor x 4 b h s^2 d, halved for causal."""
-    for d in a.hdims:
-        for causal in env["causals"]:
-            for s in a.seqlens:
-                b, h = max(1, TOKENS // s), max(1, HIDDEN // d)
-                yield d, causal, s, b, h, factor * 4 * b * h * s * s * d / (2 if causal else 1)
-
-
 def sweep_fwd(a, env):
     torch, dev, flash3, time_ms = env["torch"], env["dev"], env["flash3"], env["time_ms"]
     sdpa, SDPBackend, anchors = env["sdpa"], env["SDPBackend"], env["anchors"]
@@ -217,7 +161,7 @@ def sweep_fwd(a, env):
     log("-" * len(hdr))
     rows = []
     torch.manual_seed(0)
-    for d, causal, s, b, h, flops in sweep_points(a, env, 1):
+    for d, causal, s, b, h, flops in sweep_points(a.hdims, env["causals"], a.seqlens, 1):
         row = {"hdim": d, "causal": causal, "seqlen": s, "batch": b, "nheads": h, "flops": flops}
         errors = {}
         try:
@@ -307,7 +251,7 @@ def sweep_bwd(a, env):
     log("-" * len(hdr))
     rows = []
     torch.manual_seed(0)
-    for d, causal, s, b, h, flops in sweep_points(a, env, BWD_FLOPS_FACTOR):
+    for d, causal, s, b, h, flops in sweep_points(a.hdims, env["causals"], a.seqlens, BWD_FLOPS_FACTOR):
         row = {"pass": "bwd", "hdim": d, "causal": causal, "seqlen": s, "batch": b, "nheads": h,
                "flops": flops}
         errors = {}

@@ -11,7 +11,9 @@ where the JSON has FA3's ratio to cuDNN from the anchors, FA3 implied as cuDNN x
 
 The JSON's own 'pass' ("fwd" when absent) says what its top-level 'rows' are; --pass defaults to
 it. A pass other than the file's is read from a section of that name ({'rows': [...]} or a list
-of rows). Unknown keys are ignored.
+of rows). Unknown keys are ignored. A JSON may name its own bars and geomeans (as
+bench/compare_builds.py's does): 'series' = [[label, row key], ...] and 'geomean_labels' =
+[[geomean key, label], ...].
 """
 import argparse
 import json
@@ -33,6 +35,21 @@ SERIES = [
     ("FA3 (implied: cuDNN x anchor ratio)", lambda r, p: implied_fa3(r, p),
      dict(facecolor="#e6dcf0", edgecolor="#7b4fa6", hatch="////", linewidth=0.6)),
 ]
+
+PALETTE = ["#9c9c9c", "#7b4fa6", "#e15759", "#f28e2b", "#4e79a7", "#59a14f"]
+GEOMEAN_LABELS = [("flash3_over_cudnn", "flash3/cuDNN"), ("flash3_det_over_cudnn", "deterministic/cuDNN"),
+                  ("flash3_det_over_flash3", "deterministic/default"), ("flash3_over_fa2", "flash3/FA2"),
+                  ("flash3_over_fa3_implied", "flash3/FA3 (implied)"),
+                  ("flash3_over_fa3_implied_same_method", "same, both without spin")]
+
+
+def series_of(data):
+    """The JSON's own series ([label, row key] pairs), else SERIES."""
+    own = data.get("series")
+    if not own:
+        return SERIES
+    return [(label, (lambda r, p, k=key: r.get(k)), dict(color=PALETTE[i % len(PALETTE)]))
+            for i, (label, key) in enumerate(own)]
 
 
 def implied_fa3(row, pss):
@@ -96,7 +113,7 @@ def main():
     seqlens = sorted({r["seqlen"] for r in rows})
     by_key = {(r["hdim"], bool(r["causal"]), r["seqlen"]): r for r in rows}
     # Only the series with at least one value anywhere get a bar slot (e.g. no anchors: 3 bars).
-    series = [s for s in SERIES if any(s[1](r, a.pss) for r in rows)]
+    series = [s for s in series_of(data) if any(s[1](r, a.pss) for r in rows)]
     nser = len(series)
 
     narrow = len(hdims) < 3  # e.g. --hdims 128: title on two lines, legend on two rows
@@ -143,10 +160,7 @@ def main():
     if gemm:
         title += ("\n" if narrow else "  |  ") + f"bf16 GEMM ceiling (8192\u00b3): {gemm:.0f} TFLOP/s"
     sub = []
-    for key, lab in (("flash3_over_cudnn", "flash3/cuDNN"), ("flash3_det_over_cudnn", "deterministic/cuDNN"),
-                     ("flash3_det_over_flash3", "deterministic/default"), ("flash3_over_fa2", "flash3/FA2"),
-                     ("flash3_over_fa3_implied", "flash3/FA3 (implied)"),
-                     ("flash3_over_fa3_implied_same_method", "same, both without spin")):
+    for key, lab in data.get("geomean_labels") or GEOMEAN_LABELS:
         g = (geomean_for(data, a.pss) or {}).get(key)
         if isinstance(g, (int, float)):
             sub.append(f"{lab} {g:.3f}")

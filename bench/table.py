@@ -3,7 +3,7 @@
 
 For a backward run (the JSON's "pass" is "bwd", or --pass bwd) a second table follows with
 flash3 deterministic=True (ratio to cuDNN, then to flash3's default), and a line of geomeans.
-usage: python3 bench/table.py docs/results/bench_torch.json [--pass fwd|bwd]"""
+usage: python3 bench/table.py bench/baselines/fwd.json [--pass fwd|bwd]"""
 import argparse
 import json
 import math

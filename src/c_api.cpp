@@ -19,6 +19,12 @@ static_assert(offsetof(flash3_tensor, rank) == offsetof(TensorRef, rank), "flash
 static_assert(offsetof(flash3_tensor, shape) == offsetof(TensorRef, shape), "flash3_tensor.shape");
 static_assert(offsetof(flash3_tensor, stride) == offsetof(TensorRef, stride), "flash3_tensor.stride");
 static_assert(sizeof(flash3::DType) == sizeof(int32_t), "DType must be 32-bit");
+// The first versions' layouts (LP64), without padding (flash3_c.h): fixed for good.
+static_assert(FLASH3_FWD_ARGS_SIZE_V1 == 16 + 5 * sizeof(flash3_tensor) + 8, "flash3_fwd_args v1 layout");
+static_assert(FLASH3_BWD_ARGS_SIZE_V1 == 16 + 9 * sizeof(flash3_tensor) + 24, "flash3_bwd_args v1 layout");
+static_assert(offsetof(flash3_fwd_args, q) == 16 && offsetof(flash3_bwd_args, q) == 16, "args header");
+static_assert(sizeof(flash3_fwd_args) == FLASH3_FWD_ARGS_SIZE_V1, "flash3_fwd_args is v1 (update when appending)");
+static_assert(sizeof(flash3_bwd_args) == FLASH3_BWD_ARGS_SIZE_V1, "flash3_bwd_args is v1 (update when appending)");
 
 TensorRef to_ref(const flash3_tensor* t) {
   TensorRef r;  // a NULL tensor is rank 0: rejected by validation, except fwd's lse ("not written")
@@ -55,24 +61,70 @@ int guarded(char* err, int err_len, Body body) {
   }
 }
 
-// The BwdArgs that flash3_bwd and flash3_bwd_workspace_size share (no workspace, no stream).
-flash3::BwdArgs bwd_args(const flash3_tensor* q, const flash3_tensor* k, const flash3_tensor* v,
-                         const flash3_tensor* out, const flash3_tensor* dout, const flash3_tensor* lse,
-                         const flash3_tensor* dq, const flash3_tensor* dk, const flash3_tensor* dv,
-                         float softmax_scale, int causal, int deterministic) {
+// The caller's args struct as this library's T: the first struct_size bytes of *args, the
+// fields past them at their defaults (zero bytes). Rejects NULL, a size below the first
+// version's (v1_size), and a larger struct with a nonzero byte past the fields known here (an
+// option this library does not have): see flash3_c.h. `op` ("flash3::fwd: ") starts messages.
+template <class T>
+T read_args(const T* args, uint32_t v1_size, const char* op, const char* type) {
+  const std::string init = std::string("; set it up with ") + type + "_init";
+  if (args == nullptr) throw flash3::Error(std::string(op) + "args is null; pass a " + type + init);
+  uint32_t size = 0;
+  std::memcpy(&size, args, sizeof size);
+  if (size < v1_size) {
+    throw flash3::Error(std::string(op) + "args->struct_size is " + std::to_string(size) + "; it must be at least " +
+                        std::to_string(v1_size) + " (sizeof(" + type + ") of the first version)" + init);
+  }
+  T a;
+  std::memset(static_cast<void*>(&a), 0, sizeof a);
+  std::memcpy(static_cast<void*>(&a), args, std::min<size_t>(size, sizeof a));
+  const auto* bytes = reinterpret_cast<const unsigned char*>(args);
+  for (size_t i = sizeof a; i < size; ++i) {
+    if (bytes[i] != 0) {
+      throw flash3::Error(std::string(op) + "args->struct_size is " + std::to_string(size) + " and byte " +
+                          std::to_string(i) + " is not zero; this library knows the first " +
+                          std::to_string(sizeof a) + " bytes of " + type +
+                          ": the caller sets an option it does not have (use a newer libflash3)");
+    }
+  }
+  return a;
+}
+
+flash3::FwdArgs fwd_args(const flash3_fwd_args* c) {
+  const flash3_fwd_args a = read_args(c, FLASH3_FWD_ARGS_SIZE_V1, "flash3::fwd: ", "flash3_fwd_args");
+  if (a.reserved != 0) {
+    throw flash3::Error("flash3::fwd: args->reserved is " + std::to_string(a.reserved) + "; it must be 0");
+  }
+  flash3::FwdArgs args;
+  args.q = to_ref(&a.q);
+  args.k = to_ref(&a.k);
+  args.v = to_ref(&a.v);
+  args.out = to_ref(&a.out);
+  args.lse = to_ref(&a.lse);
+  args.softmax_scale = a.softmax_scale;
+  args.causal = a.causal != 0;
+  args.stream = static_cast<cudaStream_t>(a.stream);
+  return args;
+}
+
+flash3::BwdArgs bwd_args(const flash3_bwd_args* c) {
+  const flash3_bwd_args a = read_args(c, FLASH3_BWD_ARGS_SIZE_V1, "flash3::bwd: ", "flash3_bwd_args");
   flash3::BwdArgs args;
-  args.q = to_ref(q);
-  args.k = to_ref(k);
-  args.v = to_ref(v);
-  args.out = to_ref(out);
-  args.dout = to_ref(dout);
-  args.lse = to_ref(lse);
-  args.dq = to_ref(dq);
-  args.dk = to_ref(dk);
-  args.dv = to_ref(dv);
-  args.softmax_scale = softmax_scale;
-  args.causal = causal != 0;
-  args.deterministic = deterministic != 0;
+  args.q = to_ref(&a.q);
+  args.k = to_ref(&a.k);
+  args.v = to_ref(&a.v);
+  args.out = to_ref(&a.out);
+  args.dout = to_ref(&a.dout);
+  args.lse = to_ref(&a.lse);
+  args.dq = to_ref(&a.dq);
+  args.dk = to_ref(&a.dk);
+  args.dv = to_ref(&a.dv);
+  args.softmax_scale = a.softmax_scale;
+  args.causal = a.causal != 0;
+  args.deterministic = a.deterministic != 0;
+  args.workspace = a.workspace;
+  args.workspace_bytes = static_cast<size_t>(a.workspace_bytes);
+  args.stream = static_cast<cudaStream_t>(a.stream);
   return args;
 }
 
@@ -80,48 +132,20 @@ flash3::BwdArgs bwd_args(const flash3_tensor* q, const flash3_tensor* k, const f
 
 extern "C" {
 
-int flash3_fwd(const flash3_tensor* q, const flash3_tensor* k, const flash3_tensor* v,
-               const flash3_tensor* out, const flash3_tensor* lse, float softmax_scale, int causal,
-               void* stream, char* err, int err_len) {
-  return guarded(err, err_len, [&] {
-    flash3::FwdArgs args;
-    args.q = to_ref(q);
-    args.k = to_ref(k);
-    args.v = to_ref(v);
-    args.out = to_ref(out);
-    args.lse = to_ref(lse);
-    args.softmax_scale = softmax_scale;
-    args.causal = causal != 0;
-    args.stream = static_cast<cudaStream_t>(stream);
-    flash3::fwd(args);
-  });
+int flash3_fwd(const flash3_fwd_args* args, char* err, int err_len) {
+  return guarded(err, err_len, [&] { flash3::fwd(fwd_args(args)); });
 }
 
-int flash3_bwd(const flash3_tensor* q, const flash3_tensor* k, const flash3_tensor* v,
-               const flash3_tensor* out, const flash3_tensor* dout, const flash3_tensor* lse,
-               const flash3_tensor* dq, const flash3_tensor* dk, const flash3_tensor* dv,
-               float softmax_scale, int causal, int deterministic, void* workspace,
-               uint64_t workspace_bytes, void* stream, char* err, int err_len) {
-  return guarded(err, err_len, [&] {
-    flash3::BwdArgs args = bwd_args(q, k, v, out, dout, lse, dq, dk, dv, softmax_scale, causal, deterministic);
-    args.workspace = workspace;
-    args.workspace_bytes = static_cast<size_t>(workspace_bytes);
-    args.stream = static_cast<cudaStream_t>(stream);
-    flash3::bwd(args);
-  });
+int flash3_bwd(const flash3_bwd_args* args, char* err, int err_len) {
+  return guarded(err, err_len, [&] { flash3::bwd(bwd_args(args)); });
 }
 
-int flash3_bwd_workspace_size(const flash3_tensor* q, const flash3_tensor* k,
-                              const flash3_tensor* v, const flash3_tensor* out,
-                              const flash3_tensor* dout, const flash3_tensor* lse,
-                              const flash3_tensor* dq, const flash3_tensor* dk,
-                              const flash3_tensor* dv, float softmax_scale, int causal,
-                              int deterministic, uint64_t* bytes, char* err, int err_len) {
+int flash3_bwd_workspace_size(const flash3_bwd_args* args, uint64_t* bytes, char* err, int err_len) {
   return guarded(err, err_len, [&] {
+    flash3::BwdArgs a = bwd_args(args);
     if (bytes == nullptr) throw flash3::Error("flash3::bwd: bytes is null; it must point to a uint64_t");
-    const flash3::BwdArgs args =
-        bwd_args(q, k, v, out, dout, lse, dq, dk, dv, softmax_scale, causal, deterministic);
-    *bytes = static_cast<uint64_t>(flash3::bwd_workspace_size(flash3::validate_bwd(args)));
+    a.workspace = nullptr;  // not read: the size is asked before there is one
+    *bytes = static_cast<uint64_t>(flash3::bwd_workspace_size(flash3::validate_bwd(a)));
   });
 }
 

@@ -4,6 +4,7 @@
 // what is allowed.
 #include "flash3/flash3.h"
 
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -11,8 +12,34 @@
 #include <string>
 #include <vector>
 
+#include "common/seqlen.h"
+
 namespace flash3 {
 namespace {
+
+// NOTES: the kernels index tiles, and the launchers size grids, in 32-bit int: the number of
+// query tiles (forward; backward preprocess and dQ postprocess) and of key tiles (backward
+// main kernel) x nheads x batch. Tiles are at least kMinTile rows (one WGMMA's 64 rows; every
+// tile of either pass is 64, 128 or 192 rows or keys), so ceil(seqlen / kMinTile) x nheads x
+// batch bounds them. The bound kMaxTiles = 2^30 leaves int room above the last tile index for
+// the schedulers' "tile + grid" steps and counters that run past the end by up to one per block.
+// With seqlen <= kMaxSeqlen (seqlen.h) the row arithmetic (row + block ends, seqlen_k -
+// seqlen_q) fits too, and so does every other product (batch x seqlen x nheads <= 2^36 rows, in
+// int64 where formed, grids of 256-row blocks <= 2^28).
+constexpr int64_t kMinTile = 64;
+constexpr int64_t kMaxTiles = int64_t(1) << 30;
+
+// NOTES: the backward recomputes P = exp2(S * scale * log2(e) - lse * log2(e)) from the
+// forward's float32 lse, whose rounding (2^-24 |lse|, and the FFMA takes S * scale_log2 exactly)
+// goes into the exponent of every P: exact only while |lse * log2(e)| stays below about 2^20
+// (residual <= 2^-5, the forward's own bound on its usual path, softmax.h). |lse| is about
+// softmax_scale x max |S|; for unit-scale data (|q|, |k| elements <= 1, what a softmax_scale near
+// 1/sqrt(head_dim) is meant for) |S| <= head_dim <= 2^8, so softmax_scale <= 2^20 / (2^8 log2(e))
+// = 2839 keeps every P exact: the bound is 2^11. (The forward has no such bound: it forms a
+// huge row's exponents by subtraction and gives the limit, the argmax key's value.)
+constexpr float kMaxBwdScale = 2048.0f;
+// softmax_scale * log2(e), the kernels' factor, must be finite.
+constexpr double kMaxScale = FLT_MAX / 1.4426950408889634;
 
 // Message pieces as text. NOTES: plain std::string building, no iostreams: formatting through
 // std::ostream crashed (inside the locale machinery) when the library was loaded by ctypes
@@ -173,13 +200,14 @@ class Checker {
   void strides(const Args& all, const Arg* lse, DType dtype) const {
     const int esize = dtype_size(dtype), align_elems = 16 / esize;
     for (const Arg* a : all) {
+      if (is_empty(*a)) continue;  // an empty tensor's strides are never used (torch gives 0s)
       const int last = a->rank - 1;
       if (a->t.stride[last] != 1) {
         fail(a->name, ".stride[", last, "] is ", a->t.stride[last],
              "; the last dim must be contiguous (stride 1)");
       }
-      for (int d = 0; d < last && !is_empty(*a); ++d) {  // an empty tensor's strides are never used
-        if (a->t.shape[d] == 1) continue;                    // nor the stride of a dim of size 1
+      for (int d = 0; d < last; ++d) {
+        if (a->t.shape[d] == 1) continue;  // nor is the stride of a dim of size 1
         const int64_t st = a->t.stride[d];
         if (st <= 0) {
           fail(a->name, ".stride[", d, "] (", a->dims[d], ") is ", st,
@@ -194,11 +222,38 @@ class Checker {
     }
   }
 
-  float scale(float s, int64_t head_dim) const {
-    if (std::isinf(s)) {
-      fail("softmax_scale is ", s, "; it must be finite (or <= 0 for the default 1/sqrt(head_dim))");
+  // The scale, or the default for s <= 0 (or NaN); finite and at most `max`, `why` says why.
+  float scale(float s, int64_t head_dim, double max, const char* why) const {
+    if (std::isinf(s) || s > max) {
+      fail("softmax_scale is ", s, "; it must be finite and at most ", max, " (", why,
+           "), or <= 0 for the default 1/sqrt(head_dim)");
     }
     return s > 0.0f ? s : static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
+  }
+
+  // seqlen_q and seqlen_k at most kMaxSeqlen (32-bit row arithmetic in the kernels).
+  void seqlens(const Arg& q, const Arg& k) const {
+    for (const Dim& x : {Dim{q, 1}, Dim{k, 1}}) {
+      const int64_t s = x.a.t.shape[1];
+      if (s > kMaxSeqlen) {
+        fail(x, " is ", s, "; ", x.a.dims[1], " must be at most ", int64_t{kMaxSeqlen},
+             " (2^30): the kernels index rows in 32 bits");
+      }
+    }
+  }
+
+  // ceil(seqlen / kMinTile) x nheads x batch at most kMaxTiles, seqlen the dim 1 of `a`
+  // (q: query tiles, k: key tiles); nheads is q's.
+  void tiles(const Arg& a, const Arg& q) const {
+    const int64_t seqlen = a.t.shape[1], nheads = q.t.shape[2], batch = q.t.shape[0];
+    const int64_t blocks = (seqlen + kMinTile - 1) / kMinTile;
+    // each factor < 2^31: blocks x nheads < 2^57, then compare before the last multiply
+    const int64_t per_batch = blocks * nheads;
+    if (batch > 0 && per_batch > kMaxTiles / batch) {
+      fail(Dim{a, 1}, " is ", seqlen, " with nheads ", nheads, " and batch ", batch, ": ceil(", a.dims[1],
+           " / 64) x nheads x batch = ", blocks, " x ", nheads, " x ", batch, " ", &a == &q ? "query" : "key",
+           " tiles, more than the ", kMaxTiles, " (2^30) the kernels count in 32 bits");
+    }
   }
 
   // `align`-byte aligned device memory; `what` names the pointer ("q.data"), `kind` says what
@@ -265,7 +320,9 @@ FwdProblem validate_fwd(const FwdArgs& args, PointerInspector inspect) {
   if (write_lse) c.lse_shape(lse, q);
   c.heads(q, k);
   c.strides(all, lse_if, dtype);
-  const float scale = c.scale(args.softmax_scale, args.q.shape[3]);
+  c.seqlens(q, k);
+  c.tiles(q, q);
+  const float scale = c.scale(args.softmax_scale, args.q.shape[3], kMaxScale, "softmax_scale x log2(e) must be finite");
 
   // Pointers last, and only when there is something to compute.
   if (args.q.shape[0] > 0 && args.q.shape[1] > 0) c.pointers(all, lse_if, inspect);
@@ -297,7 +354,11 @@ BwdProblem validate_bwd(const BwdArgs& args, PointerInspector inspect) {
   c.lse_shape(lse, q);
   c.heads(q, k);
   c.strides(all, &lse, dtype);
-  const float scale = c.scale(args.softmax_scale, args.q.shape[3]);
+  c.seqlens(q, k);
+  c.tiles(q, q);
+  c.tiles(k, q);
+  const float scale = c.scale(args.softmax_scale, args.q.shape[3], kMaxBwdScale,
+                              "2^11: beyond, the backward cannot recompute P exactly from the float32 lse");
 
   // The gradients are written while the inputs are read (and dq's partial sums are added in
   // place), so an output may share its data pointer with no other argument. Overlap other than

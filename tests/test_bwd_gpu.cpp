@@ -567,19 +567,21 @@ TEST(BwdGpuSmall, CApiMatchesCpp) {
   r.run(80, cpp);
   if (HasFatalFailure()) return;
   const BwdArgs a = r.args();
-  auto t = [](const TensorRef& x) { return reinterpret_cast<const flash3_tensor*>(&x); };
+  // flash3_tensor has TensorRef's layout (static_assert in src/c_api.cpp)
+  auto t = [](const TensorRef& x) { return *reinterpret_cast<const flash3_tensor*>(&x); };
+  flash3_bwd_args ca;
+  flash3_bwd_args_init(&ca);
+  ca.q = t(a.q), ca.k = t(a.k), ca.v = t(a.v), ca.out = t(a.out), ca.dout = t(a.dout), ca.lse = t(a.lse);
+  ca.dq = t(a.dq), ca.dk = t(a.dk), ca.dv = t(a.dv);
+  ca.softmax_scale = a.softmax_scale;
+  ca.causal = a.causal;
+  ca.deterministic = a.deterministic;
   char err[256] = "";
   uint64_t bytes = 0;
-  ASSERT_EQ(flash3_bwd_workspace_size(t(a.q), t(a.k), t(a.v), t(a.out), t(a.dout), t(a.lse), t(a.dq), t(a.dk),
-                                      t(a.dv), a.softmax_scale, a.causal, a.deterministic, &bytes, err, sizeof err),
-            FLASH3_OK)
-      << err;
+  ASSERT_EQ(flash3_bwd_workspace_size(&ca, &bytes, err, sizeof err), FLASH3_OK) << err;
   EXPECT_EQ(bytes, bwd_workspace_size(validate_bwd(a)));
   r.poison();
-  ASSERT_EQ(flash3_bwd(t(a.q), t(a.k), t(a.v), t(a.out), t(a.dout), t(a.lse), t(a.dq), t(a.dk), t(a.dv),
-                       a.softmax_scale, a.causal, a.deterministic, nullptr, 0, nullptr, err, sizeof err),
-            FLASH3_OK)
-      << err;
+  ASSERT_EQ(flash3_bwd(&ca, err, sizeof err), FLASH3_OK) << err;
   FLASH3_CUDA_OK(cudaDeviceSynchronize());
   const Grads16 c = r.download();
   EXPECT_TRUE(c.dq == cpp.dq && c.dk == cpp.dk && c.dv == cpp.dv);

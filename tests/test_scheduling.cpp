@@ -220,7 +220,7 @@ TEST(BwdWorkspace, DeterministicCopiesWhereTheChainIsLong) {
   EXPECT_EQ(flash3::bwd_dq_groups(true, true, 128, 256, 256 * mb + 1), 2);
   // The paper's sweep at head dim 256, causal 16k: 8 heads x 16384 rows x 256 x 4 bytes a copy.
   EXPECT_EQ(flash3::bwd_dq_copy_bytes(8, 16384, 256), 134217728);
-  const flash3::BwdWorkspaceLayout ws(1, 8, 16384, 16384, 256, true, true, false);
+  const flash3::detail::BwdWorkspaceLayout ws(1, 8, 16384, 16384, 256, true, true, false);
   EXPECT_EQ(ws.dq_groups, 4);
 }
 
@@ -254,7 +254,7 @@ TEST(BwdWorkspace, PartsAreAlignedDisjointAndLargeEnough) {
         for (bool det : {false, true}) {
           for (bool gqa : {false, true}) {
             const int batch = 3, nheads = 5, seqlen_q = 1000;
-            const flash3::BwdWorkspaceLayout ws(batch, nheads, seqlen_q, seqlen_k, d, causal, det, gqa);
+            const flash3::detail::BwdWorkspaceLayout ws(batch, nheads, seqlen_q, seqlen_k, d, causal, det, gqa);
             SCOPED_TRACE(::testing::Message() << "d " << d << " seqlen_k " << seqlen_k << " causal " << causal
                                               << " det " << det << " gqa " << gqa);
             const size_t bh = size_t(batch) * nheads;

@@ -196,6 +196,71 @@ def test_bad_input_raises_value_error_naming_argument(args, kwargs, pattern):
     assert re.search(pattern, str(e.value), re.I), str(e.value)
 
 
+@gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("hdim", HDIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_huge_scale_gives_the_argmax_limit(dtype, hdim, causal):
+    """softmax_scale = 1e30 is finite, so accepted: softmax tends to the one-hot of each row's
+    largest score, out to the value row of that key (exactly: P = 1 there, 0 elsewhere) and lse
+    to scale x that score. No NaN, no inf (it gave NaN in about half of the outputs)."""
+    b, sq, sk, h, hk, scale = 2, 200, 300, 4, 2, 1e30
+    gen = torch.Generator(device="cuda").manual_seed(hdim + 7 * causal)
+    q, k, v = randn((b, sq, h, hdim), dtype, gen), randn((b, sk, hk, hdim), dtype, gen), randn((b, sk, hk, hdim), dtype, gen)
+    out, lse = flash3.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, return_attn_probs=True)
+    assert not torch.isnan(out).any() and torch.isfinite(lse).all()
+    rep = h // hk
+    kk, vv = k.double().repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), kk)  # exact: products of 16-bit values
+    if causal:
+        s = s.masked_fill(~visible(sq, sk, q.device), float("-inf"))
+    top = s.topk(2, dim=-1)
+    # rows whose two largest scores are further apart than the kernel's FP32 rounding of S
+    clear = (top.values[..., 0] - top.values[..., 1]) > 1e-2  # (b, h, sq)
+    assert clear.float().mean() > 0.9
+    idx = top.indices[..., 0]  # (b, h, sq): the argmax key
+    want = torch.gather(vv.permute(0, 2, 1, 3), 2, idx[..., None].expand(b, h, sq, hdim)).permute(0, 2, 1, 3)
+    clear_q = clear.permute(0, 2, 1)  # (b, sq, h)
+    assert torch.equal(out[clear_q], want[clear_q]), "out is not the argmax key's value row"
+    lse_err = (lse.double() - scale * top.values[..., 0]).abs().max().item()
+    assert lse_err <= scale * 1e-3, f"lse max abs err {lse_err:.3e}"
+
+
+@gpu
+def test_huge_scale_backward_is_rejected():
+    """The backward recomputes P from the float32 lse and cannot be exact at such scales: it
+    says so (validate_bwd allows softmax_scale up to 2^11) instead of returning wrong gradients."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = (randn((1, 64, 2, 64), torch.bfloat16, gen).requires_grad_() for _ in range(3))
+    flash3.flash_attn_func(q, k, v, softmax_scale=2048.0).float().sum().backward()
+    out = flash3.flash_attn_func(q, k, v, softmax_scale=1e30)
+    with pytest.raises(ValueError, match=r"softmax_scale is 1e\+30.*at most 2048"):
+        out.float().sum().backward()
+
+
+@gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shapes", [((0, 64, 4, 128), (0, 80, 2, 128)), ((2, 0, 4, 128), (2, 80, 2, 128))],
+                         ids=["batch0", "seqlen_q0"])
+def test_empty_forward_and_backward_are_no_ops(shapes, causal):
+    """Empty tensors pass through forward and backward: out.sum().backward() hands over an empty
+    dout whose strides are all 0 (it raised "dout.stride[3] is 0"). With keys but no queries the
+    key gradients are 0."""
+    q_shape, kv_shape = shapes
+    q = torch.randn(q_shape, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    k, v = (torch.randn(kv_shape, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(2))
+    out, lse = flash3.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    assert out.shape == q.shape and lse.shape == (q_shape[0], q_shape[2], q_shape[1])
+    out.sum().backward()
+    for t in (q, k, v):
+        assert t.grad is not None and t.grad.shape == t.shape
+    assert (k.grad == 0).all() and (v.grad == 0).all()
+    # the same through backward_into with an expanded (stride-0) empty dout
+    dout = torch.ones((), device="cuda", dtype=torch.bfloat16).expand(q_shape)
+    flash3.backward_into(dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, torch.empty_like(q),
+                         torch.empty_like(k), torch.empty_like(v), causal=causal)
+
+
 # ---- backward --------------------------------------------------------------------------------
 
 def check_grads(q, k, v, dout, causal, *gots, scale=None):

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdint>
+#include <cstring>
 #include <initializer_list>
 #include <limits>
 #include <string>
@@ -316,6 +317,94 @@ TYPED_TEST(Validate, InfiniteScale) {
   EXPECT_TRUE(fails_with(a, {"softmax_scale is inf", "finite"}));
 }
 
+// A finite scale the forward takes at any size (it gives the limit, the argmax key's value),
+// up to softmax_scale x log2(e) overflowing; the backward up to 2^11 (validate.cpp).
+TYPED_TEST(Validate, HugeScale) {
+  auto& a = this->a;
+  const bool fwd = std::is_same_v<TypeParam, FwdArgs>;
+  a.softmax_scale = 2048.0f;
+  EXPECT_EQ(problem(a).softmax_scale, 2048.0f);
+  a.softmax_scale = 1e30f;
+  if (fwd) {
+    EXPECT_EQ(problem(a).softmax_scale, 1e30f);
+  } else {
+    EXPECT_TRUE(fails_with(a, {"softmax_scale is 1e+30; it must be finite and at most 2048 (2^11",
+                               "or <= 0 for the default"}));
+  }
+  a.softmax_scale = 2049.0f;
+  if (!fwd) {
+    EXPECT_TRUE(fails_with(a, {"softmax_scale is 2049", "at most 2048"}));
+  }
+  a.softmax_scale = 3e38f;  // finite, but 3e38 x log2(e) is not
+  EXPECT_TRUE(fails_with(a, {"softmax_scale is 3e+38", fwd ? "at most 2.35866e+38" : "at most 2048"}));
+  a.softmax_scale = 2.35e38f;
+  if (fwd) {
+    EXPECT_EQ(problem(a).softmax_scale, 2.35e38f);
+  }
+}
+
+// Lengths past kMaxSeqlen = 2^30 would overflow the kernels' 32-bit row arithmetic.
+TYPED_TEST(Validate, SeqlenBeyondKMaxSeqlen) {
+  auto& a = this->a;
+  a = make<TypeParam>(1, 64, int64_t{1} << 30, 1, 1, 64);
+  EXPECT_NO_THROW(problem(a));
+  a = make<TypeParam>(1, 64, (int64_t{1} << 30) + 1, 1, 1, 64);
+  EXPECT_TRUE(fails_with(a, {"k.shape[1] (seqlen_k) is 1073741825; seqlen_k must be at most 1073741824 (2^30)"}));
+  a = make<TypeParam>(1, (int64_t{1} << 30) + 1, 64, 1, 1, 64);
+  EXPECT_TRUE(fails_with(a, {"q.shape[1] (seqlen_q) is 1073741825; seqlen_q must be at most 1073741824"}));
+}
+
+// The case: 2^31 - 1 keys through an overlapping-row view of K and V (16-byte rows),
+// 64 queries, non-causal: a legal view, rejected for its length (it gave wrong results).
+TYPED_TEST(Validate, OverlappingViewOfTooManyKeys) {
+  auto& a = this->a;
+  a = make<TypeParam>(1, 64, 2147483647, 1, 1, 128);
+  a.causal = false;
+  for (TensorRef* t : sixteen_bit(a)) {
+    if (t->shape[1] != 64) {
+      t->stride[1] = 8;  // 16 bytes: row j starts 8 elements after row j - 1
+      t->stride[0] = t->stride[2] = 8;
+    }
+  }
+  EXPECT_TRUE(fails_with(a, {"k.shape[1] (seqlen_k) is 2147483647", "at most 1073741824 (2^30)"}));
+}
+
+// ceil(seqlen / 64) x nheads x batch must stay within 2^30 (32-bit tile counts): query tiles in
+// both passes, key tiles in the backward.
+TYPED_TEST(Validate, TileCounts) {
+  auto& a = this->a;
+  const bool fwd = std::is_same_v<TypeParam, FwdArgs>;
+  a = make<TypeParam>(int64_t{1} << 20, 4096, 64, 16, 16, 64);  // 64 x 16 x 2^20 = 2^30 query tiles
+  EXPECT_NO_THROW(problem(a));
+  a = make<TypeParam>(int64_t{1} << 20, 4096, 64, 32, 32, 64);  // 2^31
+  EXPECT_TRUE(fails_with(a, {"q.shape[1] (seqlen_q) is 4096 with nheads 32 and batch 1048576",
+                             "ceil(seqlen_q / 64) x nheads x batch = 64 x 32 x 1048576 query tiles",
+                             "more than the 1073741824 (2^30)"}));
+  a = make<TypeParam>(int64_t{1} << 16, 64, 8192, 256, 256, 64);  // 128 x 256 x 2^16 = 2^31 key tiles
+  if (fwd) {
+    EXPECT_NO_THROW(problem(a));  // the forward counts query tiles only
+  } else {
+    EXPECT_TRUE(fails_with(a, {"k.shape[1] (seqlen_k) is 8192 with nheads 256 and batch 65536",
+                               "ceil(seqlen_k / 64) x nheads x batch = 128 x 256 x 65536 key tiles"}));
+  }
+  // factors near int32's limit do not overflow the check itself
+  a = make<TypeParam>(int64_t{1} << 20, int64_t{1} << 30, 64, int64_t{1} << 20, int64_t{1} << 20, 64);
+  EXPECT_TRUE(fails_with(a, {"= 16777216 x 1048576 x 1048576 query tiles"}));
+}
+
+// An empty tensor's strides are never used: PyTorch gives an expanded empty gradient (the
+// backward of out.sum() at batch 0) strides of 0, the last one included.
+TYPED_TEST(Validate, EmptyTensorsIgnoreStrides) {
+  auto& a = this->a;
+  a = make<TypeParam>(0, 128, 256, 8, 2, 128, /*with_data=*/false);
+  for (TensorRef* t : sixteen_bit(a)) {
+    for (int64_t& st : t->stride) st = 0;
+  }
+  for (int64_t& st : a.lse.stride) st = 0;
+  EXPECT_EQ(problem(a).batch, 0);
+  EXPECT_EQ(g_calls, 0);
+}
+
 TYPED_TEST(Validate, NullPointer) {
   auto& a = this->a;
   a.q.data = nullptr;
@@ -565,18 +654,182 @@ TEST_F(ValidateBwd, WorkspaceIsOptionalAndChecked) {
 // Failures found before any pointer is inspected, so these run without a GPU too.
 
 // flash3_tensor has TensorRef's layout (static_assert in src/c_api.cpp).
-const flash3_tensor* c_tensor(const TensorRef& t) { return reinterpret_cast<const flash3_tensor*>(&t); }
-
+flash3_tensor c_tensor(const TensorRef& t) {
+  flash3_tensor c;
+  std::memcpy(&c, &t, sizeof c);
+  return c;
+}
+flash3_fwd_args c_fwd_args(const FwdArgs& a) {
+  flash3_fwd_args c;
+  flash3_fwd_args_init(&c);
+  c.q = c_tensor(a.q);
+  c.k = c_tensor(a.k);
+  c.v = c_tensor(a.v);
+  c.out = c_tensor(a.out);
+  c.lse = c_tensor(a.lse);
+  c.softmax_scale = a.softmax_scale;
+  c.causal = a.causal;
+  return c;
+}
+flash3_bwd_args c_bwd_args(const BwdArgs& a) {
+  flash3_bwd_args c;
+  flash3_bwd_args_init(&c);
+  c.q = c_tensor(a.q);
+  c.k = c_tensor(a.k);
+  c.v = c_tensor(a.v);
+  c.out = c_tensor(a.out);
+  c.dout = c_tensor(a.dout);
+  c.lse = c_tensor(a.lse);
+  c.dq = c_tensor(a.dq);
+  c.dk = c_tensor(a.dk);
+  c.dv = c_tensor(a.dv);
+  c.softmax_scale = a.softmax_scale;
+  c.causal = a.causal;
+  c.deterministic = a.deterministic;
+  c.workspace = a.workspace;
+  c.workspace_bytes = a.workspace_bytes;
+  return c;
+}
 int c_bwd(const BwdArgs& a, char* err, int err_len) {
-  return flash3_bwd(c_tensor(a.q), c_tensor(a.k), c_tensor(a.v), c_tensor(a.out), c_tensor(a.dout),
-                    c_tensor(a.lse), c_tensor(a.dq), c_tensor(a.dk), c_tensor(a.dv), a.softmax_scale,
-                    a.causal, a.deterministic, a.workspace, a.workspace_bytes, nullptr, err, err_len);
+  const flash3_bwd_args c = c_bwd_args(a);
+  return flash3_bwd(&c, err, err_len);
 }
 int c_bwd_workspace_size(const BwdArgs& a, uint64_t* bytes, char* err, int err_len) {
-  return flash3_bwd_workspace_size(c_tensor(a.q), c_tensor(a.k), c_tensor(a.v), c_tensor(a.out),
-                                   c_tensor(a.dout), c_tensor(a.lse), c_tensor(a.dq), c_tensor(a.dk),
-                                   c_tensor(a.dv), a.softmax_scale, a.causal, a.deterministic, bytes,
-                                   err, err_len);
+  const flash3_bwd_args c = c_bwd_args(a);
+  return flash3_bwd_workspace_size(&c, bytes, err, err_len);
+}
+
+TEST(CApi, InitSetsTheSizeAndZeroDefaults) {
+  flash3_fwd_args f;
+  std::memset(&f, 0xAB, sizeof f);
+  flash3_fwd_args_init(&f);
+  EXPECT_EQ(f.struct_size, sizeof(flash3_fwd_args));
+  EXPECT_EQ(f.struct_size, FLASH3_FWD_ARGS_SIZE_V1);
+  EXPECT_EQ(f.q.data, nullptr);
+  EXPECT_EQ(f.softmax_scale, 0.0f);
+  EXPECT_EQ(f.stream, nullptr);
+  flash3_bwd_args b;
+  std::memset(&b, 0xCD, sizeof b);
+  flash3_bwd_args_init(&b);
+  EXPECT_EQ(b.struct_size, sizeof(flash3_bwd_args));
+  EXPECT_EQ(b.struct_size, FLASH3_BWD_ARGS_SIZE_V1);
+  EXPECT_EQ(b.workspace_bytes, 0u);
+}
+
+TEST(CApi, FwdReportsInvalidArguments) {
+  FwdArgs a = make_args(2, 128, 256, 8, 2, 128);
+  a.v.shape[3] = 64;
+  flash3_fwd_args c = c_fwd_args(a);
+  char err[256];
+  EXPECT_EQ(flash3_fwd(&c, err, sizeof err), FLASH3_INVALID_ARGUMENT);
+  EXPECT_STREQ(err, "flash3::fwd: v.shape[3] (head_dim) is 64 but k.shape[3] (head_dim) is 128; k and v must "
+                    "have the same shape");
+  flash3_fwd_args_init(&c);  // every tensor NULL (rank 0)
+  EXPECT_EQ(flash3_fwd(&c, err, sizeof err), FLASH3_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(err).rfind("flash3::fwd: q.rank is 0", 0), 0u) << err;
+  c = c_fwd_args(make_args(0, 128, 256, 8, 2, 128, /*with_data=*/false));
+  c.reserved = 1;
+  EXPECT_EQ(flash3_fwd(&c, err, sizeof err), FLASH3_INVALID_ARGUMENT);
+  EXPECT_STREQ(err, "flash3::fwd: args->reserved is 1; it must be 0");
+}
+
+TEST(CApi, FwdOfAnEmptyBatchIsANoOp) {  // validation passes with no pointer to inspect
+  const flash3_fwd_args c = c_fwd_args(make_args(0, 128, 256, 8, 2, 128, /*with_data=*/false));
+  char err[64] = "unchanged";
+  EXPECT_EQ(flash3_fwd(&c, err, sizeof err), FLASH3_OK) << err;
+  EXPECT_STREQ(err, "");
+}
+
+TEST(CApi, NullArgsAreRejected) {
+  char err[256];
+  uint64_t bytes = 7;
+  EXPECT_EQ(flash3_fwd(nullptr, err, sizeof err), FLASH3_INVALID_ARGUMENT);
+  EXPECT_STREQ(err, "flash3::fwd: args is null; pass a flash3_fwd_args; set it up with flash3_fwd_args_init");
+  EXPECT_EQ(flash3_bwd(nullptr, err, sizeof err), FLASH3_INVALID_ARGUMENT);
+  EXPECT_STREQ(err, "flash3::bwd: args is null; pass a flash3_bwd_args; set it up with flash3_bwd_args_init");
+  EXPECT_EQ(flash3_bwd_workspace_size(nullptr, &bytes, err, sizeof err), FLASH3_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(err).rfind("flash3::bwd: args is null", 0), 0u) << err;
+  EXPECT_EQ(bytes, 7u);
+}
+
+TEST(CApi, StructSizeBelowTheFirstVersionIsRejected) {
+  flash3_fwd_args f = c_fwd_args(make_args(0, 128, 256, 8, 2, 128, /*with_data=*/false));
+  flash3_bwd_args b = c_bwd_args(make_bwd_args(0, 128, 256, 8, 2, 128, /*with_data=*/false));
+  char err[256];
+  for (uint32_t size : {0u, 4u, 16u, FLASH3_FWD_ARGS_SIZE_V1 - 1}) {
+    f.struct_size = size;
+    EXPECT_EQ(flash3_fwd(&f, err, sizeof err), FLASH3_INVALID_ARGUMENT);
+    EXPECT_EQ(std::string(err), "flash3::fwd: args->struct_size is " + std::to_string(size) +
+                                    "; it must be at least " + std::to_string(FLASH3_FWD_ARGS_SIZE_V1) +
+                                    " (sizeof(flash3_fwd_args) of the first version); set it up with "
+                                    "flash3_fwd_args_init");
+  }
+  b.struct_size = FLASH3_BWD_ARGS_SIZE_V1 - 8;
+  EXPECT_EQ(flash3_bwd(&b, err, sizeof err), FLASH3_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(err).rfind("flash3::bwd: args->struct_size is " + std::to_string(b.struct_size) +
+                                       "; it must be at least " + std::to_string(FLASH3_BWD_ARGS_SIZE_V1),
+                                   0),
+            0u)
+      << err;
+  uint64_t bytes = 7;
+  EXPECT_EQ(flash3_bwd_workspace_size(&b, &bytes, err, sizeof err), FLASH3_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(err).find("struct_size"), std::string::npos) << err;
+  EXPECT_EQ(bytes, 7u);
+}
+
+// A caller of the first version: the library reads its struct_size bytes and nothing past them
+// (here bytes of 0xFF that a later field would occupy).
+TEST(CApi, FirstVersionStructIsReadToItsSizeOnly) {
+  const flash3_fwd_args f = c_fwd_args(make_args(0, 128, 256, 8, 2, 128, /*with_data=*/false));
+  std::vector<unsigned char> buf(FLASH3_FWD_ARGS_SIZE_V1 + 64, 0xFF);
+  std::memcpy(buf.data(), &f, FLASH3_FWD_ARGS_SIZE_V1);
+  char err[256];
+  EXPECT_EQ(flash3_fwd(reinterpret_cast<const flash3_fwd_args*>(buf.data()), err, sizeof err), FLASH3_OK) << err;
+  const flash3_bwd_args b = c_bwd_args(make_bwd_args(0, 128, 256, 8, 2, 128, /*with_data=*/false));
+  std::vector<unsigned char> bbuf(FLASH3_BWD_ARGS_SIZE_V1 + 64, 0xFF);
+  std::memcpy(bbuf.data(), &b, FLASH3_BWD_ARGS_SIZE_V1);
+  const auto* pb = reinterpret_cast<const flash3_bwd_args*>(bbuf.data());
+  EXPECT_EQ(flash3_bwd(pb, err, sizeof err), FLASH3_OK) << err;
+  uint64_t bytes = 7;
+  EXPECT_EQ(flash3_bwd_workspace_size(pb, &bytes, err, sizeof err), FLASH3_OK) << err;
+  EXPECT_EQ(bytes, 0u);
+  // the fields are read: a first-version struct with a bad tensor is still checked
+  std::memcpy(buf.data(), &f, FLASH3_FWD_ARGS_SIZE_V1);
+  reinterpret_cast<flash3_fwd_args*>(buf.data())->k.shape[3] = 64;
+  EXPECT_EQ(flash3_fwd(reinterpret_cast<const flash3_fwd_args*>(buf.data()), err, sizeof err),
+            FLASH3_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(err).rfind("flash3::fwd: k.shape[3] (head_dim) is 64", 0), 0u) << err;
+}
+
+// A caller of a later version: accepted while its fields past the ones this library knows are
+// at their defaults (zero bytes); a set one is an option this library lacks, and is rejected.
+TEST(CApi, LargerStructNeedsZeroUnknownFields) {
+  const flash3_fwd_args f = c_fwd_args(make_args(0, 128, 256, 8, 2, 128, /*with_data=*/false));
+  const uint32_t size = sizeof(flash3_fwd_args) + 24;
+  std::vector<unsigned char> buf(size, 0);
+  std::memcpy(buf.data(), &f, sizeof f);
+  std::memcpy(buf.data(), &size, sizeof size);
+  const auto* p = reinterpret_cast<const flash3_fwd_args*>(buf.data());
+  char err[256];
+  EXPECT_EQ(flash3_fwd(p, err, sizeof err), FLASH3_OK) << err;
+  buf[sizeof(flash3_fwd_args) + 5] = 1;
+  EXPECT_EQ(flash3_fwd(p, err, sizeof err), FLASH3_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(err), "flash3::fwd: args->struct_size is " + std::to_string(size) + " and byte " +
+                                  std::to_string(sizeof(flash3_fwd_args) + 5) +
+                                  " is not zero; this library knows the first " +
+                                  std::to_string(sizeof(flash3_fwd_args)) +
+                                  " bytes of flash3_fwd_args: the caller sets an option it does not have (use a "
+                                  "newer libflash3)");
+  const flash3_bwd_args b = c_bwd_args(make_bwd_args(0, 128, 256, 8, 2, 128, /*with_data=*/false));
+  const uint32_t bsize = sizeof(flash3_bwd_args) + 8;
+  std::vector<unsigned char> bbuf(bsize, 0);
+  std::memcpy(bbuf.data(), &b, sizeof b);
+  std::memcpy(bbuf.data(), &bsize, sizeof bsize);
+  const auto* pb = reinterpret_cast<const flash3_bwd_args*>(bbuf.data());
+  EXPECT_EQ(flash3_bwd(pb, err, sizeof err), FLASH3_OK) << err;
+  bbuf[bsize - 1] = 0x80;
+  EXPECT_EQ(flash3_bwd(pb, err, sizeof err), FLASH3_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(err).find("byte " + std::to_string(bsize - 1) + " is not zero"), std::string::npos) << err;
 }
 
 TEST(CApi, BwdReportsInvalidArguments) {
@@ -594,9 +847,9 @@ TEST(CApi, BwdReportsInvalidArguments) {
   EXPECT_EQ(c_bwd(a, small, sizeof small), FLASH3_INVALID_ARGUMENT);
   EXPECT_STREQ(small, "flash3::bwd");
   EXPECT_EQ(c_bwd(a, nullptr, 0), FLASH3_INVALID_ARGUMENT);
-  EXPECT_EQ(flash3_bwd(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0.0f,
-                       0, 0, nullptr, 0, nullptr, err, sizeof err),
-            FLASH3_INVALID_ARGUMENT);
+  flash3_bwd_args empty;
+  flash3_bwd_args_init(&empty);  // every tensor NULL (rank 0)
+  EXPECT_EQ(flash3_bwd(&empty, err, sizeof err), FLASH3_INVALID_ARGUMENT);
   EXPECT_EQ(std::string(err).rfind("flash3::bwd: q.rank is 0", 0), 0u) << err;
 }
 

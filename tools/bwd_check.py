@@ -14,7 +14,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "python"))
-from flash3 import _lib  # noqa: E402  (the flash3_tensor struct and dtype codes, not the autograd)
+from flash3 import _lib  # noqa: E402  (the C structs and dtype codes, not the autograd)
 
 lib = ctypes.CDLL(os.environ.get("FLASH3_LIB", os.path.join(ROOT, "build", "libflash3.so")))
 CODES = {torch.float16: _lib.FLOAT16, torch.bfloat16: _lib.BFLOAT16, torch.float32: _lib.FLOAT32}
@@ -25,7 +25,15 @@ def ref(t):
     r.data, r.dtype, r.rank = t.data_ptr(), CODES[t.dtype], t.dim()
     for i, (n, s) in enumerate(zip(t.shape, t.stride())):
         r.shape[i], r.stride[i] = n, s
-    return ctypes.byref(r)
+    return r
+
+
+def args(cls, size, **fields):
+    """A flash3_fwd_args / flash3_bwd_args with struct_size set and the given fields."""
+    a = cls(struct_size=size)
+    for name, value in fields.items():
+        setattr(a, name, value)
+    return ctypes.byref(a)
 
 
 def attn(q, k, v, causal, scale):
@@ -53,13 +61,13 @@ def run(b, sq, sk, h, hk, d, causal, dtype=torch.bfloat16, deterministic=False):
     out = torch.empty_like(q)
     lse = torch.empty(b, h, sq, device=dev, dtype=torch.float32)
     err = ctypes.create_string_buffer(1024)
-    rc = lib.flash3_fwd(ref(q), ref(k), ref(v), ref(out), ref(lse), ctypes.c_float(0), int(causal),
-                        None, err, 1024)
+    rc = lib.flash3_fwd(args(_lib.FwdArgs, _lib.FWD_ARGS_SIZE, q=ref(q), k=ref(k), v=ref(v), out=ref(out),
+                             lse=ref(lse), causal=int(causal)), err, 1024)
     assert rc == 0, err.value
     dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
-    rc = lib.flash3_bwd(ref(q), ref(k), ref(v), ref(out), ref(do), ref(lse), ref(dq), ref(dk), ref(dv),
-                        ctypes.c_float(0), int(causal), int(deterministic), None, ctypes.c_uint64(0), None,
-                        err, 1024)
+    rc = lib.flash3_bwd(args(_lib.BwdArgs, _lib.BWD_ARGS_SIZE, q=ref(q), k=ref(k), v=ref(v), out=ref(out),
+                             dout=ref(do), lse=ref(lse), dq=ref(dq), dk=ref(dk), dv=ref(dv), causal=int(causal),
+                             deterministic=int(deterministic)), err, 1024)
     assert rc == 0, err.value
     torch.cuda.synchronize()
     grads = {}

@@ -61,7 +61,9 @@ struct FwdArgs {
   TensorRef q, k, v;
   TensorRef out;
   TensorRef lse;               // optional: lse.data == nullptr means "do not write it"
-  float softmax_scale = 0.0f;  // <= 0 (or NaN) means the default 1/sqrt(head_dim)
+  // <= 0 (or NaN) means the default 1/sqrt(head_dim). Any finite scale up to FLT_MAX / log2(e);
+  // a huge one gives the limit (each row's output is the value of its largest-score key).
+  float softmax_scale = 0.0f;
   // Causal mask aligned bottom-right (as FlashAttention-2/3): query i may attend key j iff
   // j <= i + seqlen_k - seqlen_q. Query rows that can see no key get out = 0 and lse = +inf.
   bool causal = false;
@@ -70,7 +72,9 @@ struct FwdArgs {
 
 // Forward attention: out = softmax(scale * q k^T [masked]) v, and the log-sum-exp.
 // Throws flash3::Error on invalid arguments, and flash3::Error on CUDA failures
-// (with the CUDA error string). seqlen_q == 0 or batch == 0 returns without a launch.
+// (with the CUDA error string). seqlen_q == 0 or batch == 0 returns without a launch; empty
+// tensors' strides are not checked. seqlen_q, seqlen_k <= 2^30 and ceil(seqlen_q / 64) x nheads x
+// batch <= 2^30 (the kernels' 32-bit index arithmetic).
 // Keeps per (device, stream) one buffer for two tile counters (causal) and, for the split of a
 // partial last wave of non-causal tiles, scratch (up to ~35 MB at head dim 256), allocated by the
 // first call on the stream that needs it; it only grows, and a buffer outgrown stays allocated
@@ -115,7 +119,9 @@ bool hopper_available(std::string* why_not = nullptr);
 struct BwdArgs {
   TensorRef q, k, v, out, dout, lse;
   TensorRef dq, dk, dv;
-  float softmax_scale = 0.0f;  // <= 0 (or NaN) means 1/sqrt(head_dim); must match the forward
+  // <= 0 (or NaN) means 1/sqrt(head_dim); must match the forward; at most 2^11 (P is recomputed
+  // from the float32 lse, exactly only at such scales: src/validate.cpp).
+  float softmax_scale = 0.0f;
   bool causal = false;         // must match the forward
   // Bitwise-identical gradients from run to run (dq partial sums are added in a fixed order).
   bool deterministic = false;
@@ -141,6 +147,8 @@ BwdProblem validate_bwd(const BwdArgs& args, PointerInspector inspect = nullptr)
 // Bytes of scratch memory bwd() needs for this problem (0 when there is nothing to compute).
 size_t bwd_workspace_size(const BwdProblem& p);
 
+// Sizes as fwd(), and also ceil(seqlen_k / 64) x nheads x batch <= 2^30. Empty tensors' strides
+// are not checked.
 // Throws flash3::Error on invalid arguments (including a too-small workspace) and
 // flash3::CudaError on CUDA failures. batch == 0 returns without a launch; seqlen_q == 0
 // writes dk = dv = 0 and seqlen_k == 0 writes dq = 0.

@@ -3,7 +3,9 @@
 #ifndef FLASH3_C_H_
 #define FLASH3_C_H_
 
+#include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -30,30 +32,68 @@ typedef struct flash3_tensor {
 /* Return codes */
 enum { FLASH3_OK = 0, FLASH3_INVALID_ARGUMENT = 1, FLASH3_CUDA_ERROR = 2, FLASH3_INTERNAL_ERROR = 3 };
 
-/* Forward attention. lse may be NULL or have data == NULL (not written).
- * softmax_scale <= 0 means 1/sqrt(head_dim). stream is a cudaStream_t (NULL: default stream).
- * On failure returns a nonzero code and writes a NUL-terminated message into err (if err_len > 0). */
-int flash3_fwd(const flash3_tensor* q, const flash3_tensor* k, const flash3_tensor* v,
-               const flash3_tensor* out, const flash3_tensor* lse, float softmax_scale, int causal,
-               void* stream, char* err, int err_len);
+/* Arguments travel in structs that carry their own size, so that options can be added without
+ * breaking callers. Rules:
+ *  - Set a struct up with flash3_*_args_init, then fill what you need:
+ *    struct_size is then sizeof the struct as your header declares it, and every other field is
+ *    at its default. Every default is all-zero bytes, and the structs have no padding.
+ *  - The library reads the first struct_size bytes. A struct older (smaller) than the library's
+ *    works: the fields past it take their defaults. A newer (larger) one works while every byte
+ *    past the fields the library knows is zero (those options at their defaults); a nonzero one
+ *    is an option this library does not have, and is rejected rather than ignored.
+ *  - NULL, or struct_size below the first version's (FLASH3_*_ARGS_SIZE_V1), is rejected.
+ *  - New fields are only ever appended. */
 
-/* Backward attention: writes dq, dk, dv (see flash3::BwdArgs in flash3.h). workspace may be NULL
- * (the library allocates with cudaMallocAsync on stream); else at least
- * flash3_bwd_workspace_size() bytes. Same return codes and err convention as flash3_fwd. */
-int flash3_bwd(const flash3_tensor* q, const flash3_tensor* k, const flash3_tensor* v,
-               const flash3_tensor* out, const flash3_tensor* dout, const flash3_tensor* lse,
-               const flash3_tensor* dq, const flash3_tensor* dk, const flash3_tensor* dv,
-               float softmax_scale, int causal, int deterministic, void* workspace,
-               uint64_t workspace_bytes, void* stream, char* err, int err_len);
+/* Forward attention (see flash3::FwdArgs in flash3.h). */
+typedef struct flash3_fwd_args {
+  uint32_t struct_size; /* bytes: sizeof(flash3_fwd_args) of the caller's header */
+  int32_t causal;       /* nonzero: causal mask, aligned bottom-right */
+  float softmax_scale;  /* <= 0 (or NaN): 1/sqrt(head_dim) */
+  uint32_t reserved;    /* 0 */
+  flash3_tensor q, k, v, out;
+  flash3_tensor lse;    /* data == NULL: not written */
+  void* stream;         /* a cudaStream_t; NULL: the default stream */
+} flash3_fwd_args;
 
-/* Scratch bytes flash3_bwd needs for these arguments, written to *bytes. Validates like
- * flash3_bwd (same codes and messages). */
-int flash3_bwd_workspace_size(const flash3_tensor* q, const flash3_tensor* k,
-                              const flash3_tensor* v, const flash3_tensor* out,
-                              const flash3_tensor* dout, const flash3_tensor* lse,
-                              const flash3_tensor* dq, const flash3_tensor* dk,
-                              const flash3_tensor* dv, float softmax_scale, int causal,
-                              int deterministic, uint64_t* bytes, char* err, int err_len);
+/* Backward attention (see flash3::BwdArgs in flash3.h). */
+typedef struct flash3_bwd_args {
+  uint32_t struct_size; /* bytes: sizeof(flash3_bwd_args) of the caller's header */
+  int32_t causal;       /* as the forward's */
+  int32_t deterministic;/* nonzero: bitwise-identical gradients from run to run */
+  float softmax_scale;  /* as the forward's */
+  flash3_tensor q, k, v, out, dout, lse;
+  flash3_tensor dq, dk, dv;
+  void* workspace;      /* NULL: the library allocates (cudaMallocAsync on stream); else at least
+                           flash3_bwd_workspace_size() bytes, 256-byte aligned */
+  uint64_t workspace_bytes;
+  void* stream;         /* a cudaStream_t; NULL: the default stream */
+} flash3_bwd_args;
+
+/* The sizes of the first versions: the smallest struct_size accepted. */
+#define FLASH3_FWD_ARGS_SIZE_V1 ((uint32_t)(offsetof(flash3_fwd_args, stream) + sizeof(void*)))
+#define FLASH3_BWD_ARGS_SIZE_V1 ((uint32_t)(offsetof(flash3_bwd_args, stream) + sizeof(void*)))
+
+/* Set a struct up: all zero (every default), struct_size = sizeof. Inline, so that struct_size
+ * is the caller's sizeof, not the library's. */
+static inline void flash3_fwd_args_init(flash3_fwd_args* args) {
+  memset(args, 0, sizeof *args);
+  args->struct_size = (uint32_t)sizeof *args;
+}
+static inline void flash3_bwd_args_init(flash3_bwd_args* args) {
+  memset(args, 0, sizeof *args);
+  args->struct_size = (uint32_t)sizeof *args;
+}
+
+/* Forward attention: out, and lse where given. On failure returns a nonzero code and writes a
+ * NUL-terminated message into err (if err_len > 0). */
+int flash3_fwd(const flash3_fwd_args* args, char* err, int err_len);
+
+/* Backward attention: writes dq, dk, dv. Same return codes and err convention as flash3_fwd. */
+int flash3_bwd(const flash3_bwd_args* args, char* err, int err_len);
+
+/* Scratch bytes flash3_bwd needs for these arguments (workspace and stream are not read),
+ * written to *bytes. Validates like flash3_bwd (same codes and messages). */
+int flash3_bwd_workspace_size(const flash3_bwd_args* args, uint64_t* bytes, char* err, int err_len);
 
 /* 1 if a Hopper GPU is usable, else 0 (and a reason in why, if why_len > 0). */
 int flash3_hopper_available(char* why, int why_len);

@@ -56,6 +56,17 @@ def version():
 _TENSOR = struct.Struct("<Qii4q4q")
 assert _TENSOR.size == ctypes.sizeof(_lib.Tensor), "flash3_tensor layout changed"
 _PAD = ((), (0,), (0, 0), (0, 0, 0), (0, 0, 0, 0))
+# flash3_fwd_args: uint32 struct_size; int32 causal; float softmax_scale; uint32 reserved; then
+# q, k, v, out, lse; void* stream. flash3_bwd_args: uint32 struct_size; int32 causal,
+# deterministic; float softmax_scale; then q, k, v, out, dout, lse, dq, dk, dv; void* workspace;
+# uint64 workspace_bytes; void* stream.
+_FWD_HEAD = struct.Struct("<IifI")
+_BWD_HEAD = struct.Struct("<Iiif")
+_FWD_TAIL = struct.Struct("<Q")  # stream
+_BWD_TAIL = struct.Struct("<QQQ")  # workspace, workspace_bytes, stream
+assert _FWD_HEAD.size + 5 * _TENSOR.size + _FWD_TAIL.size == _lib.FWD_ARGS_SIZE
+assert _BWD_HEAD.size + 9 * _TENSOR.size + _BWD_TAIL.size == _lib.BWD_ARGS_SIZE
+assert _lib.FwdArgs.q.offset == _FWD_HEAD.size and _lib.BwdArgs.q.offset == _BWD_HEAD.size
 
 
 def _pack(buf, offset, t, name):
@@ -84,20 +95,23 @@ def _scale_arg(softmax_scale):
     return scale
 
 
-def _refs(named, optional=()):
-    """flash3_tensor refs for (name, tensor) pairs: each a CUDA tensor (or None where optional).
-    Returns (buffer, addresses): the structs packed in one buffer (keep it alive for the call)."""
+def _args(head, values, tail, named, optional=()):
+    """An args struct (flash3_fwd_args or flash3_bwd_args) packed in a ctypes buffer: head's
+    scalars, then the flash3_tensor of each (name, tensor) pair (a CUDA tensor, or None where
+    optional: data NULL), then room for tail (zeros; the caller packs it at tail_offset).
+    Returns (buffer, tail_offset)."""
     for name, t in named:
         if t is None and name not in optional:
             raise ValueError(f"{name}: must be a tensor, got None")
         if isinstance(t, torch.Tensor) and not t.is_cuda:
             raise ValueError(f"{name}: must be a CUDA tensor, got device {t.device}")
     size = _TENSOR.size
-    buf = ctypes.create_string_buffer(size * len(named))
+    tail_offset = head.size + size * len(named)
+    buf = ctypes.create_string_buffer(tail_offset + tail.size)
+    head.pack_into(buf, 0, *values)
     for j, (name, t) in enumerate(named):
-        _pack(buf, j * size, t, name)
-    base = ctypes.addressof(buf)
-    return buf, [base + j * size for j in range(len(named))]
+        _pack(buf, head.size + j * size, t, name)
+    return buf, tail_offset
 
 
 _raw_stream_of = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -126,11 +140,12 @@ def forward_into(q, k, v, out, lse=None, softmax_scale=None, causal=False):
     """Runs the forward pass into caller-given buffers: out like q, lse float32 (b, h, sq) or None.
     Raises ValueError with the library's message on invalid arguments, RuntimeError otherwise."""
     scale = _scale_arg(softmax_scale)
-    keep, refs = _refs((("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)), optional=("lse",))
+    args, tail = _args(_FWD_HEAD, (_lib.FWD_ARGS_SIZE, int(bool(causal)), scale, 0), _FWD_TAIL,
+                       (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)), optional=("lse",))
     lib, buf, dev = _lib.lib(), _lib.err_buffer(), q.device
     with _on_device(dev):  # on torch's current stream of q's device
-        rc = lib.flash3_fwd(*refs, scale, int(bool(causal)), _stream(dev), buf, len(buf))
-    del keep
+        _FWD_TAIL.pack_into(args, tail, _stream(dev) or 0)
+        rc = lib.flash3_fwd(args, buf, len(buf))
     _check(rc, buf, "flash3_fwd")
     return out, lse
 
@@ -148,12 +163,12 @@ def backward_into(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=None, causa
     """
     scale = _scale_arg(softmax_scale)
     # the C order: q, k, v, out, dout, lse, dq, dk, dv
-    keep, refs = _refs((("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout), ("lse", lse),
-                        ("dq", dq), ("dk", dk), ("dv", dv)))
+    args, tail = _args(_BWD_HEAD, (_lib.BWD_ARGS_SIZE, int(bool(causal)), int(bool(deterministic)), scale),
+                       _BWD_TAIL, (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout), ("lse", lse),
+                                   ("dq", dq), ("dk", dk), ("dv", dv)))
     lib, buf, dev = _lib.lib(), _lib.err_buffer(), q.device
     if not _lib.has_bwd():
         raise RuntimeError("this libflash3.so has no backward (flash3_bwd): rebuild the library")
-    flags = (scale, int(bool(causal)), int(bool(deterministic)))
     with _on_device(dev):
         # NOTES: the size depends on the shapes of q and k and the two flags only (bwd_config.h,
         # BwdWorkspaceLayout), so it is asked once per such key; flash3_bwd checks every
@@ -162,7 +177,7 @@ def backward_into(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=None, causa
         size = _BWD_WORKSPACE_BYTES.get(key)
         if size is None:
             nbytes = ctypes.c_uint64(0)
-            rc = lib.flash3_bwd_workspace_size(*refs, *flags, ctypes.byref(nbytes), buf, len(buf))
+            rc = lib.flash3_bwd_workspace_size(args, ctypes.byref(nbytes), buf, len(buf))
             _check(rc, buf, "flash3_bwd_workspace_size")
             size = nbytes.value
             if len(_BWD_WORKSPACE_BYTES) >= 1024:
@@ -173,8 +188,9 @@ def backward_into(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=None, causa
             # allocated on the current stream, so the allocator reuses it only after the kernels
             workspace = torch.empty(size + _WORKSPACE_ALIGN, dtype=torch.uint8, device=dev)
             ptr = -workspace.data_ptr() % _WORKSPACE_ALIGN + workspace.data_ptr()
-        rc = lib.flash3_bwd(*refs, *flags, ptr, size, _stream(dev), buf, len(buf))
-    del workspace, keep
+        _BWD_TAIL.pack_into(args, tail, ptr or 0, size, _stream(dev) or 0)
+        rc = lib.flash3_bwd(args, buf, len(buf))
+    del workspace
     _check(rc, buf, "flash3_bwd")
     return dq, dk, dv
 

@@ -23,6 +23,39 @@ class Tensor(ctypes.Structure):
 
 assert ctypes.sizeof(Tensor) == 80, "flash3_tensor layout changed"
 
+
+class FwdArgs(ctypes.Structure):
+    """flash3_fwd_args (first version): the layout the package packs (see __init__._FWD)."""
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("causal", ctypes.c_int32),
+        ("softmax_scale", ctypes.c_float),
+        ("reserved", ctypes.c_uint32),
+        ("q", Tensor), ("k", Tensor), ("v", Tensor), ("out", Tensor), ("lse", Tensor),
+        ("stream", ctypes.c_void_p),
+    ]
+
+
+class BwdArgs(ctypes.Structure):
+    """flash3_bwd_args (first version): the layout the package packs (see __init__._BWD)."""
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("causal", ctypes.c_int32),
+        ("deterministic", ctypes.c_int32),
+        ("softmax_scale", ctypes.c_float),
+        ("q", Tensor), ("k", Tensor), ("v", Tensor), ("out", Tensor), ("dout", Tensor), ("lse", Tensor),
+        ("dq", Tensor), ("dk", Tensor), ("dv", Tensor),
+        ("workspace", ctypes.c_void_p),
+        ("workspace_bytes", ctypes.c_uint64),
+        ("stream", ctypes.c_void_p),
+    ]
+
+
+# struct_size as this package fills the structs (FLASH3_*_ARGS_SIZE_V1 in flash3_c.h)
+FWD_ARGS_SIZE = ctypes.sizeof(FwdArgs)
+BWD_ARGS_SIZE = ctypes.sizeof(BwdArgs)
+assert (FWD_ARGS_SIZE, BWD_ARGS_SIZE) == (424, 760), "flash3_fwd_args / flash3_bwd_args layout changed"
+
 _lib = None
 _load_error = None
 
@@ -44,13 +77,10 @@ def _bind_bwd(handle, ptr):
     built before the backward existed still loads; has_bwd() then says False)."""
     if not (hasattr(handle, "flash3_bwd") and hasattr(handle, "flash3_bwd_workspace_size")):
         return
-    tensors = [ptr] * 9  # q, k, v, out, dout, lse, dq, dk, dv: addresses of flash3_tensor
-    handle.flash3_bwd.argtypes = tensors + [ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-                                            ctypes.c_uint64, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
+    handle.flash3_bwd.argtypes = [ptr, ctypes.c_char_p, ctypes.c_int]
     handle.flash3_bwd.restype = ctypes.c_int
-    handle.flash3_bwd_workspace_size.argtypes = tensors + [ctypes.c_float, ctypes.c_int, ctypes.c_int,
-                                                           ctypes.POINTER(ctypes.c_uint64),
-                                                           ctypes.c_char_p, ctypes.c_int]
+    handle.flash3_bwd_workspace_size.argtypes = [ptr, ctypes.POINTER(ctypes.c_uint64), ctypes.c_char_p,
+                                                 ctypes.c_int]
     handle.flash3_bwd_workspace_size.restype = ctypes.c_int
 
 
@@ -73,12 +103,11 @@ def lib():
             except OSError as e:
                 errors.append(f"{path}: {e}")
                 continue
-            # flash3_tensor arguments go as addresses (c_void_p: an int, or ctypes.byref of a
-            # Tensor): the package packs them into one buffer per call (faster than a ctypes
-            # Structure per tensor).
+            # flash3_fwd_args / flash3_bwd_args go as addresses (c_void_p: a ctypes buffer, an
+            # int, or ctypes.byref of a FwdArgs / BwdArgs): the package packs each call's struct
+            # into one buffer with struct.pack_into (faster than filling ctypes Structures).
             ptr = ctypes.c_void_p
-            handle.flash3_fwd.argtypes = [ptr, ptr, ptr, ptr, ptr, ctypes.c_float, ctypes.c_int,
-                                          ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
+            handle.flash3_fwd.argtypes = [ptr, ctypes.c_char_p, ctypes.c_int]
             handle.flash3_fwd.restype = ctypes.c_int
             _bind_bwd(handle, ptr)
             handle.flash3_hopper_available.argtypes = [ctypes.c_char_p, ctypes.c_int]

@@ -10,8 +10,8 @@
 namespace flash3 {
 
 namespace {
-BwdWorkspaceLayout workspace_layout(const BwdProblem& p) {
-  return BwdWorkspaceLayout(p.batch, p.nheads, p.seqlen_q, p.seqlen_k, p.head_dim, p.causal, p.deterministic,
+detail::BwdWorkspaceLayout workspace_layout(const BwdProblem& p) {
+  return detail::BwdWorkspaceLayout(p.batch, p.nheads, p.seqlen_q, p.seqlen_k, p.head_dim, p.causal, p.deterministic,
                             p.nheads != p.nheads_kv);
 }
 }  // namespace
@@ -32,7 +32,7 @@ void bwd(const BwdArgs& args) {
     }
     return;
   }
-  const BwdWorkspaceLayout ws = workspace_layout(p);
+  const detail::BwdWorkspaceLayout ws = workspace_layout(p);
   if (args.workspace != nullptr && args.workspace_bytes < ws.bytes) {
     throw Error("flash3::bwd: workspace_bytes is " + std::to_string(args.workspace_bytes) +
                 "; this problem needs at least " + std::to_string(ws.bytes) +

@@ -20,11 +20,11 @@
 // (dK, dQ, dV measured 25-40% slower there: docs/perf-log.md B26).
 //
 // kDQAlternate (head dim 64): each query block's dQ is computed whole by one consumer warpgroup,
-// the two taking turns (bwd_kernel.h), instead of split along the head dim (docs/perf-log.md B38).
+// the two taking turns (bwd_mainloop_swapped.h), instead of split along the head dim (docs/perf-log.md B38).
 // kSpreadVisits (head dim 256): where the dQ adds need no order, the key blocks of a head visit
-// the query blocks from different starting points instead of in step (bwd_kernel.h, B39).
+// the query blocks from different starting points instead of in step (bwd_scheduler.h, B39).
 // kPersistentCausal, kPersistentNonCausal (head dim 64): the kernel is persistent, one block per
-// SM taking the blocks of work from a counter (bwd_kernel_persistent, docs/perf-log.md B53, B56,
+// SM taking the blocks of work from a counter (bwd_scheduler.h, docs/perf-log.md B53, B56,
 // B58); with the next block's K, V loaded early (a second K buffer) and dK, dV staged in a buffer
 // of their own, +2-12% over one block per item at causal 512-4k, +2-5% non-causal. At head dim
 // 128 the causal one measured 1-3% slower from 2k (its main loop ran 2-7% longer, B54; why is
@@ -94,7 +94,7 @@ inline int bwd_block_n(int head_dim) {
 // at short sequences costs more than the chain (docs/perf-log.md B24, measured G = 1, 2, 4 at
 // every sweep point: two copies gained from 8 key blocks on without a mask, and causal from 64
 // on, where the chain is long enough; four were never better than two). Head dim 256 causal,
-// whose 64 KB tiles make each link the longest (session 31 on an H200, B80: det / default with
+// whose 64 KB tiles make each link the longest (on an H200, B80: det / default with
 // 1 / 2 / 4 copies 0.82 / 0.88 / 0.77 at 2k (32 key blocks), 0.79 / 0.88 / 0.85 at 4k, 0.76 / 0.87 /
 // 0.91 at 8k, 0.76 / 0.90 / 0.95 at 16k): two copies from 32 key blocks, four from 128 while the
 // four take at most 1 GiB together (copy_bytes: one copy, bwd_dq_copy_bytes), two beyond.
@@ -114,19 +114,19 @@ inline int64_t bwd_dq_copy_bytes(int64_t bh, int64_t seqlen_q_pad, int head_dim)
 // Whether the first add into each dQ tile (copy) is a store, so that the accumulator needs no
 // clear: always in the deterministic mode; in the default mode key block 0 of a head, the first
 // of its blocks to be dispatched, also visits every tile no later than the others (non-causal
-// first to last, causal last to first: bwd_kernel.h), so its writer stores and releases each
+// first to last, causal last to first: bwd_scheduler.h), so its writer stores and releases each
 // tile and the other key blocks' writers add once it has. The preprocess then writes 4 bytes
 // per tile instead of the tile (at 16k tokens x hidden 2048, 134 MB: about 35 us). But every key
 // block of a head then moves at key block 0's pace: measured (docs/perf-log.md B25), +1-4% at
 // non-causal head dims 64 and 128 up to 32 key blocks and +2-9% at causal head dim 256 up to 32,
-// 1-6% slower at 128 key blocks and more. So in the default mode only up to 32 key blocks. (B66,
-// session 27: 64 and 128 key blocks measured even (8k, 16k at head dims 64, 128); non-causal head
+// 1-6% slower at 128 key blocks and more. So in the default mode only up to 32 key blocks. (B66:
+// 64 and 128 key blocks measured even (8k, 16k at head dims 64, 128); non-causal head
 // dim 256, 1-2% slower in B25 with its single dQ buffer, now +7 / +3 / +1% at 512 / 1k / 2k.)
 inline bool bwd_dq_store_first(bool deterministic, int n_blocks) {
   return deterministic || n_blocks <= 32;
 }
 
-// The persistent backward's grid (bwd_kernel_persistent): one block per SM, but at causal
+// The persistent backward's grid (bwd_scheduler.h): one block per SM, but at causal
 // lengths up to 8k two SMs are left to the dQ postprocess, which then converts each (head, batch)
 // pair as it completes (bwd_postprocess_dq) instead of after the main kernel: all the persistent
 // blocks run out of work within a few microseconds of each other, so with every SM taken the
@@ -142,7 +142,7 @@ inline int bwd_persistent_grid(int sms, int64_t items, bool causal, int seqlen_q
 //   lse_log2 float [batch][nheads][seqlen_q_pad]   lse * log2(e); +inf on padding rows
 //   dpsum    float [batch][nheads][seqlen_q_pad]   D = rowsum(dO * O); 0 on padding rows
 //   dq_accum float [batch][nheads][m_blocks][groups][kBlockM * d]   FP32 dQ, each tile in the
-//            register order of the dQ GEMM's accumulators (see bwd_kernel.h); groups copies of
+//            register order of the dQ GEMM's accumulators (see bwd_dq_writer.h); groups copies of
 //            each tile in the deterministic mode (bwd_dq_groups), one otherwise
 //   dq_sem   int   [batch][nheads][m_blocks][groups]  where the first add is a store
 //            (bwd_dq_store_first): deterministic, the adds into each copy so far (key block n
@@ -153,6 +153,8 @@ inline int bwd_persistent_grid(int sms, int64_t items, bool causal, int seqlen_q
 //            so that the postprocess converts a pair's dQ while the main kernel still runs
 //   dk_accum, dv_accum float [batch][nheads][seqlen_k_pad][d]   GQA/MQA only: per-query-head dK, dV
 // seqlen_q_pad = m_blocks * kBlockM, seqlen_k_pad = n_blocks * kBlockN.
+// (In detail: the kernel table's launchers take it, dispatch.h.)
+namespace detail {
 struct BwdWorkspaceLayout {
   int block_m = 0, block_n = 0, m_blocks = 0, n_blocks = 0, dq_groups = 1;
   bool dq_store_first = false;  // dq_sem is there (bwd_dq_store_first)
@@ -189,5 +191,6 @@ struct BwdWorkspaceLayout {
     bytes = at;
   }
 };
+}  // namespace detail
 
 }  // namespace flash3

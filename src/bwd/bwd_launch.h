@@ -4,8 +4,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
-#include <string>
 
 #include "bwd/bwd_kernel.h"
 #include "common/block_order.h"
@@ -16,27 +14,10 @@
 
 namespace flash3::detail {
 
-// Sections of the causal block order (bwd_kernel.h, bwd_block_coords; causal_order.h).
+// Sections of the causal block order (bwd_scheduler.h; block_order.h).
 inline BwdSections bwd_l2_sections(const BwdProblem& p, int elem_bytes) {
   const int section = bwd_section_pairs(p.seqlen_q, p.head_dim, elem_bytes, current_device_info().l2_bytes);
   return bwd_sections(p.batch * p.nheads, section);
-}
-
-#ifdef FLASH3_EXP_PERSIST_AB
-// A/B experiments: whether the environment turns the switch `name` off (its value starts with 0).
-inline bool exp_switch_off(const char* name) {
-  const char* e = std::getenv(name);
-  return e != nullptr && *e == '0';
-}
-#endif
-
-// Whether the postprocess waits per pair (dq_done) rather than for the whole main kernel.
-inline bool bwd_dq_overlap() {
-#ifdef FLASH3_EXP_PERSIST_AB
-  // FLASH3_EXP_DQ_OVERLAP=0: every postprocess block waits for the whole main kernel (A/B).
-  if (exp_switch_off("FLASH3_EXP_DQ_OVERLAP")) return false;
-#endif
-  return true;
 }
 
 template <class Traits>
@@ -44,78 +25,70 @@ void launch_bwd_main(const BwdProblem& p, const BwdArgs& args, const BwdWorkspac
   using Element = typename Traits::Element;
   using Params = typename Traits::Params;
   const bool gqa = p.nheads != p.nheads_kv;
+  Params params{};
+  params.tma_q = Traits::make_tma_q(static_cast<const Element*>(args.q.data), qkv_layout(args.q));
+  params.tma_do = Traits::make_tma_q(static_cast<const Element*>(args.dout.data), qkv_layout(args.dout));
+  params.tma_k = Traits::make_tma_kv(static_cast<const Element*>(args.k.data), qkv_layout(args.k));
+  params.tma_v = Traits::make_tma_kv(static_cast<const Element*>(args.v.data), qkv_layout(args.v));
+  params.layout_q = qkv_layout(args.q);
+  params.layout_k = qkv_layout(args.k);
+  params.lse_log2 = reinterpret_cast<const float*>(base + ws.lse_log2);
+  params.dpsum = reinterpret_cast<const float*>(base + ws.dpsum);
+  params.dq_accum = reinterpret_cast<float*>(base + ws.dq_accum);
+  params.dq_sem = ws.dq_store_first ? reinterpret_cast<int*>(base + ws.dq_sem) : nullptr;
+  params.dq_groups = ws.dq_groups;
+  params.dq_ordered = int(p.deterministic);
+  params.dk_accum = gqa ? reinterpret_cast<float*>(base + ws.dk_accum) : nullptr;
+  params.dv_accum = gqa ? reinterpret_cast<float*>(base + ws.dv_accum) : nullptr;
+  params.dk = static_cast<Element*>(args.dk.data);
+  params.dv = static_cast<Element*>(args.dv.data);
+  params.dk_row_stride = args.dk.stride[1];
+  params.dk_head_stride = args.dk.stride[2];
+  params.dk_batch_stride = args.dk.stride[0];
+  params.dv_row_stride = args.dv.stride[1];
+  params.dv_head_stride = args.dv.stride[2];
+  params.dv_batch_stride = args.dv.stride[0];
+  params.batch = p.batch;
+  params.seqlens.seqlen_q = p.seqlen_q;
+  params.seqlens.seqlen_k = p.seqlen_k;
+  params.nheads = p.nheads;
+  params.nheads_per_kv = p.nheads / p.nheads_kv;
+  params.m_blocks = ws.m_blocks;
+  params.n_blocks = ws.n_blocks;
+  // Sections of (head, batch) pairs whose Q and dO fit in half the L2 (block_order.h).
   const BwdSections sections = bwd_l2_sections(p, int(sizeof(Element)));
-  Params params{
-      Traits::make_tma_q(static_cast<const Element*>(args.q.data), qkv_layout(args.q)),
-      Traits::make_tma_q(static_cast<const Element*>(args.dout.data), qkv_layout(args.dout)),
-      Traits::make_tma_kv(static_cast<const Element*>(args.k.data), qkv_layout(args.k)),
-      Traits::make_tma_kv(static_cast<const Element*>(args.v.data), qkv_layout(args.v)),
-      qkv_layout(args.q),
-      qkv_layout(args.k),
-      reinterpret_cast<const float*>(base + ws.lse_log2),
-      reinterpret_cast<const float*>(base + ws.dpsum),
-      reinterpret_cast<float*>(base + ws.dq_accum),
-      ws.dq_store_first ? reinterpret_cast<int*>(base + ws.dq_sem) : nullptr,
-      ws.dq_groups,
-      int(p.deterministic),
-      gqa ? reinterpret_cast<float*>(base + ws.dk_accum) : nullptr,
-      gqa ? reinterpret_cast<float*>(base + ws.dv_accum) : nullptr,
-      static_cast<Element*>(args.dk.data),
-      static_cast<Element*>(args.dv.data),
-      args.dk.stride[1], args.dk.stride[2], args.dk.stride[0],
-      args.dv.stride[1], args.dv.stride[2], args.dv.stride[0],
-      p.batch, p.seqlen_q, p.seqlen_k, p.nheads, p.nheads / p.nheads_kv,
-      ws.m_blocks, ws.n_blocks,
-      // Sections of (head, batch) pairs whose Q and dO fit in half the L2 (causal_order.h).
-      sections.size, sections.big,
-      ws.seqlen_q_pad, ws.seqlen_k_pad,
-      p.softmax_scale,
-      float(p.softmax_scale * M_LOG2E),
-  };
-  if (bwd_dq_overlap()) params.dq_done = reinterpret_cast<int*>(base + ws.dq_done);
+  params.l2_section = sections.size;
+  params.l2_big = sections.big;
+  params.seqlen_q_pad = ws.seqlen_q_pad;
+  params.seqlen_k_pad = ws.seqlen_k_pad;
+  params.softmax_scale = p.softmax_scale;
+  params.scale_log2 = float(p.softmax_scale * M_LOG2E);
+  // The postprocess waits per pair (dq_done) rather than for the whole main kernel.
+  params.dq_done = reinterpret_cast<int*>(base + ws.dq_done);
   // MHA: dK, dV leave through TMA stores (bwd_store_dkdv_tma) where kTmaEpilogue; GQA adds FP32
   // per query head.
   if (Traits::kTmaEpilogue && !gqa) {
     params.tma_dk = Traits::make_tma_dkv_store(static_cast<Element*>(args.dk.data), qkv_layout(args.dk));
     params.tma_dv = Traits::make_tma_dkv_store(static_cast<Element*>(args.dv.data), qkv_layout(args.dv));
     params.dkv_tma = 1;
-#ifdef FLASH3_EXP_PERSIST_AB
-    // FLASH3_EXP_TMA_EPI=0: the row-by-row epilogue of bwd_store_dkdv instead (A/B experiments).
-    if (exp_switch_off("FLASH3_EXP_TMA_EPI")) params.dkv_tma = 0;
-#endif
   }
   constexpr int kSmem = Traits::kSmemBytes;
   const int64_t blocks = int64_t(ws.n_blocks) * p.nheads * p.batch;
+  int64_t grid = blocks;  // static: one block per item (BwdScheduler)
   if constexpr (Traits::kPersistent) {
-#ifdef FLASH3_EXP_PERSIST_AB
-    // A/B experiments (docs/perf-log.md B53): FLASH3_EXP_PERSIST=0 runs the one-block-per-item kernel.
-    if (exp_switch_off("FLASH3_EXP_PERSIST")) {
-      set_max_dynamic_smem<&bwd_kernel<Traits>>(kSmem);
-      launch_pdl(&bwd_kernel<Traits>, dim3(unsigned(blocks)), Traits::kNumThreads, kSmem, args.stream,
-                 "backward kernel launch", params);
-      return;
-    }
-#endif
     // One block per SM (two SMs short at causal lengths up to 8k: bwd_persistent_grid), taking
-    // the blocks of work from the stream's counter (or, where a graph capture found no per-stream
-    // memory, in a fixed round-robin order).
+    // the items from the stream's counter (or, where a graph capture found no per-stream memory,
+    // in a fixed round-robin order).
     params.tile_counter = stream_memory(args.stream, 0, 0).tile_counter;
     params.num_items = int(blocks);
-    // The next item asked for late (bwd_kernel_persistent) where the dQ adds wait for other key
-    // blocks' (deterministic) and non-causal (measured 0-5% faster; causal early 0-2% faster; B59).
+    // The next item asked for late (bwd_load.h) where the dQ adds wait for other key blocks'
+    // (deterministic) and non-causal (measured 0-5% faster; causal early 0-2% faster; B59).
     params.late_request = p.deterministic || !Traits::kCausal;
-#ifdef FLASH3_EXP_PERSIST_AB
-    if (const char* e = std::getenv("FLASH3_EXP_LATE"); e != nullptr) params.late_request = *e == '1';
-#endif
-    const int grid = bwd_persistent_grid(current_device_info().sms, blocks, Traits::kCausal, p.seqlen_q);
-    set_max_dynamic_smem<&bwd_kernel_persistent<Traits>>(kSmem);
-    launch_pdl(&bwd_kernel_persistent<Traits>, dim3(unsigned(grid)), Traits::kNumThreads, kSmem, args.stream,
-               "backward kernel launch", params);
-  } else {
-    set_max_dynamic_smem<&bwd_kernel<Traits>>(kSmem);
-    launch_pdl(&bwd_kernel<Traits>, dim3(unsigned(blocks)), Traits::kNumThreads, kSmem, args.stream,
-               "backward kernel launch", params);
+    grid = bwd_persistent_grid(current_device_info().sms, blocks, Traits::kCausal, p.seqlen_q);
   }
+  set_max_dynamic_smem<&bwd_kernel<Traits>>(kSmem);
+  launch_pdl(&bwd_kernel<Traits>, dim3(unsigned(grid)), Traits::kNumThreads, kSmem, args.stream,
+             "backward kernel launch", params);
 }
 
 template <DType kDType, int kHeadDim>
@@ -123,22 +96,38 @@ void run_bwd(const BwdProblem& p, const BwdArgs& args, const BwdWorkspaceLayout&
   using Element = detail::Element<kDType>;
   using Traits = BwdTraits<Element, kHeadDim, false>;
   constexpr int kBlockM = Traits::kBlockM;
-  BwdAuxParams aux{
-      args.out.data, args.dout.data, static_cast<const float*>(args.lse.data), args.dq.data,
-      args.out.stride[1], args.out.stride[2], args.out.stride[0],
-      args.dout.stride[1], args.dout.stride[2], args.dout.stride[0],
-      args.lse.stride[1], args.lse.stride[0],
-      args.dq.stride[1], args.dq.stride[2], args.dq.stride[0],
-      reinterpret_cast<float*>(base + ws.lse_log2),
-      reinterpret_cast<float*>(base + ws.dpsum),
-      reinterpret_cast<float*>(base + ws.dq_accum),
-      ws.dq_store_first ? reinterpret_cast<int*>(base + ws.dq_sem) : nullptr,
-      ws.dq_groups,
-      p.batch, p.seqlen_q, p.nheads, p.head_dim, ws.m_blocks, ws.seqlen_q_pad, p.softmax_scale,
-  };
+  BwdAuxParams aux{};
+  aux.out = args.out.data;
+  aux.dout = args.dout.data;
+  aux.lse = static_cast<const float*>(args.lse.data);
+  aux.dq = args.dq.data;
+  aux.out_row = args.out.stride[1];
+  aux.out_head = args.out.stride[2];
+  aux.out_batch = args.out.stride[0];
+  aux.dout_row = args.dout.stride[1];
+  aux.dout_head = args.dout.stride[2];
+  aux.dout_batch = args.dout.stride[0];
+  aux.lse_head = args.lse.stride[1];
+  aux.lse_batch = args.lse.stride[0];
+  aux.dq_row = args.dq.stride[1];
+  aux.dq_head = args.dq.stride[2];
+  aux.dq_batch = args.dq.stride[0];
+  aux.lse_log2 = reinterpret_cast<float*>(base + ws.lse_log2);
+  aux.dpsum = reinterpret_cast<float*>(base + ws.dpsum);
+  aux.dq_accum = reinterpret_cast<float*>(base + ws.dq_accum);
+  aux.dq_sem = ws.dq_store_first ? reinterpret_cast<int*>(base + ws.dq_sem) : nullptr;
+  aux.dq_groups = ws.dq_groups;
+  aux.batch = p.batch;
+  aux.seqlens.seqlen_q = p.seqlen_q;
+  aux.seqlens.seqlen_k = p.seqlen_k;
+  aux.nheads = p.nheads;
+  aux.head_dim = p.head_dim;
+  aux.m_blocks = ws.m_blocks;
+  aux.seqlen_q_pad = ws.seqlen_q_pad;
+  aux.softmax_scale = p.softmax_scale;
   // The postprocess converts each pair's dQ once the main kernel's writers are done with it
   // (bwd_postprocess_dq), where there is a main kernel.
-  if (p.seqlen_k > 0 && bwd_dq_overlap()) {
+  if (p.seqlen_k > 0) {
     aux.dq_done = reinterpret_cast<int*>(base + ws.dq_done);
     aux.dq_done_target = ws.n_blocks * Traits::kDQWriters;
   }
@@ -163,14 +152,28 @@ void run_bwd(const BwdProblem& p, const BwdArgs& args, const BwdWorkspaceLayout&
   launch_pdl(bwd_postprocess_dq<Traits>, dim3(unsigned(aux_blocks)), 256, kPostSmem, args.stream,
              "backward postprocess (dq) launch", aux);
   if (p.nheads != p.nheads_kv && p.seqlen_k > 0) {
+    BwdDkvParams dkv{};
+    dkv.dk_accum = reinterpret_cast<const float*>(base + ws.dk_accum);
+    dkv.dv_accum = reinterpret_cast<const float*>(base + ws.dv_accum);
+    dkv.dk = args.dk.data;
+    dkv.dv = args.dv.data;
+    dkv.dk_row = args.dk.stride[1];
+    dkv.dk_head = args.dk.stride[2];
+    dkv.dk_batch = args.dk.stride[0];
+    dkv.dv_row = args.dv.stride[1];
+    dkv.dv_head = args.dv.stride[2];
+    dkv.dv_batch = args.dv.stride[0];
+    dkv.batch = p.batch;
+    dkv.seqlens.seqlen_q = p.seqlen_q;
+    dkv.seqlens.seqlen_k = p.seqlen_k;
+    dkv.nheads_kv = p.nheads_kv;
+    dkv.group = p.nheads / p.nheads_kv;
+    dkv.head_dim = p.head_dim;
+    dkv.seqlen_k_pad = ws.seqlen_k_pad;
+    dkv.softmax_scale = p.softmax_scale;
     const int64_t total = int64_t(p.batch) * p.seqlen_k * p.nheads_kv * (p.head_dim / 2);
     const int threads = 256;
-    bwd_postprocess_dkv<Element><<<dim3(unsigned((total + threads - 1) / threads)), threads, 0, args.stream>>>(
-        reinterpret_cast<const float*>(base + ws.dk_accum), reinterpret_cast<const float*>(base + ws.dv_accum),
-        static_cast<Element*>(args.dk.data), static_cast<Element*>(args.dv.data), args.dk.stride[1],
-        args.dk.stride[2], args.dk.stride[0], args.dv.stride[1], args.dv.stride[2], args.dv.stride[0],
-        p.batch, p.seqlen_k, p.nheads_kv, p.nheads / p.nheads_kv, p.head_dim, ws.seqlen_k_pad,
-        p.softmax_scale);
+    bwd_postprocess_dkv<Element><<<dim3(unsigned((total + threads - 1) / threads)), threads, 0, args.stream>>>(dkv);
     check_cuda(cudaGetLastError(), "backward postprocess (dk, dv) launch");
   }
 }

@@ -7,10 +7,16 @@
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
 #include "bwd/bwd_config.h"
+#include "common/seqlen.h"
 
 namespace flash3::detail {
 
 using namespace cute;
+
+// Named barriers of the backward kernel (id 0 is __syncthreads).
+// dQ buffer b uses kBwdBarDQFull + b and kBwdBarDQEmpty + b.
+enum : int { kBwdBarPReady = 1, kBwdBarPFree = 2, kBwdBarDQFull = 3, kBwdBarDQEmpty = 7,  // up to 4 dQ buffers
+             kBwdBarEpilogue = 11 };
 
 // The persistent kernel's second K buffer and dK, dV staging tiles (kEarlyKV), as a base of
 // SharedStorage: empty, and so no bytes, where they are not used.
@@ -31,14 +37,14 @@ struct BwdTraits {
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kStages = Config::kStages;
   static constexpr bool kCausal = kCausal_;
-  static constexpr bool kSpreadVisits = Config::kSpreadVisits;  // bwd_kernel.h
-  // Persistent (bwd_kernel_persistent, where bwd_config.h says): one block per SM takes blocks of
-  // work (key block, head, batch) in bwd_kernel's order from a counter, so that the next one's K,
+  static constexpr bool kSpreadVisits = Config::kSpreadVisits;  // bwd_scheduler.h
+  // Persistent (bwd_scheduler.h, where bwd_config.h says): one block per SM takes blocks of
+  // work (key block, head, batch) from a counter, so that the next one's K,
   // V and first Q, dO load while this one's dK, dV leave.
   static constexpr bool kPersistent = kCausal_ ? Config::kPersistentCausal : Config::kPersistentNonCausal;
   // Persistent with K, V in registers (head dim 64): the next item's K, V load early, K into the
   // second of two buffers (the dQ GEMM reads K from shared memory to the end of the loop), V as
-  // soon as the consumers have copied theirs into registers (bwd_kernel_persistent).
+  // soon as the consumers have copied theirs into registers (bwd_load.h).
   static constexpr bool kEarlyKV = kPersistent && Config::kKVInRegs;
   // dK, dV of MHA problems out by TMA stores (bwd_store_dkdv_tma), where bwd_config.h says so.
   static constexpr bool kTmaEpilogue = Config::kTmaEpilogue;
@@ -199,7 +205,9 @@ struct BwdTraits {
     Element* dv;
     int64_t dk_row_stride, dk_head_stride, dk_batch_stride;
     int64_t dv_row_stride, dv_head_stride, dv_batch_stride;
-    int batch, seqlen_q, seqlen_k, nheads, nheads_per_kv;
+    int batch;
+    SeqLens seqlens;               // read per batch entry: seqlens.of(batch)
+    int nheads, nheads_per_kv;
     int m_blocks, n_blocks;
     int l2_section, l2_big;  // causal block order: sections of (head, batch) pairs (bwd_sections)
     int64_t seqlen_q_pad, seqlen_k_pad;

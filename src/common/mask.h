@@ -9,6 +9,10 @@
 // FlashAttention-2/3: query i sees key j iff j <= i + seqlen_k - seqlen_q.
 #pragma once
 
+#if defined(__CUDACC__)
+#include <cute/tensor.hpp>
+#endif
+
 #include "common/host_device.h"
 #include "common/seqlen.h"
 

@@ -36,14 +36,12 @@ __device__ __forceinline__ void named_barrier_arrive(int threads, int id) {
   asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
-// Programmatic dependent launch (griddepcontrol; launch_pdl below): let the next kernel of the
-// stream start launching (its blocks take SMs as this kernel's blocks leave them, and run up to
-// their pdl_wait), and wait until the previous kernel has completed with its writes visible.
+// Programmatic dependent launch (griddepcontrol; the host side is runtime/launch.h's
+// launch_pdl): let the next kernel of the stream start launching (its blocks take SMs as this
+// kernel's blocks leave them, and run up to their pdl_wait), and wait until the previous kernel has completed with its writes visible.
 // Both are no-ops in a kernel launched without the attribute.
 __device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-
-}
 
 // NOTES: MUFU.EX2 directly; exp(x) is computed as exp2(x * log2(e)) with the softmax scale
 // folded into the same multiply-add.
@@ -64,6 +62,8 @@ __device__ __forceinline__ void pin_before_wait(float* slot, const float (&value
   asm volatile("st.shared.f32 [%0], %1;" ::"r"(addr), "f"(v) : "memory");
 }
 
+// 1-D bulk copies: global -> shared completing on an mbarrier, shared -> global, and a reduce-add
+// of FP32 shared -> global, each committed as its own bulk group.
 __device__ __forceinline__ void bulk_load_1d(void* smem_dst, const void* gmem_src, uint32_t bytes,
                                              uint64_t* mbar) {
   asm volatile(
@@ -85,4 +85,5 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* gmem_dst, const float
                : "memory");
   asm volatile("cp.async.bulk.commit_group;" ::: "memory");
 }
+
 }  // namespace flash3::detail

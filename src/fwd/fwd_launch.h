@@ -7,8 +7,14 @@
 #include <string>
 #include <type_traits>
 
-#include "fwd/fwd_dispatch.h"
+#include "common/block_order.h"
+#include "common/element.h"
+#include "common/tail_split.h"
+#include "dispatch.h"
+#include "fwd/fwd_ablation.h"
 #include "fwd/fwd_kernel.h"
+#include "runtime/launch.h"
+#include "runtime/runtime.h"
 
 namespace flash3::detail {
 
@@ -20,39 +26,39 @@ typename Traits::Params make_fwd_params(const FwdProblem& p, const FwdArgs& args
   using Element = typename Traits::Element;
   const auto layout_q = qkv_layout(args.q);
   const auto layout_k = qkv_layout(args.k);
-  const auto layout_v = qkv_layout(args.v);
   const long long l2_budget = std::min(kCausalL2Budget, l2_bytes());
   const int section = causal_section(p.seqlen_k, Traits::kHeadDim, int(sizeof(Element)), l2_budget);
   const int m_blocks = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
-  return typename Traits::Params{
-      Traits::make_tma_q(static_cast<const Element*>(args.q.data), layout_q),
-      Traits::make_tma_kv(static_cast<const Element*>(args.k.data), layout_k),
-      Traits::make_tma_kv(static_cast<const Element*>(args.v.data), layout_v),
-      Traits::make_tma_o(static_cast<Element*>(args.out.data), qkv_layout(args.out)),
-      layout_q,
-      layout_k,
-      static_cast<Element*>(args.out.data),
-      args.out.stride[1],
-      args.out.stride[2],
-      args.out.stride[0],
-      p.write_lse ? static_cast<float*>(args.lse.data) : nullptr,
-      p.write_lse ? args.lse.stride[1] : 0,
-      p.write_lse ? args.lse.stride[0] : 0,
-      p.batch,
-      p.seqlen_q,
-      p.seqlen_k,
-      p.nheads,
-      p.nheads / p.nheads_kv,
-      section,
-      causal_tail_first(p.nheads * p.batch, section, m_blocks, num_sms()),
-      p.softmax_scale,
-      float(p.softmax_scale * M_LOG2E),
-      tile_counter,
-      m_blocks * p.nheads * p.batch,  // tiles_end: all tiles
-      TailSplit{},
-      nullptr,
-      nullptr,
-  };
+  typename Traits::Params params{};
+  params.load.tma_q = Traits::make_tma_q(static_cast<const Element*>(args.q.data), layout_q);
+  params.load.tma_k = Traits::make_tma_kv(static_cast<const Element*>(args.k.data), layout_k);
+  params.load.tma_v = Traits::make_tma_kv(static_cast<const Element*>(args.v.data), qkv_layout(args.v));
+  params.load.layout_q = layout_q;
+  params.load.layout_k = layout_k;
+  params.mainloop.softmax_scale = p.softmax_scale;
+  params.mainloop.scale_log2 = float(p.softmax_scale * M_LOG2E);
+  params.epilogue.layout_o = qkv_layout(args.out);
+  params.epilogue.tma_o = Traits::make_tma_o(static_cast<Element*>(args.out.data), params.epilogue.layout_o);
+  params.epilogue.out = static_cast<Element*>(args.out.data);
+  params.epilogue.out_row_stride = args.out.stride[1];
+  params.epilogue.out_head_stride = args.out.stride[2];
+  params.epilogue.out_batch_stride = args.out.stride[0];
+  params.epilogue.lse = p.write_lse ? static_cast<float*>(args.lse.data) : nullptr;
+  params.epilogue.lse_head_stride = p.write_lse ? args.lse.stride[1] : 0;
+  params.epilogue.lse_batch_stride = p.write_lse ? args.lse.stride[0] : 0;
+  params.scheduler.batch = p.batch;
+  params.scheduler.nheads = p.nheads;
+  params.scheduler.l2_section = section;
+  params.scheduler.l2_tail_first = causal_tail_first(p.nheads * p.batch, section, m_blocks, num_sms());
+  params.scheduler.tile_counter = tile_counter;
+  params.scheduler.tiles_end = m_blocks * p.nheads * p.batch;  // all tiles
+  params.scheduler.split = TailSplit{};
+  params.combine.split_counter = nullptr;
+  params.combine.split_o = nullptr;
+  params.seqlens.seqlen_q = p.seqlen_q;
+  params.seqlens.seqlen_k = p.seqlen_k;
+  params.nheads_per_kv = p.nheads / p.nheads_kv;
+  return params;
 }
 
 // TailTraits (non-causal, default variant; void: none): the kernel of the tail split
@@ -64,7 +70,7 @@ void launch_fwd(const FwdProblem& p, const FwdArgs& args, bool persistent, int* 
   auto kernel = &fwd_kernel<Traits>;
   constexpr int kSmem = Traits::kSmemBytes;
   set_max_dynamic_smem<&fwd_kernel<Traits>>(kSmem);
-  const int num_tiles = params.tiles_end;
+  const int num_tiles = params.scheduler.tiles_end;
   TailSplit split;  // none: every tile whole in the main kernel
   split.full_tiles = num_tiles;
   int* split_counter = nullptr;
@@ -90,7 +96,7 @@ void launch_fwd(const FwdProblem& p, const FwdArgs& args, bool persistent, int* 
     }
   }
   // Persistent: one block per SM (the shared memory allows no more), each looping over tiles.
-  params.tiles_end = split.full_tiles;
+  params.scheduler.tiles_end = split.full_tiles;
   if (split.full_tiles > 0) {
     const int blocks = persistent ? std::min(split.full_tiles, num_sms()) : split.full_tiles;
     kernel<<<dim3(blocks), Traits::kNumThreads, kSmem, args.stream>>>(params);
@@ -99,11 +105,11 @@ void launch_fwd(const FwdProblem& p, const FwdArgs& args, bool persistent, int* 
   if constexpr (!std::is_void_v<TailTraits>) {
     if (split.tail_tiles > 0) {
       Params tail = params;  // the same TMA descriptors
-      tail.tile_counter = nullptr;
-      tail.tiles_end = num_tiles;
-      tail.split = split;
-      tail.split_counter = split_counter;
-      tail.split_o = split_o;
+      tail.scheduler.tile_counter = nullptr;
+      tail.scheduler.tiles_end = num_tiles;
+      tail.scheduler.split = split;
+      tail.combine.split_counter = split_counter;
+      tail.combine.split_o = split_o;
       auto tail_kernel = &fwd_kernel<TailTraits>;
       set_max_dynamic_smem<&fwd_kernel<TailTraits>>(TailTraits::kSmemBytes);
       // NOTES: right behind the main kernel it is launched with programmatic dependent launch
@@ -121,41 +127,32 @@ void launch_fwd(const FwdProblem& p, const FwdArgs& args, bool persistent, int* 
   }
 }
 
-template <class Element, int kHeadDim, bool kAblations = false>
-void run_fwd(const FwdProblem& p, const FwdArgs& args) {
-  // NOTES: non-causal tiles are all the same length: persistent (one block per SM) with the
-  // static round-robin order. Causal tiles differ in length: persistent with the dynamic
-  // scheduler (each block draws its next tile from a counter, in LPT order), which balances them
-  // like the hardware's block dispatcher while overlapping one tile's end with the next one's
-  // start (docs/perf-log.md, step 10). Without a counter (first call on a stream inside a CUDA
-  // graph capture) the earlier rule, measured in step 6: static persistent while seqlen_k <=
-  // 1024, one block per tile beyond. FwdVariant::kPersistent forces the static persistent loop.
+// Whether the forward runs persistent, and the causal tile counter (null: the static order).
+// NOTES: non-causal tiles are all the same length: persistent (one block per SM) with the
+// static round-robin order. Causal tiles differ in length: persistent with the dynamic
+// scheduler (each block draws its next tile from a counter, in LPT order), which balances them
+// like the hardware's block dispatcher while overlapping one tile's end with the next one's
+// start (docs/perf-log.md, step 10). Without a counter (first call on a stream inside a CUDA
+// graph capture) the earlier rule, measured in step 6: static persistent while seqlen_k <=
+// 1024, one block per tile beyond. FwdAblation::kPersistent forces the static persistent loop.
+inline bool fwd_schedule(const FwdProblem& p, const FwdArgs& args, FwdAblation ablation, int*& counter) {
+  counter = nullptr;
+  if (p.causal && ablation == FwdAblation::kDefault) counter = stream_memory(args.stream, 0, 0).tile_counter;
+  return ablation == FwdAblation::kPersistent || counter != nullptr ||
+         (ablation != FwdAblation::kNoPersistent && (!p.causal || p.seqlen_k <= 1024));
+}
+
+template <DType kDType, int kHeadDim>
+void run_fwd(const FwdProblem& p, const FwdArgs& args, FwdAblation ablation) {
+  using Element = detail::Element<kDType>;
   int* counter = nullptr;
-  if (p.causal && args.variant == FwdVariant::kDefault) counter = stream_memory(args.stream, 0, 0).tile_counter;
-  const bool persistent =
-      args.variant == FwdVariant::kPersistent || counter != nullptr ||
-      (args.variant != FwdVariant::kNoPersistent && (!p.causal || p.seqlen_k <= 1024));
-  const bool compile_time_variant = args.variant == FwdVariant::kNoPingpong ||
-                                    args.variant == FwdVariant::kNoOverlap ||
-                                    args.variant == FwdVariant::kThreeStage ||
-                                    args.variant == FwdVariant::kTwoStageBlockN96;
-  if (compile_time_variant) {
-    if constexpr (kAblations) {
-      if (!p.causal) {
-        if (args.variant == FwdVariant::kTwoStageBlockN96) {
-          return launch_fwd<FwdTraits<Element, kHeadDim, false, FwdTwoStageBlockN96>>(p, args, persistent, counter);
-        }
-        if (args.variant == FwdVariant::kThreeStage) {
-          return launch_fwd<FwdTraits<Element, kHeadDim, false, FwdThreeStage>>(p, args, persistent, counter);
-        }
-        if (args.variant == FwdVariant::kNoPingpong) {
-          return launch_fwd<FwdTraits<Element, kHeadDim, false, FwdNoPingpong>>(p, args, persistent, counter);
-        }
-        return launch_fwd<FwdTraits<Element, kHeadDim, false, FwdNoOverlap>>(p, args, persistent, counter);
-      }
+  const bool persistent = fwd_schedule(p, args, ablation, counter);
+  if (is_technique_ablation(ablation)) {
+    if (kDType != DType::kBFloat16 || kHeadDim != 128 || p.causal) {
+      throw Error("flash3::fwd: ablation " + std::to_string(int(ablation)) +
+                  " is built for bfloat16, head_dim 128, non-causal only");
     }
-    throw Error("flash3::fwd: variant " + std::to_string(int(args.variant)) +
-                " (an ablation) is built for bfloat16, head_dim 128, non-causal only");
+    return run_fwd_technique_ablation(p, args, ablation, persistent);
   }
   if (p.causal) {
     if constexpr (kHeadDim == 64) {
@@ -165,8 +162,8 @@ void run_fwd(const FwdProblem& p, const FwdArgs& args) {
     }
     launch_fwd<FwdTraits<Element, kHeadDim, true>>(p, args, persistent, counter);
   } else {
-    if constexpr (kHeadDim != 64) {  // FwdTailPieces (tile_config.h)
-      if (args.variant == FwdVariant::kDefault) {
+    if constexpr (kHeadDim != 64) {  // FwdTailPieces (fwd_config.h)
+      if (ablation == FwdAblation::kDefault) {
         return launch_fwd<FwdTraits<Element, kHeadDim, false>, FwdTraits<Element, kHeadDim, false, FwdTailPieces>>(
             p, args, persistent, counter);
       }

@@ -1,20 +1,28 @@
-// flash3: which (query block, head, batch) tiles each block of the forward kernel computes.
+// flash3: the forward's tile scheduler: which pieces of work each block of the kernel computes.
+// A tile is (kBlockM query rows, head, batch) of O; a piece of work is key blocks [n_lo, n_hi)
+// of one tile (the whole tile, except in the tail kernel).
 //
-// The kernel is persistent when the grid has fewer blocks than tiles (one block per SM). The
-// non-causal kernels hand out tiles statically: block i computes tiles i, i + gridDim.x, ...
-// (where the last wave is partial and its tiles long, only the full waves' tiles: the rest go to
-// the tail kernel in pieces, tail_split.h); the causal kernels, whose tiles differ in length,
-// dynamically (FwdTileStream below). A grid of one block per tile is the non-persistent kernel,
-// for the ablation. Tile order:
-//   non-causal: query blocks of one (head, batch) are adjacent, so the blocks running at the
-//               same time share K and V in L2;
-//   causal:     longest-processing-time first within L2-sized sections of (head, batch) pairs
-//               (causal_order.h).
+// The kernel is persistent when the grid has fewer blocks than tiles (one block per SM).
+//   static   (non-causal: all tiles take the same time) block i computes tiles i, i + gridDim.x,
+//            ...; query blocks of one (head, batch) are adjacent, so the blocks running at the
+//            same time share K and V in L2;
+//   dynamic  (causal: tiles differ in length) the next tile is drawn from a counter when the
+//            producer has issued the last load of the previous one (common/tile_stream.h), in
+//            longest-processing-time-first order within L2-sized sections of (head, batch) pairs
+//            (common/block_order.h);
+//   tail     (non-causal, FwdTailPieces) the last partial wave of tiles cut along the keys over
+//            all SMs (common/tail_split.h): each block takes at most two pieces, and the pieces
+//            of a cut tile are combined by fwd_combine.h.
+// A grid of one block per tile is the non-persistent kernel, for the ablation.
 #pragma once
 
-#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
 
-#include "fwd/causal_order.h"
+#include "common/block_order.h"
+#include "common/mask.h"
+#include "common/seqlen.h"
+#include "common/tail_split.h"
+#include "common/tile_stream.h"
 
 namespace flash3::detail {
 
@@ -22,96 +30,127 @@ struct FwdTile {
   int m_block, head, batch;
 };
 
-template <bool kCausal>
-struct FwdTileScheduler {
-  int num_m_blocks, nheads, num_tiles;
-  int section;     // (head, batch) pairs per L2 section (causal)
-  int tail_first;  // the first pair of the last section, which takes every pair from there on
+// One piece of work: key blocks [n_lo, n_hi) of tile `index` (coordinates `tile`), visited from
+// n_hi - 1 down to n_lo. part >= 0: a piece of a cut tile, whose slot is 2 x block + part
+// (fwd_combine.h); part = -1: the whole tile. index >= the scheduler's end: no more work.
+struct FwdWork {
+  int index, n_lo, n_hi, part;
+  FwdTile tile;
+};
 
-  __host__ __device__ FwdTileScheduler(int seqlen_q, int block_m, int nheads_, int batch,
-                                       int section_, int tail_first_)
-      : num_m_blocks((seqlen_q + block_m - 1) / block_m),
-        nheads(nheads_),
-        num_tiles(num_m_blocks * nheads_ * batch),
-        section(section_ < 1 ? 1 : section_),
-        tail_first(tail_first_) {}
+struct FwdSchedulerParams {
+  int batch, nheads;
+  int l2_section;     // (head, batch) pairs per L2 section of the causal tile order
+  int l2_tail_first;  // the first pair of the last section (causal_tail_first, block_order.h)
+  int* tile_counter;  // dynamic: two ints, zero at launch (null: the static order)
+  int tiles_end;      // the main kernel computes tiles [0, tiles_end), whole
+  TailSplit split;    // the tail kernel: the pieces of tiles [split.full_tiles, tiles_end)
+};
 
+// The dynamic scheduler's hand-off: the scheduler thread passes each tile index to the producer
+// and the consumers through a two-slot ring (full: scheduler -> all, empty: all -> scheduler);
+// the producer asks for the next one (request) when it has issued a tile's last load.
+struct FwdSchedulerStorage {
+  cutlass::arch::ClusterBarrier tile_full[2], tile_empty[2], tile_request;
+  int tile_ring[2];  // (the tail kernel: [0] passes "this piece is the last of its tile")
+};
+
+template <class Traits>
+struct FwdScheduler {
+  static constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
+  using Params = FwdSchedulerParams;
+  using SharedStorage = FwdSchedulerStorage;
+
+  const Params& params;
+  SeqLens seqlens;
+  int num_m_blocks, num_tiles;
+  TileStream<Traits::kDynamicTiles> tiles;
+  int tail_pieces;  // the tail kernel: how many pieces this block computes
+
+  __device__ FwdScheduler(const Params& p, SeqLens lens)
+      : params(p),
+        seqlens(lens),
+        num_m_blocks((lens.max_q() + kBlockM - 1) / kBlockM),
+        num_tiles(num_m_blocks * p.nheads * p.batch),
+        tiles{p.tile_counter, p.tiles_end},
+        tail_pieces(Traits::kTailPieces ? tail_piece_count(p.split, int(blockIdx.x)) : 0) {}
+
+  // Thread 0 of the block, before the kernel's __syncthreads.
+  __device__ static void init_barriers(SharedStorage& shared, int consumer_threads) {
+    for (int i = 0; i < 2; ++i) {
+      shared.tile_full[i].init(1);
+      shared.tile_empty[i].init(consumer_threads + 1);  // + the producer thread
+    }
+    shared.tile_request.init(1);
+  }
+
+  // Tile index -> (query block, head, batch). Non-causal: query blocks of a (head, batch) pair
+  // adjacent; causal: block_order.h's longest-first order within L2 sections.
   __device__ __forceinline__ FwdTile tile(int t) const {
     FwdTile r;
     int hb;
-    if constexpr (kCausal) {
-      causal_tile(t, num_m_blocks, num_tiles / num_m_blocks, section, tail_first, r.m_block, hb);
+    if constexpr (Traits::kCausal) {
+      const int section = params.l2_section < 1 ? 1 : params.l2_section;
+      causal_tile(t, num_m_blocks, num_tiles / num_m_blocks, section, params.l2_tail_first, r.m_block, hb);
     } else {
       r.m_block = t % num_m_blocks;
       hb = t / num_m_blocks;
     }
-    r.head = hb % nheads;
-    r.batch = hb / nheads;
+    r.head = hb % params.nheads;
+    r.batch = hb / params.nheads;
     return r;
   }
-};
 
-// The sequence of tiles one block computes. Static: blockIdx.x, + gridDim.x, + 2 gridDim.x, ...
-// Dynamic (params.tile_counter set; causal, where tiles differ in length): the first tile is
-// blockIdx.x, each next one is drawn from a global counter by a scheduler thread (warp 1 of the
-// producer warpgroup) when the producer has issued the last load of the previous tile (the
-// consumers are then about two key blocks from its end), and handed to the producer and the
-// consumers through a two-slot ring in shared memory; a block that
-// draws past the last tile stops, and the last block to stop sets the counters back to zero
-// for the next launch on the stream. NOTES: drawing earlier defeats the balance: a scheduler
-// thread that kept the ring full drew each tile three tiles ahead of its use, and measured
-// slower than the static round-robin (docs/perf-log.md, step 10).
-// kDynamic is a compile-time choice (causal kernels), so that the static kernels carry none of
-// it; a dynamic kernel launched without counters (see tile_counter) hands out the static order
-// through the same ring.
-template <bool kDynamic>
-struct FwdTileStream {
-  int* counter;  // [0]: tiles handed out beyond the first gridDim.x, [1]: blocks that stopped
-  int num_tiles;
-
-
-  // The scheduler thread: this block's k-th tile, drawn when the producer is about to load it,
-  // so that it goes to the block that will be free first (>= num_tiles at the end; call no more
-  // then).
-  __device__ __forceinline__ int draw(int k) const {
-    if (k == 0 || counter == nullptr) return int(blockIdx.x + k * gridDim.x);
-    const int n = atomicAdd(counter, 1) + int(gridDim.x);
-    if (n >= num_tiles && atomicAdd(counter + 1, 1) == int(gridDim.x) - 1) {
-      // Every block has drawn its last (failed) tile: nothing touches the counters any more.
-      counter[0] = 0;
-      counter[1] = 0;
-    }
-    return n;
-  }
-
-  // The producer and the consumers: this block's k-th tile (from the ring when dynamic).
+  // This block's k-th piece of work (the producer and the consumers call it with k = 0, 1, ...;
+  // with the dynamic order each call takes the next tile from the ring).
   template <class Shared>
-  __device__ __forceinline__ int tile(int k, Shared& shared) const {
-    if constexpr (kDynamic) return receive(k, shared.tile_ring, shared.tile_full, shared.tile_empty);
-    return int(blockIdx.x + k * gridDim.x);
+  __device__ __forceinline__ FwdWork work(int k, Shared& shared) const {
+    FwdWork w{};
+    if constexpr (Traits::kTailPieces) {
+      if (k < tail_pieces) {
+        const TailPiece piece = tail_piece(params.split, int(blockIdx.x), k);
+        w.index = piece.tile;
+        w.n_lo = piece.n_lo;
+        w.n_hi = piece.n_hi;
+        w.part = piece.part;
+      } else {
+        w.index = params.tiles_end;
+      }
+    } else {
+      w.index = tiles.tile(k, shared.scheduler);
+      w.part = -1;
+    }
+    if (w.index >= params.tiles_end) return w;
+    w.tile = tile(w.index);
+    if constexpr (!Traits::kTailPieces) {
+      // NOTES: n_lo = 0 is known at compile time here, so the main kernel's code is that of a
+      // kernel without pieces.
+      w.n_lo = 0;
+      w.n_hi = Mask<Traits::kCausal>(seqlens.of(w.tile.batch)).template n_block_end<kBlockM, kBlockN>(w.tile.m_block);
+    }
+    return w;
+  }
+  __device__ __forceinline__ bool done(const FwdWork& w) const { return w.index >= params.tiles_end; }
+
+  // The scheduler thread of the dynamic order (one thread of the producer warpgroup's warp 1):
+  // draws this block's k-th tile when the producer has issued the last load of tile k-1, and
+  // hands it to the producer and the consumers.
+  // NOTES: in the producer thread itself, the draw made ptxas spill (380 bytes at head dim
+  // 256: 24 registers leave no room).
+  template <class Shared>
+  __device__ __forceinline__ void run_draws(Shared& shared) const {
+    for (int k = 0;; ++k) {
+      if (k > 0) shared.scheduler.tile_request.wait((k - 1) & 1);
+      const int t = tiles.draw(k);
+      tiles.publish(k, t, shared.scheduler.tile_ring, shared.scheduler.tile_full, shared.scheduler.tile_empty);
+      if (t >= params.tiles_end) break;
+    }
   }
 
-  // The k-th tile of this block through the ring (dynamic only).
-  template <class Barrier>
-  __device__ __forceinline__ void publish(int k, int t, int* ring, Barrier* full, Barrier* empty) const {
-    const int slot = k & 1;
-    if (k >= 2) empty[slot].wait(((k >> 1) - 1) & 1);
-    // NOTES: CUTLASS's mbarrier wrappers carry no "memory" clobber: the volatile accesses and
-    // the empty asm statements keep the ring access between the wait and the arrive.
-    asm volatile("" ::: "memory");
-    *reinterpret_cast<volatile int*>(ring + slot) = t;
-    asm volatile("" ::: "memory");
-    full[slot].arrive();
-  }
-  template <class Barrier>
-  __device__ __forceinline__ int receive(int k, const int* ring, Barrier* full, Barrier* empty) const {
-    const int slot = k & 1;
-    full[slot].wait((k >> 1) & 1);
-    asm volatile("" ::: "memory");
-    const int t = *reinterpret_cast<const volatile int*>(ring + slot);
-    asm volatile("" ::: "memory");
-    empty[slot].arrive();
-    return t;
+  // The producer, after the last load of a piece: the next tile, please (dynamic order).
+  template <class Shared>
+  __device__ __forceinline__ void request_next(Shared& shared) const {
+    if constexpr (Traits::kDynamicTiles) shared.scheduler.tile_request.arrive();
   }
 };
 

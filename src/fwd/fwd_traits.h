@@ -1,40 +1,35 @@
 // flash3: compile-time description of one forward kernel: tile shapes, warpgroup roles,
-// shared-memory layouts, WGMMA tilings, TMA types, parameters and shared storage.
+// shared-memory layouts, WGMMA tilings, TMA types, and the parameters and shared storage
+// composed of its parts' (load, mainloop, epilogue, scheduler, combine).
 #pragma once
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
-#include "fwd/tail_split.h"
-#include "fwd/tile_config.h"
+#include "common/seqlen.h"
+#include "fwd/fwd_combine.h"
+#include "fwd/fwd_config.h"
+#include "fwd/fwd_epilogue.h"
+#include "fwd/fwd_load.h"
+#include "fwd/fwd_mainloop.h"
+#include "fwd/fwd_scheduler.h"
 
 namespace flash3::detail {
 
 using namespace cute;
 
-// The kernel's parameters (FwdTraits::Params).
+// The kernel's parameters: each part's own, and the sequence lengths they share. One type for
+// every kernel of a (dtype, tile shape): the tail kernel's parameters are the main kernel's.
 template <class Element, class TmaQ, class TmaKV, class TmaO, class LayoutQKV>
 struct FwdParams {
-  TmaQ tma_q;
-  TmaKV tma_k, tma_v;
-  TmaO tma_o;
-  LayoutQKV layout_q, layout_k;  // logical shapes (TMA bounds) and strides
-  Element* out;
-  int64_t out_row_stride, out_head_stride, out_batch_stride;
-  float* lse;  // may be null
-  int64_t lse_head_stride, lse_batch_stride;
-  int batch, seqlen_q, seqlen_k, nheads, nheads_per_kv;
-  int l2_section;  // (head, batch) pairs per L2 section of the causal tile order
-  int l2_tail_first;  // the first pair of the last section (causal_tail_first, causal_order.h)
-  float softmax_scale, scale_log2;
-  int* tile_counter;  // causal (kDynamicTiles): two ints, zero at launch (null: the static order)
-  int tiles_end;      // the main kernel computes tiles [0, tiles_end), whole
-  // kTailPieces: the pieces (tail_split.h); split_counter: one int per tail tile, zero at
-  // launch and left zero; split_o: 2 slots per block of FwdTraits::kSplitSlotFloats.
-  TailSplit split;
-  int* split_counter;
-  float* split_o;
+  FwdLoadParams<TmaQ, TmaKV, LayoutQKV> load;
+  FwdMainloopParams mainloop;
+  FwdEpilogueParams<Element, TmaO, LayoutQKV> epilogue;
+  FwdSchedulerParams scheduler;
+  FwdCombineParams combine;
+  SeqLens seqlens;
+  int nheads_per_kv;  // GQA/MQA: query heads per K/V head
 };
 
 template <class Element_, int kHeadDim_, bool kCausal_, class Variant = FwdDefaultVariant>
@@ -64,7 +59,7 @@ struct FwdTraits {
   // NOTES: setmaxnreg budget: 65536 registers per SM, one block per SM.
   // 2 consumers: 24 x 128 + 240 x 256 = 64512; 3 consumers: 32 x 128 + 160 x 384 = 65536.
   static constexpr int kProducerRegs = kNumConsumerWG == 2 ? 24 : 32;
-  // The tile's last PV GEMM in a pingpong turn of its own (fwd_kernel.h; three warpgroups).
+  // The tile's last PV GEMM in a pingpong turn of its own (fwd_mainloop.h; three warpgroups).
   static constexpr bool kLastPvOwnTurn = kNumConsumerWG != 2;
   static constexpr int kConsumerRegs = kNumConsumerWG == 2 ? 240 : 160;
   static_assert(kBlockM % 64 == 0 && kHeadDim % 64 == 0 && kBlockN % 16 == 0);
@@ -134,7 +129,7 @@ struct FwdTraits {
 
   // kOStageWarp (O from registers): each consumer warp stages its 16 rows of O, kOStageCols
   // columns at a time, in a buffer of its own, so that the global stores write whole row
-  // segments (fwd_kernel.h, epilogue).
+  // segments (fwd_epilogue.h).
   // (Two consumer warpgroups only: with three, at 160 registers, staging measured slower.)
   static constexpr bool kOStageWarp = !kStageOInQ && Config::kOStageWarp && kNumConsumerWG == 2;
   static constexpr int kOStageCols = kHeadDim < 64 ? kHeadDim : 64;
@@ -146,19 +141,17 @@ struct FwdTraits {
   static_assert(!kTailPieces || (kIntraWGOverlap && !kThreeStage && !kCausal),
                 "the tail kernel is the default non-causal pipeline");
 
+  // The parts' shared storage. NOTES: the order (tiles, Q barriers, scheduler ring, softmax
+  // pins, O staging, pipelines) is the one the tile shapes were tuned with: shifting the layout
+  // (one more shared int) once made ptxas spill 48 bytes.
   struct SharedStorage {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> smem_q;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> smem_k;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> smem_v;
-    cutlass::arch::ClusterTransactionBarrier barrier_q;
-    cutlass::arch::ClusterBarrier barrier_q_free;
-    // Dynamic scheduler: the scheduler thread hands each tile index to the producer and the
-    // consumers through a two-slot ring (full: scheduler -> all, empty: all -> scheduler);
-    // the producer asks for the next one (request) when it has issued a tile's last load.
-    cutlass::arch::ClusterBarrier tile_full[2], tile_empty[2], tile_request;
-    int tile_ring[2];  // (kTailPieces: [0] passes "this piece is the last of its tile")
-    float softmax_pin[kNumConsumerThreads];  // see pin_before_wait
-    alignas(128) cute::array_aligned<Element, kOStageElems> smem_o_stage;
+    FwdLoadBarriers load;
+    FwdSchedulerStorage scheduler;
+    FwdMainloopStorage<kNumConsumerThreads> mainloop;
+    FwdEpilogueStorage<Element, kOStageElems> epilogue;
     typename Pipeline::SharedStorage pipeline_k;
     typename PipelineV::SharedStorage pipeline_v;
   };

@@ -23,7 +23,7 @@ inline auto qkv_layout(const TensorRef& t) {
 }
 
 // A launch with programmatic dependent launch: the kernel may start while the previous kernel of
-// the stream finishes, and must call pdl_wait before it reads that kernel's output or writes what
+// the stream finishes, and must call pdl_wait (common/ptx.h) before it reads that kernel's output or writes what
 // that kernel may read (docs/perf-log.md B31, step 24).
 template <class... KArgs, class... Args>
 void launch_pdl(void (*kernel)(KArgs...), dim3 grid, int threads, int smem, cudaStream_t stream,
@@ -54,4 +54,6 @@ void set_max_dynamic_smem(int bytes, const char* what = "cudaFuncSetAttribute(ma
   if (bit != 0 && (done.load(std::memory_order_acquire) & bit) != 0) return;
   check_cuda(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), what);
   done.fetch_or(bit, std::memory_order_release);
+}
+
 }  // namespace flash3::detail

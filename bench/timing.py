@@ -1,0 +1,111 @@
+"""Conventions and timing helpers shared by bench/bench_torch.py and bench/compare_builds.py.
+
+The paper's sweep (FlashAttention-3, section 4.1): bf16, batch x seqlen = 16k tokens, hidden 2048
+(nheads = 2048 / head dim); FLOPs = 4 * batch * nheads * seqlen_q * seqlen_k * hdim, halved for
+causal; the backward counts BWD_FLOPS_FACTOR times that (5 matmuls against the forward's 2).
+
+Timing: CUDA events around one call, after a short spin kernel (torch.cuda._sleep) that keeps the
+GPU busy while the host launches, so host launch overhead is hidden (every implementation alike).
+Needs no torch at import: the functions that time take the torch module as an argument.
+"""
+import math
+import statistics
+
+TOKENS, HIDDEN = 16384, 2048
+DEFAULT_HDIMS = [64, 128, 256]
+DEFAULT_SEQLENS = [512, 1024, 2048, 4096, 8192, 16384]
+BWD_FLOPS_FACTOR = 2.5  # backward FLOPs / forward FLOPs (the paper's convention)
+SPIN_CYCLES = {"fwd": 200_000, "bwd": 1_000_000}  # about 0.1 ms / 0.5 ms at 1.98 GHz
+MISMATCH = 1e-2  # relative (norm) difference to the reference above which a point is flagged
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def ints(s):
+    return [int(x) for x in s.split(",") if x]
+
+
+def fmt(x, spec):
+    return "-" if x is None else format(x, spec)
+
+
+def ratio(x, y):
+    return x / y if x is not None and y else None
+
+
+def geomean(xs):
+    """Geometric mean of the positive numbers in xs (None and 0 skipped); None when there are none."""
+    xs = [x for x in xs if x]
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
+
+
+def first_line(e):
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+def sweep_points(hdims, causals, seqlens, factor=1):
+    """(hdim, causal, seqlen, batch, nheads, FLOPs) of each point of the paper's sweep: 16k tokens,
+    hidden 2048; FLOPs = factor x 4 b h s^2 d, halved for causal."""
+    for d in hdims:
+        for causal in causals:
+            for s in seqlens:
+                b, h = max(1, TOKENS // s), max(1, HIDDEN // d)
+                yield d, causal, s, b, h, factor * 4 * b * h * s * s * d / (2 if causal else 1)
+
+
+def tflops(flops, ms):
+    return flops / (ms * 1e-3) / 1e12
+
+
+def spin_kernel(torch):
+    """torch's spin kernel (torch.cuda._sleep(cycles)), or None where this torch has none."""
+    return getattr(torch.cuda, "_sleep", None)
+
+
+def time_call_ms(torch, fn, spin_cycles):
+    """Milliseconds of one call of fn between two CUDA events, the GPU first given spin_cycles of
+    spin (0 or None: none) so that the host's launch work overlaps it."""
+    spin = spin_kernel(torch)
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if spin is not None and spin_cycles:
+        spin(spin_cycles)  # the GPU is busy while the host launches: time only the kernel(s)
+    s.record()
+    fn()
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e)
+
+
+def median_time_ms(torch, fn, warmup, reps, spin_cycles):
+    """warmup untimed calls, then the median of reps calls timed by time_call_ms."""
+    for _ in range(warmup):
+        fn()
+    return statistics.median(time_call_ms(torch, fn, spin_cycles) for _ in range(reps))
+
+
+def gemm_tflops(torch, dev, warmup=3, reps=10, spin_cycles=SPIN_CYCLES["fwd"], n=8192):
+    """The ceiling: TFLOP/s of one bf16 n^3 matrix product (random normal inputs)."""
+    x = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    y = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    ms = median_time_ms(torch, lambda: torch.matmul(x, y), warmup, reps, spin_cycles)
+    return 2 * n ** 3 / (ms * 1e-3) / 1e12
+
+
+def sdpa(F, sdpa_kernel, backend):
+    """fn(q, k, v, causal) on flash3's layout (batch, seqlen, nheads, hdim) through torch's
+    scaled_dot_product_attention restricted to one backend (e.g. SDPBackend.CUDNN_ATTENTION)."""
+    def run(q, k, v, causal):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                  is_causal=causal).transpose(1, 2)
+    return run
+
+
+def rel_diff(got, ref):
+    """Relative norm difference |got - ref| / |ref| (in float32), the absolute norm where ref is 0."""
+    g, r = got.float(), ref.float()
+    n = r.norm().item()
+    d = (g - r).norm().item()
+    return d / n if n else d

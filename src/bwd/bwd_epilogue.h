@@ -1,0 +1,122 @@
+// flash3: the backward's epilogue (Algorithm 3, line 16 of the FlashAttention-3 paper): dK_j
+// (scaled) and dV_j of one item out of the consumers' registers, to the outputs (MHA) or to FP32
+// per-query-head buffers (GQA/MQA, summed by bwd_postprocess_dkv).
+#pragma once
+
+#include "bwd/bwd_traits.h"
+#include "common/ptx.h"
+#include "common/wgmma.h"
+
+namespace flash3::detail {
+
+// dK (scaled) and dV of one block of work (keys col0.., pair bh) out of the registers: to the
+// outputs, or (GQA, dk_accum) to the FP32 per-query-head buffers. The 16-bit tiles go through
+// shared memory at sdk and sdv (each kBlockN x kHeadDim, free once every consumer thread is here).
+// NOTES: so that each warp then writes whole row segments (32 lanes x 4 bytes contiguous) instead
+// of 16 bytes in each of 8 rows per store; 16-byte chunks XOR-swizzled by row (chunk ^ row % 8):
+// both the accumulator-order writes (8 rows, one chunk) and the row reads (one row, 8 chunks) hit
+// 32 distinct banks.
+template <class Traits, class AccKV>
+__device__ __forceinline__ void bwd_store_dkdv(typename Traits::Params const& params, AccKV& tdKrdK, AccKV& tdVrdV,
+                                               int tidx, int col0, int head_kv, int batch, int64_t bh,
+                                               typename Traits::Element* sdk, typename Traits::Element* sdv) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  using TileKV = Shape<Int<kBlockN>, Int<kHeadDim>>;
+  warpgroup_fence_operand(tdKrdK);
+  warpgroup_fence_operand(tdVrdV);
+  typename Traits::TiledMmadKV mma_dkv;
+  Tensor tdKcdK = mma_dkv.get_thread_slice(tidx).partition_C(make_identity_tensor(TileKV{}));
+  if (params.dk_accum == nullptr) {
+    using Pair = cutlass::Array<Element, 2>;
+    auto swz = [](int r, int c) { return xor_swizzled_offset<kHeadDim>(r, c); };
+    named_barrier_sync(Traits::kNumConsumerThreads, kBwdBarEpilogue);  // the staging buffers are free
+    cutlass::NumericArrayConverter<Element, float, 2> cvt;
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < size(tdKrdK) / 2; ++j) {
+      const int r = get<0>(tdKcdK(2 * j)), c = get<1>(tdKcdK(2 * j));
+      cutlass::Array<float, 2> k2, v2;
+      k2[0] = tdKrdK(2 * j) * params.softmax_scale;
+      k2[1] = tdKrdK(2 * j + 1) * params.softmax_scale;
+      v2[0] = tdVrdV(2 * j);
+      v2[1] = tdVrdV(2 * j + 1);
+      *reinterpret_cast<Pair*>(sdk + swz(r, c)) = cvt(k2);
+      *reinterpret_cast<Pair*>(sdv + swz(r, c)) = cvt(v2);
+    }
+    named_barrier_sync(Traits::kNumConsumerThreads, kBwdBarEpilogue);
+    const int seqlen_k = params.seqlens.of(batch).k;
+    Element* dk = params.dk + batch * params.dk_batch_stride + head_kv * params.dk_head_stride;
+    Element* dv = params.dv + batch * params.dv_batch_stride + head_kv * params.dv_head_stride;
+    const int warp = tidx / 32, lane = tidx % 32;
+    for (int r = warp; r < kBlockN; r += Traits::kNumConsumerThreads / 32) {
+      const int row = col0 + r;
+      if (row >= seqlen_k) break;
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = 2 * lane; c < kHeadDim; c += 64) {
+        *reinterpret_cast<Pair*>(dk + row * params.dk_row_stride + c) = *reinterpret_cast<const Pair*>(sdk + swz(r, c));
+        *reinterpret_cast<Pair*>(dv + row * params.dv_row_stride + c) = *reinterpret_cast<const Pair*>(sdv + swz(r, c));
+      }
+    }
+  } else {
+    float* dk = params.dk_accum + bh * params.seqlen_k_pad * kHeadDim;
+    float* dv = params.dv_accum + bh * params.seqlen_k_pad * kHeadDim;
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < size(tdKrdK) / 2; ++j) {
+      const int r = get<0>(tdKcdK(2 * j)), c = get<1>(tdKcdK(2 * j));
+      const int64_t at = int64_t(col0 + r) * kHeadDim + c;
+      *reinterpret_cast<float2*>(dk + at) = make_float2(tdKrdK(2 * j), tdKrdK(2 * j + 1));
+      *reinterpret_cast<float2*>(dv + at) = make_float2(tdVrdV(2 * j), tdVrdV(2 * j + 1));
+    }
+  }
+}
+
+// dK (scaled) and dV of one block of work (MHA, Traits::kTmaEpilogue): into the SmemLayoutK
+// tiles at sdk_stage and sdv_stage (stmatrix; free once every consumer thread is here), then out
+// by two TMA stores that thread 0 issues and commits as one group; the stores clip the rows past
+// seqlen_k. Thread 0 waits for the group's shared-memory reads (tma_store_wait) before anything
+// writes the tiles again, or before the block exits.
+// NOTES: the row-by-row stores of bwd_store_dkdv kept the consumers ~1.5 us per block with the
+// tensor pipe idle (docs/perf-log.md B54); here they go on as soon as the tiles are in shared
+// memory (B56, B57).
+template <class Traits, class AccKV>
+__device__ __forceinline__ void bwd_store_dkdv_tma(typename Traits::Params const& params, AccKV& tdKrdK,
+                                                   AccKV& tdVrdV, int tidx, int n_block, int head_kv, int batch,
+                                                   typename Traits::Element* sdk_stage,
+                                                   typename Traits::Element* sdv_stage) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  using TileKV = Shape<Int<kBlockN>, Int<kHeadDim>>;
+  using SmemLayoutK = typename Traits::SmemLayoutK;
+  warpgroup_fence_operand(tdKrdK);
+  warpgroup_fence_operand(tdVrdV);
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < size(tdKrdK); ++i) tdKrdK(i) *= params.softmax_scale;
+  Tensor tdKrOut = make_tensor<Element>(tdKrdK.layout());
+  Tensor tdVrOut = make_tensor<Element>(tdVrdV.layout());
+  convert_into<Element>(tdKrdK, tdKrOut);
+  convert_into<Element>(tdVrdV, tdVrOut);
+  Tensor sdK = make_tensor(make_smem_ptr(sdk_stage), SmemLayoutK{});
+  Tensor sdV = make_tensor(make_smem_ptr(sdv_stage), SmemLayoutK{});
+  typename Traits::TiledMmadKV mma_dkv;
+  auto smem_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_dkv);
+  auto thr_copy = smem_copy.get_thread_slice(tidx);
+  if (tidx == 0) tma_store_wait<0>();  // the last stores from these tiles have read them
+  named_barrier_sync(Traits::kNumConsumerThreads, kBwdBarEpilogue);  // the staging tiles are free
+  copy(smem_copy, thr_copy.retile_S(tdKrOut), thr_copy.partition_D(sdK));
+  copy(smem_copy, thr_copy.retile_S(tdVrOut), thr_copy.partition_D(sdV));
+  cutlass::arch::fence_view_async_shared();  // stmatrix -> TMA (async proxy)
+  named_barrier_sync(Traits::kNumConsumerThreads, kBwdBarEpilogue);
+  if (tidx == 0) {
+    Tensor mdK = params.tma_dk.get_tma_tensor(params.layout_k.shape());
+    Tensor mdV = params.tma_dv.get_tma_tensor(params.layout_k.shape());
+    Tensor gdK = local_tile(mdK(_, _, head_kv, batch), TileKV{}, make_coord(n_block, _0{}));
+    Tensor gdV = local_tile(mdV(_, _, head_kv, batch), TileKV{}, make_coord(n_block, _0{}));
+    auto dk_parts = tma_partition(params.tma_dk, group_modes<0, 2>(sdK), group_modes<0, 2>(gdK));
+    auto dv_parts = tma_partition(params.tma_dv, group_modes<0, 2>(sdV), group_modes<0, 2>(gdV));
+    copy(params.tma_dk, get<1>(dk_parts), get<0>(dk_parts));
+    copy(params.tma_dv, get<1>(dv_parts), get<0>(dv_parts));
+    tma_store_arrive();
+  }
+}
+
+}  // namespace flash3::detail
