@@ -77,7 +77,6 @@ __device__ __forceinline__ void bwd_consume(typename Traits::Params const& param
   if constexpr (!Traits::kPersistent) {
     const Mask<Traits::kCausal> mask(params.seqlens.of(it.batch));
     auto m_at = [&](int i) { return Sched::at(it, i); };
-    const int head_kv = it.head / params.nheads_per_kv;
     clear(tdVrdV);
     clear(tdKrdK);
     const int col0 = it.n_block * kBlockN;
@@ -96,13 +95,13 @@ __device__ __forceinline__ void bwd_consume(typename Traits::Params const& param
     if constexpr (Traits::kTmaEpilogue) {
       if (params.dkv_tma) {
         // MHA: by TMA stores; the block's shared memory stays until they have read it.
-        bwd_store_dkdv_tma<Traits>(params, tdKrdK, tdVrdV, tidx, it.n_block, head_kv, it.batch,
+        bwd_store_dkdv_tma<Traits>(params, tdKrdK, tdVrdV, tidx, it.n_block, it.head_kv, it.batch,
                                    shared.smem_q.data(), shared.smem_do.data());
         if (tidx == 0) tma_store_wait<0>();
         return;
       }
     }
-    bwd_store_dkdv<Traits>(params, tdKrdK, tdVrdV, tidx, col0, head_kv, it.batch, it.bh, shared.smem_q.data(),
+    bwd_store_dkdv<Traits>(params, tdKrdK, tdVrdV, tidx, col0, it.head_kv, it.batch, it.bh, shared.smem_q.data(),
                            shared.smem_do.data());
   } else {
     // Persistent (swapped loop only). The next item's K, V and first Q, dO load while this one
@@ -165,12 +164,11 @@ __device__ __forceinline__ void bwd_consume(typename Traits::Params const& param
       if (params.dkv_tma) {
         typename Traits::Element* stage = shared.smem_pds.data();
         if constexpr (Traits::kEarlyKV) stage = shared.smem_dkv_stage.data();
-        bwd_store_dkdv_tma<Traits>(params, tdKrdK, tdVrdV, tidx_after, ie.n_block, ie.head / params.nheads_per_kv,
+        bwd_store_dkdv_tma<Traits>(params, tdKrdK, tdVrdV, tidx_after, ie.n_block, ie.head_kv,
                                    ie.batch, stage, stage + cosize_v<typename Traits::SmemLayoutK>);
       } else {
-        bwd_store_dkdv<Traits>(params, tdKrdK, tdVrdV, tidx_after, ie.n_block * kBlockN,
-                               ie.head / params.nheads_per_kv, ie.batch, ie.bh, shared.smem_pds.data(),
-                               shared.smem_pds.data() + kBlockN * kHeadDim);
+        bwd_store_dkdv<Traits>(params, tdKrdK, tdVrdV, tidx_after, ie.n_block * kBlockN, ie.head_kv, ie.batch, ie.bh,
+                               shared.smem_pds.data(), shared.smem_pds.data() + kBlockN * kHeadDim);
       }
     }
     if (tidx == 0) tma_store_wait<0>();  // the last stores' reads, before the block's shared memory goes

@@ -67,11 +67,10 @@ __device__ __forceinline__ void bwd_load(typename Traits::Params const& params, 
   PipelineState write_do = cutlass::make_producer_start_state<Pipeline>();
 
   if constexpr (!Traits::kPersistent) {
-    const int head_kv = it.head / params.nheads_per_kv;
     Tensor gQ = local_tile(mQ(_, _, it.head, it.batch), TileQ{}, make_coord(_, _0{}));  // (M, D, m)
     Tensor gdO = local_tile(mdO(_, _, it.head, it.batch), TileQ{}, make_coord(_, _0{}));
-    Tensor gK = local_tile(mK(_, _, head_kv, it.batch), TileKV{}, make_coord(it.n_block, _0{}));
-    Tensor gV = local_tile(mV(_, _, head_kv, it.batch), TileKV{}, make_coord(it.n_block, _0{}));
+    Tensor gK = local_tile(mK(_, _, it.head_kv, it.batch), TileKV{}, make_coord(it.n_block, _0{}));
+    Tensor gV = local_tile(mV(_, _, it.head_kv, it.batch), TileKV{}, make_coord(it.n_block, _0{}));
     auto q_parts = tma_partition(params.tma_q, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
     auto do_parts = tma_partition(params.tma_do, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
     auto k_parts = tma_partition(params.tma_k, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
@@ -102,9 +101,8 @@ __device__ __forceinline__ void bwd_load(typename Traits::Params const& params, 
     // for its adds stall (head dim 64 0.55-0.83x the default from 2k, B59).
     const TileStream<true> items = Sched::stream(params);
     auto load_kv = [&](const BwdItem& nx, int k_next) {
-      const int hk = nx.head / params.nheads_per_kv;
-      Tensor gK = local_tile(mK(_, _, hk, nx.batch), TileKV{}, make_coord(nx.n_block, _0{}));
-      Tensor gV = local_tile(mV(_, _, hk, nx.batch), TileKV{}, make_coord(nx.n_block, _0{}));
+      Tensor gK = local_tile(mK(_, _, nx.head_kv, nx.batch), TileKV{}, make_coord(nx.n_block, _0{}));
+      Tensor gV = local_tile(mV(_, _, nx.head_kv, nx.batch), TileKV{}, make_coord(nx.n_block, _0{}));
       Tensor sKb = make_tensor(make_smem_ptr((k_next & 1) ? shared.smem_k_alt.data() : shared.smem_k.data()),
                                typename Traits::SmemLayoutK{});
       auto k_parts = tma_partition(params.tma_k, group_modes<0, 2>(sKb), group_modes<0, 2>(gK));
@@ -155,11 +153,10 @@ __device__ __forceinline__ void bwd_load(typename Traits::Params const& params, 
       const int t = items.tile(k, shared);
       if (t >= params.num_items) break;
       const BwdItem item = Sched::item(params, t);
-      const int head_kv = item.head / params.nheads_per_kv;
       Tensor gQ = local_tile(mQ(_, _, item.head, item.batch), TileQ{}, make_coord(_, _0{}));  // (M, D, m)
       Tensor gdO = local_tile(mdO(_, _, item.head, item.batch), TileQ{}, make_coord(_, _0{}));
-      Tensor gK = local_tile(mK(_, _, head_kv, item.batch), TileKV{}, make_coord(item.n_block, _0{}));
-      Tensor gV = local_tile(mV(_, _, head_kv, item.batch), TileKV{}, make_coord(item.n_block, _0{}));
+      Tensor gK = local_tile(mK(_, _, item.head_kv, item.batch), TileKV{}, make_coord(item.n_block, _0{}));
+      Tensor gV = local_tile(mV(_, _, item.head_kv, item.batch), TileKV{}, make_coord(item.n_block, _0{}));
       auto q_parts = tma_partition(params.tma_q, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
       auto do_parts = tma_partition(params.tma_do, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
       auto load_kv = [&]() {

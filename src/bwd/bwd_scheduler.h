@@ -17,9 +17,9 @@
 namespace flash3::detail {
 
 // One block of work: key block n_block of the pair (head, batch), bh = batch * nheads + head,
-// visiting m_count query blocks; visit i is query block at(i).
+// K and V of kv head head_kv, visiting m_count query blocks; visit i is query block at(i).
 struct BwdItem {
-  int n_block, head, batch, m_count, m_base;
+  int n_block, head, head_kv, batch, m_count, m_base;
   int m_end, m_rot;  // kSpreadVisits, non-causal: the visits rotated by m_rot
   int64_t bh;
 };
@@ -74,6 +74,7 @@ struct BwdScheduler {
     }
     it.head = pair % params.nheads;
     it.batch = pair / params.nheads;
+    it.head_kv = it.head / params.nheads_per_kv;
     it.bh = pair;
     const Mask<Traits::kCausal> mask(params.seqlens.of(it.batch));
     int m_begin;

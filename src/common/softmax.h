@@ -36,14 +36,14 @@ struct OnlineSoftmax {
   // NOTES: P = exp2(fma(S, scale_log2, -offset)) with offset = m * scale_log2 rounded to FP32:
   // the FMA takes the exact product, so at S = m the exponent is offset's rounding error, up to
   // 2^-24 |offset|. Below kExactOffset that is at most 2^-5; at huge scales (1e30) it reaches
-  // 1e23 and P overflows (inf, then NaN). A warp with such a row forms every exponent as
-  // (S - m) * scale_log2 instead (S - m exact near m), which gives the limit (P = 1 at the max,
-  // 0 elsewhere); the branch is warp-uniform and the usual path keeps its one FFMA per score.
+  // 1e23 and P overflows (inf, then NaN). Where a row of the warp has such an offset, the warp
+  // forms that row's exponents as (S - m) * scale_log2 instead (S - m exact near m), which
+  // gives the limit (P = 1 at the max, 0 elsewhere); the branch is warp-uniform and the usual
+  // path keeps its one FFMA per score.
   template <class TensorS>
   __device__ __forceinline__ bool step(TensorS& s, float (&rescale)[kRows]) {
     static_assert(decltype(size<0>(s))::value == kRows);
-    bool moved = false, huge = false;
-    float old_max[kRows], offset[kRows];
+    bool moved = false;
     CUTLASS_PRAGMA_UNROLL
     for (int m = 0; m < kRows; ++m) {
       float mx = row_max[m];
@@ -55,33 +55,26 @@ struct OnlineSoftmax {
       const float ref = move ? mx : row_max[m];
       // NOTES: a row that has seen only masked keys keeps max = -inf; use 0 as its offset so
       // that exp2(-inf - offset) = 0 instead of NaN.
-      offset[m] = ref == -INFINITY ? 0.f : ref * scale_log2;
-      rescale[m] = move ? fast_exp2(row_max[m] * scale_log2 - offset[m]) : 1.f;
-      old_max[m] = row_max[m];
+      const float ref0 = ref == -INFINITY ? 0.f : ref;
+      const float offset = ref0 * scale_log2;
+      float sum = 0.f;
+      if (__any_sync(0xffffffffu, fabsf(offset) >= kExactOffset)) {
+        rescale[m] = move ? fast_exp2((row_max[m] - ref0) * scale_log2) : 1.f;
+        CUTLASS_PRAGMA_UNROLL
+        for (int n = 0; n < size<1>(s); ++n) {
+          s(m, n) = fast_exp2((s(m, n) - ref0) * scale_log2);
+          sum += s(m, n);
+        }
+      } else {
+        rescale[m] = move ? fast_exp2(row_max[m] * scale_log2 - offset) : 1.f;
+        CUTLASS_PRAGMA_UNROLL
+        for (int n = 0; n < size<1>(s); ++n) {
+          s(m, n) = fast_exp2(fmaf(s(m, n), scale_log2, -offset));
+          sum += s(m, n);
+        }
+      }
       row_max[m] = ref;
       moved |= move;
-      huge |= fabsf(offset[m]) >= kExactOffset;
-    }
-    if (__any_sync(0xffffffffu, huge)) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int m = 0; m < kRows; ++m) {
-        const float ref = row_max[m] == -INFINITY ? 0.f : row_max[m];
-        if (old_max[m] != row_max[m]) rescale[m] = fast_exp2((old_max[m] - ref) * scale_log2);  // moved
-        CUTLASS_PRAGMA_UNROLL
-        for (int n = 0; n < size<1>(s); ++n) s(m, n) = fast_exp2((s(m, n) - ref) * scale_log2);
-      }
-    } else {
-      CUTLASS_PRAGMA_UNROLL
-      for (int m = 0; m < kRows; ++m) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int n = 0; n < size<1>(s); ++n) s(m, n) = fast_exp2(fmaf(s(m, n), scale_log2, -offset[m]));
-      }
-    }
-    CUTLASS_PRAGMA_UNROLL
-    for (int m = 0; m < kRows; ++m) {
-      float sum = 0.f;
-      CUTLASS_PRAGMA_UNROLL
-      for (int n = 0; n < size<1>(s); ++n) sum += s(m, n);
       row_sum[m] = row_sum[m] * rescale[m] + sum;
     }
     return __any_sync(0xffffffffu, moved);

@@ -54,7 +54,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();  // line 3
     if (Traits::kDynamicTiles && threadIdx.x == 32) return scheduler.run_draws(shared);
     if (!is_producer_thread) return;
-    Load::run(params.load, shared, pipeline_k, pipeline_v, scheduler, params.nheads_per_kv);  // lines 4-10
+    Load::run(params.load, shared, pipeline_k, pipeline_v, scheduler, params.scheduler, params.nheads_per_kv);  // lines 4-10
     // NOTES: the tail kernel is launched behind the main one with programmatic dependent launch
     // (fwd_launch.h) and reads nothing the main kernel writes; this wait only keeps it from
     // completing before the main kernel does, so that the stream's next work waits for both.
@@ -67,15 +67,16 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   const int tidx = threadIdx.x - 128;
   Tensor tOrO = partition_fragment_C(typename Traits::TiledMmaPV{}, Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{});
   float lse[Mainloop::kRows];
+  const auto views = Mainloop::make_views(shared, tidx);
   const FwdPingpong<Traits> turns(warpgroup - 1);
   typename Traits::PipelineState read_k;
   typename Traits::PipelineStateV read_v;
   for (int tiles_done = 0;; ++tiles_done) {
-    const auto work = scheduler.work(tiles_done, shared);
+    const auto work = scheduler.work(params.scheduler, tiles_done, shared);
     if (scheduler.done(work)) break;
     const SeqLen len = params.seqlens.of(work.tile.batch);
     // Lines 13-24: O = softmax(Q K^T) V over the piece's key blocks, normalized, and its lse.
-    Mainloop::run(params.mainloop, shared, pipeline_k, pipeline_v, read_k, read_v, turns, tidx, tiles_done,
+    Mainloop::run(params.mainloop, shared, pipeline_k, pipeline_v, read_k, read_v, turns, tidx, tiles_done, views,
                   Mask<Traits::kCausal>(len), work.tile.m_block * Traits::kBlockM, work.n_lo, work.n_hi, tOrO, lse);
     if constexpr (Traits::kTailPieces) {
       if (work.part >= 0 &&

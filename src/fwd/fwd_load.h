@@ -59,7 +59,8 @@ struct FwdLoad {
   // The producer thread's loop over this block's work.
   template <class Params, class Scheduler>
   __device__ static void run(const Params& p, typename Traits::SharedStorage& shared, Pipeline& pipeline_k,
-                             PipelineV& pipeline_v, const Scheduler& scheduler, int nheads_per_kv) {
+                             PipelineV& pipeline_v, const Scheduler& scheduler,
+                             const typename Scheduler::Params& sched_params, int nheads_per_kv) {
     Tensor sQ = make_tensor(make_smem_ptr(shared.smem_q.data()), typename Traits::SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(shared.smem_k.data()), typename Traits::SmemLayoutK{});
     Tensor sV = make_tensor(make_smem_ptr(shared.smem_v.data()), typename Traits::SmemLayoutV{});
@@ -69,7 +70,7 @@ struct FwdLoad {
     auto write_k = cutlass::make_producer_start_state<Pipeline>();
     auto write_v = cutlass::make_producer_start_state<PipelineV>();
     for (int tiles_done = 0;; ++tiles_done) {
-      const auto work = scheduler.work(tiles_done, shared);
+      const auto work = scheduler.work(sched_params, tiles_done, shared);
       if (scheduler.done(work)) break;
       const int head_kv = work.tile.head / nheads_per_kv;  // GQA/MQA by indexing
       const int n_lo = work.n_lo, n_block_max = work.n_hi;  // key blocks n_block_max - 1 down to n_lo

@@ -60,16 +60,9 @@ struct FwdMainloop {
   // Accumulator rows per thread: rows r and r + 8 of its warp's 16 (m64 WGMMA tiles).
   static constexpr int kRows = 2;
 
-  // One piece of work (fwd_scheduler.h): key blocks n_block_max - 1 down to n_lo of the tile
-  // whose first query row is row0. Leaves O / rowsum in tOrO and the log-sum-exp in lse.
-  // tiles_done: the pieces this block has computed before (the parity of the Q barrier).
-  template <class MaskT, class TensorO>
-  __device__ __forceinline__ static void run(const FwdMainloopParams& p, typename Traits::SharedStorage& shared,
-                                             Pipeline& pipeline_k, PipelineV& pipeline_v, PipelineState& read_k,
-                                             PipelineStateV& read_v, const FwdPingpong<Traits>& turns, int tidx,
-                                             int tiles_done, const MaskT& mask, int row0, int n_lo, int n_block_max,
-                                             TensorO& tOrO, float (&lse)[kRows]) {
-    using TileQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
+  // The consumer thread's views, made once per kernel: the WGMMA descriptors of Q, K, V^T in
+  // shared memory and the (row, col) coordinates of its scores inside a tile.
+  __device__ __forceinline__ static auto make_views(typename Traits::SharedStorage& shared, int tidx) {
     Tensor sQ = make_tensor(make_smem_ptr(shared.smem_q.data()), typename Traits::SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(shared.smem_k.data()), typename Traits::SmemLayoutK{});
     Tensor sVt = make_tensor(make_smem_ptr(shared.smem_v.data()), typename Traits::SmemLayoutVt{});
@@ -80,14 +73,31 @@ struct FwdMainloop {
     Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // descriptors into shared memory
     Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stage)
     Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stage)
+    Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+    Tensor tScS_rc = make_tensor(tScS.data(), acc_layout_rowcol(tScS.layout()));
+    return cute::make_tuple(tSrQ, tSrK, tOrV, tScS_rc);
+  }
+
+  // One piece of work (fwd_scheduler.h): key blocks n_block_max - 1 down to n_lo of the tile
+  // whose first query row is row0. Leaves O / rowsum in tOrO and the log-sum-exp in lse.
+  // tiles_done: the pieces this block has computed before (the parity of the Q barrier).
+  template <class Views, class MaskT, class TensorO>
+  __device__ __forceinline__ static void run(const FwdMainloopParams& p, typename Traits::SharedStorage& shared,
+                                             Pipeline& pipeline_k, PipelineV& pipeline_v, PipelineState& read_k,
+                                             PipelineStateV& read_v, const FwdPingpong<Traits>& turns, int tidx,
+                                             int tiles_done, const Views& views, const MaskT& mask, int row0,
+                                             int n_lo, int n_block_max, TensorO& tOrO, float (&lse)[kRows]) {
+    typename Traits::TiledMmaQK mma_qk;
+    typename Traits::TiledMmaPV mma_pv;
+    auto const& tSrQ = get<0>(views);
+    auto const& tSrK = get<1>(views);
+    auto const& tOrV = get<2>(views);
+    auto const& tScS_rc = get<3>(views);
     Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
     Tensor tSrS_rc = make_tensor(tSrS.data(), acc_layout_rowcol(tSrS.layout()));
     Tensor tOrO_rc = make_tensor(tOrO.data(), acc_layout_rowcol(tOrO.layout()));
     // P in the input precision, laid out as the A operand of the PV WGMMA.
     Tensor tOrP = make_tensor<Element>(acc_layout_as_a_operand(tSrS.layout()));
-    // (row, col) coordinates of this thread's scores inside the tile.
-    Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
-    Tensor tScS_rc = make_tensor(tScS.data(), acc_layout_rowcol(tScS.layout()));
     static_assert(decltype(size<0>(tSrS_rc))::value == kRows);
 
     OnlineSoftmax<kRows> softmax(p.scale_log2);  // line 13

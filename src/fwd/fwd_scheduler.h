@@ -61,17 +61,19 @@ struct FwdScheduler {
   using Params = FwdSchedulerParams;
   using SharedStorage = FwdSchedulerStorage;
 
-  const Params& params;
   SeqLens seqlens;
-  int num_m_blocks, num_tiles;
+  int num_m_blocks, nheads, num_tiles, section, tail_first, tiles_end;
   TileStream<Traits::kDynamicTiles> tiles;
   int tail_pieces;  // the tail kernel: how many pieces this block computes
 
   __device__ FwdScheduler(const Params& p, SeqLens lens)
-      : params(p),
-        seqlens(lens),
+      : seqlens(lens),
         num_m_blocks((lens.max_q() + kBlockM - 1) / kBlockM),
+        nheads(p.nheads),
         num_tiles(num_m_blocks * p.nheads * p.batch),
+        section(p.l2_section < 1 ? 1 : p.l2_section),
+        tail_first(p.l2_tail_first),
+        tiles_end(p.tiles_end),
         tiles{p.tile_counter, p.tiles_end},
         tail_pieces(Traits::kTailPieces ? tail_piece_count(p.split, int(blockIdx.x)) : 0) {}
 
@@ -90,21 +92,20 @@ struct FwdScheduler {
     FwdTile r;
     int hb;
     if constexpr (Traits::kCausal) {
-      const int section = params.l2_section < 1 ? 1 : params.l2_section;
-      causal_tile(t, num_m_blocks, num_tiles / num_m_blocks, section, params.l2_tail_first, r.m_block, hb);
+      causal_tile(t, num_m_blocks, num_tiles / num_m_blocks, section, tail_first, r.m_block, hb);
     } else {
       r.m_block = t % num_m_blocks;
       hb = t / num_m_blocks;
     }
-    r.head = hb % params.nheads;
-    r.batch = hb / params.nheads;
+    r.head = hb % nheads;
+    r.batch = hb / nheads;
     return r;
   }
 
   // This block's k-th piece of work (the producer and the consumers call it with k = 0, 1, ...;
   // with the dynamic order each call takes the next tile from the ring).
   template <class Shared>
-  __device__ __forceinline__ FwdWork work(int k, Shared& shared) const {
+  __device__ __forceinline__ FwdWork work(const Params& params, int k, Shared& shared) const {
     FwdWork w{};
     if constexpr (Traits::kTailPieces) {
       if (k < tail_pieces) {
@@ -114,13 +115,13 @@ struct FwdScheduler {
         w.n_hi = piece.n_hi;
         w.part = piece.part;
       } else {
-        w.index = params.tiles_end;
+        w.index = tiles_end;
       }
     } else {
       w.index = tiles.tile(k, shared.scheduler);
       w.part = -1;
     }
-    if (w.index >= params.tiles_end) return w;
+    if (w.index >= tiles_end) return w;
     w.tile = tile(w.index);
     if constexpr (!Traits::kTailPieces) {
       // NOTES: n_lo = 0 is known at compile time here, so the main kernel's code is that of a
@@ -130,7 +131,7 @@ struct FwdScheduler {
     }
     return w;
   }
-  __device__ __forceinline__ bool done(const FwdWork& w) const { return w.index >= params.tiles_end; }
+  __device__ __forceinline__ bool done(const FwdWork& w) const { return w.index >= tiles_end; }
 
   // The scheduler thread of the dynamic order (one thread of the producer warpgroup's warp 1):
   // draws this block's k-th tile when the producer has issued the last load of tile k-1, and
@@ -143,7 +144,7 @@ struct FwdScheduler {
       if (k > 0) shared.scheduler.tile_request.wait((k - 1) & 1);
       const int t = tiles.draw(k);
       tiles.publish(k, t, shared.scheduler.tile_ring, shared.scheduler.tile_full, shared.scheduler.tile_empty);
-      if (t >= params.tiles_end) break;
+      if (t >= tiles_end) break;
     }
   }
 
