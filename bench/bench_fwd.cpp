@@ -6,7 +6,7 @@
 //
 // usage: flash3_bench [--dtype bf16|fp16] [--hdims 64,128,256] [--seqlens 512,...] [--reps N]
 //                     [--causal 0|1|both] [--json PATH] [--ablation 1] [--variant N]
-// --variant N: a flash3::FwdVariant (4: persistent also for causal).
+// --variant N: a flash3::detail::FwdAblation (src/fwd/fwd_ablation.h; 4: persistent also for causal).
 // --ablation 1: the paper's Table 2 instead (batch 4, seqlen 8448, 16 heads, hdim 128, bf16,
 // non-causal), once per technique switched off.
 #include <cuda_runtime_api.h>
@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "flash3/flash3.h"
+#include "fwd/fwd_ablation.h"
 
 namespace {
 
@@ -108,13 +109,13 @@ int main(int argc, char** argv) {
   check(cudaEventCreate(&stop), "cudaEventCreate");
   std::printf("device: %s (%d SMs)\n", prop.name, prop.multiProcessorCount);
   // Median time of one forward call in ms (3 warm-ups, `reps` timed runs); -1 on error.
-  auto time_ms = [&](const flash3::FwdArgs& args) -> double {
+  auto time_ms = [&](const flash3::FwdArgs& args, flash3::detail::FwdAblation ablation) -> double {
     std::vector<float> ms(reps);
     try {
-      for (int i = 0; i < 3; ++i) flash3::fwd(args);
+      for (int i = 0; i < 3; ++i) flash3::detail::fwd_ablation(args, ablation);
       for (int i = 0; i < reps; ++i) {
         check(cudaEventRecord(start), "cudaEventRecord");
-        flash3::fwd(args);
+        flash3::detail::fwd_ablation(args, ablation);
         check(cudaEventRecord(stop), "cudaEventRecord");
         check(cudaEventSynchronize(stop), "cudaEventSynchronize");
         check(cudaEventElapsedTime(&ms[i], start, stop), "cudaEventElapsedTime");
@@ -129,13 +130,13 @@ int main(int argc, char** argv) {
   if (ablation) {
     const int b = 4, s = 8448, h = 16, d = 128;
     const double flops = 4.0 * b * h * double(s) * s * d;
-    const struct { flash3::FwdVariant v; const char* name; } rows[] = {
-        {flash3::FwdVariant::kDefault, "flash3 (all techniques)"},
-        {flash3::FwdVariant::kNoOverlap, "no GEMM-softmax pipelining"},
-        {flash3::FwdVariant::kNoPingpong, "no pingpong"},
-        {flash3::FwdVariant::kNoPersistent, "no persistent scheduler"},
-        {flash3::FwdVariant::kThreeStage, "3-stage pipeline (App. B.3, N=96)"},
-        {flash3::FwdVariant::kTwoStageBlockN96, "2-stage pipeline at N=96"},
+    const struct { flash3::detail::FwdAblation v; const char* name; } rows[] = {
+        {flash3::detail::FwdAblation::kDefault, "flash3 (all techniques)"},
+        {flash3::detail::FwdAblation::kNoOverlap, "no GEMM-softmax pipelining"},
+        {flash3::detail::FwdAblation::kNoPingpong, "no pingpong"},
+        {flash3::detail::FwdAblation::kNoPersistent, "no persistent scheduler"},
+        {flash3::detail::FwdAblation::kThreeStage, "3-stage pipeline (App. B.3, N=96)"},
+        {flash3::detail::FwdAblation::kTwoStageBlockN96, "2-stage pipeline at N=96"},
     };
     std::printf("ablation (paper Table 2): batch %d, seqlen %d, %d heads, hdim %d, bf16, non-causal\n", b, s, h, d);
     FILE* json = json_path ? std::fopen(json_path, "w") : nullptr;
@@ -146,8 +147,11 @@ int main(int argc, char** argv) {
       args.k = args.q; args.k.data = k;
       args.v = args.q; args.v.data = v;
       args.out = args.q; args.out.data = out;
-      args.variant = rows[i].v;
-      const double med = time_ms(args);
+      if (flash3::detail::is_technique_ablation(rows[i].v) && !flash3::detail::fwd_ablations_built()) {
+        std::printf("%-30s (not built: configure with -DFLASH3_BUILD_ABLATIONS=ON)\n", rows[i].name);
+        continue;
+      }
+      const double med = time_ms(args, rows[i].v);
       if (med < 0) return 1;
       std::printf("%-30s %8.3f ms %8.1f TFLOP/s\n", rows[i].name, med, flops / (med * 1e-3) / 1e12);
       if (json) std::fprintf(json, "%s  {\"config\": \"%s\", \"ms\": %.5f, \"tflops\": %.2f}", i ? ",\n" : "", rows[i].name, med, flops / (med * 1e-3) / 1e12);
@@ -170,8 +174,7 @@ int main(int argc, char** argv) {
         args.out = flash3::TensorRef::contiguous(out, dtype, {b, s, h, d});
         args.lse = flash3::TensorRef::contiguous(lse, flash3::DType::kFloat32, {b, h, s});
         args.causal = causal != 0;
-        args.variant = static_cast<flash3::FwdVariant>(variant);
-        const double med = time_ms(args);
+        const double med = time_ms(args, static_cast<flash3::detail::FwdAblation>(variant));
         if (med < 0) return 1;
         const double flops = 4.0 * b * h * double(s) * s * d / (causal ? 2.0 : 1.0);
         const double tflops = flops / (med * 1e-3) / 1e12;

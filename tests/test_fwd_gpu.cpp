@@ -11,10 +11,13 @@
 #include <memory>
 #include <tuple>
 
+#include "fwd/fwd_ablation.h"
 #include "gpu_harness.h"
 
 namespace flash3::testing {
 namespace {
+
+using detail::FwdAblation;
 
 struct Case {
   DType dtype;
@@ -22,7 +25,7 @@ struct Case {
   bool causal;
   int batch, seqlen_q, seqlen_k, nheads, nheads_kv;
   int pad = 0;  // extra elements at the end of every (seqlen) row of q, k, v and out
-  FwdVariant variant = FwdVariant::kDefault;
+  FwdAblation variant = FwdAblation::kDefault;  // schedules and techniques (fwd_ablation.h)
   // > 0: key row j scaled by 1 + key_ramp * (seqlen_k - 1 - j) / seqlen_k, and keys
   // [seqlen_k / 2, seqlen_k / 2 + 16) by 3 more, so that the row max of the scores rises from
   // key block to key block (the kernel visits them last to first) and jumps once.
@@ -108,7 +111,6 @@ void run_case(const Case& c, uint64_t seed) {
   args.out = view(dout.ptr, sq, h, q_row);
   args.lse = TensorRef::contiguous(dlse.ptr, DType::kFloat32, {b, h, sq});
   args.causal = c.causal;
-  args.variant = c.variant;
 
   // Poison, run, fetch: twice, to check the result is bitwise reproducible.
   std::vector<uint16_t> out_bits[2];
@@ -116,7 +118,7 @@ void run_case(const Case& c, uint64_t seed) {
   for (int run = 0; run < 2; ++run) {
     FLASH3_CUDA_OK(cudaMemset(dout.ptr, 0xFF, nq * 2));  // 0xFFFF: NaN in fp16 and bf16
     FLASH3_CUDA_OK(cudaMemset(dlse.ptr, 0xFF, size_t(b) * h * sq * 4));
-    ASSERT_NO_THROW(fwd(args));
+    ASSERT_NO_THROW(detail::fwd_ablation(args, c.variant));
     FLASH3_CUDA_OK(cudaDeviceSynchronize());
     out_bits[run] = dout.download<uint16_t>(nq);
     lse_dev[run] = dlse.download<float>(size_t(b) * h * sq);
@@ -243,18 +245,20 @@ TEST(FwdGpuSmall, PaddedStridesAndRaggedShapes) {
       }
 }
 
-// The ablation kernels (benchmark only) must compute the same function.
+// The ablation kernels (benchmark only; built with FLASH3_BUILD_ABLATIONS) and the schedules
+// must compute the same function.
 TEST(FwdGpuVariants, AblationKernelsMatchReference) {
   FLASH3_REQUIRE_HOPPER();
   uint64_t seed = 4242;
-  for (FwdVariant v : {FwdVariant::kNoPersistent, FwdVariant::kNoPingpong, FwdVariant::kNoOverlap,
-                       FwdVariant::kThreeStage, FwdVariant::kTwoStageBlockN96}) {
+  for (FwdAblation v : {FwdAblation::kNoPersistent, FwdAblation::kNoPingpong, FwdAblation::kNoOverlap,
+                        FwdAblation::kThreeStage, FwdAblation::kTwoStageBlockN96}) {
+    if (detail::is_technique_ablation(v) && !detail::fwd_ablations_built()) continue;
     for (auto [sq, sk] : {std::pair<int, int>{129, 1000}, {1000, 1000}, {4096, 4096}}) {
       run_case(Case{DType::kBFloat16, 128, false, 1, sq, sk, 8, 2, /*pad=*/0, v}, seed++);
       if (HasFatalFailure()) return;
     }
   }
-  for (FwdVariant v : {FwdVariant::kNoPersistent, FwdVariant::kPersistent}) {
+  for (FwdAblation v : {FwdAblation::kNoPersistent, FwdAblation::kPersistent}) {
     run_case(Case{DType::kBFloat16, 128, true, 1, 1000, 1000, 8, 2, /*pad=*/0, v}, seed++);
     if (HasFatalFailure()) return;
   }
@@ -274,7 +278,7 @@ TEST(FwdGpuPersistent, ManyTilesPerBlock) {
   }
 }
 
-// The non-causal tail split (src/fwd/tail_split.h): the last partial wave of tiles cut along the
+// The non-causal tail split (src/common/tail_split.h): the last partial wave of tiles cut along the
 // keys over all SMs by the tail kernel and combined. On a 132-SM GPU: (a) 136 tiles = one full
 // wave + 4 tiles of 18 key blocks, cut into 72 pieces of one key block; (b) 72 tiles of 63 key
 // blocks, no full wave, pieces of 34-35 blocks; (c) 8 tiles of 24 blocks on 132 blocks. The last
@@ -292,7 +296,7 @@ TEST(FwdGpuTailSplit, PiecesCombineToTheReference) {
 }
 
 // Causal head dim 64 runs 128-row tiles up to seqlen_q 1024 and 192-row tiles beyond
-// (tile_config.h, kFwdCausal64ShortMax): both sides of the switch, seqlen_k longer and shorter,
+// (fwd_config.h, kFwdCausal64ShortMax): both sides of the switch, seqlen_k longer and shorter,
 // and the 128-row kernel under the static persistent and the one-block-per-tile schedules too.
 TEST(FwdGpuVariants, Causal64TileSwitch) {
   FLASH3_REQUIRE_HOPPER();
@@ -303,7 +307,7 @@ TEST(FwdGpuVariants, Causal64TileSwitch) {
       if (HasFatalFailure()) return;
     }
   }
-  for (FwdVariant v : {FwdVariant::kNoPersistent, FwdVariant::kPersistent}) {
+  for (FwdAblation v : {FwdAblation::kNoPersistent, FwdAblation::kPersistent}) {
     run_case(Case{DType::kBFloat16, 64, true, 2, 900, 1000, 8, 8, /*pad=*/0, v}, seed++);
     if (HasFatalFailure()) return;
   }
@@ -366,7 +370,7 @@ TEST(FwdGpuStreams, CausalCallsOnTwoStreamsAtOnceMatchCallsAlone) {
 // CUDA graphs: a forward call captured on a stream that has never run one may not allocate the
 // per-stream memory of the tail split and of the dynamic causal scheduler, so it captures whole
 // tiles in the static order instead; replayed, it gives what the same kernels give eagerly
-// (non-causal: the static persistent kernel, FwdVariant::kPersistent; causal: any order of the
+// (non-causal: the static persistent kernel, FwdAblation::kPersistent; causal: any order of the
 // same tiles gives the same bits). Then, captured again on the stream after an eager call (the
 // memory exists now), the split and the dynamic scheduler are in the graph: the eager default
 // result, bitwise. (tests/test_torch.py captures forward and backward through PyTorch.)
@@ -395,19 +399,18 @@ TEST(FwdGpuGraphs, CaptureOnFreshAndWarmStreams) {
     cudaStream_t stream;
     FLASH3_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     args.stream = stream;
-    auto eager = [&](FwdVariant variant, std::vector<uint16_t>& result) {
+    auto eager = [&](FwdAblation variant, std::vector<uint16_t>& result) {
       FwdArgs a = args;
-      a.variant = variant;
       a.stream = nullptr;  // the default stream: leaves `stream` fresh
       FLASH3_CUDA_OK(cudaMemset(out.ptr, 0xFF, nq * 2));
-      ASSERT_NO_THROW(fwd(a));
+      ASSERT_NO_THROW(detail::fwd_ablation(a, variant));
       FLASH3_CUDA_OK(cudaDeviceSynchronize());
       result = out.download<uint16_t>(nq);
       for (uint16_t x : result) ASSERT_NE(x, 0xFFFF) << "output not written";
     };
     std::vector<uint16_t> want_default, want_static;
-    eager(FwdVariant::kDefault, want_default);
-    eager(causal ? FwdVariant::kDefault : FwdVariant::kPersistent, want_static);
+    eager(FwdAblation::kDefault, want_default);
+    eager(causal ? FwdAblation::kDefault : FwdAblation::kPersistent, want_static);
     auto capture_and_replay = [&](const std::vector<uint16_t>& want, const char* what) {
       cudaGraph_t graph;
       cudaGraphExec_t exec;
