@@ -29,17 +29,15 @@ namespace {
 constexpr int64_t kMinTile = 64;
 constexpr int64_t kMaxTiles = int64_t(1) << 30;
 
-// NOTES: the backward recomputes P = exp2(S * scale * log2(e) - lse * log2(e)) from the
-// forward's float32 lse, whose rounding (2^-24 |lse|, and the FFMA takes S * scale_log2 exactly)
-// goes into the exponent of every P: exact only while |lse * log2(e)| stays below about 2^20
-// (residual <= 2^-5, the forward's own bound on its usual path, softmax.h). |lse| is about
+// NOTES: both passes form exponents as exp2(fma(S, scale * log2(e), -offset)) with offset a row's
+// max (forward) or its lse (backward) times scale * log2(e), rounded to float32; the FFMA takes
+// S * scale_log2 exactly, so the rounding of offset (2^-24 |offset|) goes into the exponent of
+// every P: exact only while |offset| stays below about 2^20 (residual <= 2^-5). |offset| is about
 // softmax_scale x max |S|; for unit-scale data (|q|, |k| elements <= 1, what a softmax_scale near
 // 1/sqrt(head_dim) is meant for) |S| <= head_dim <= 2^8, so softmax_scale <= 2^20 / (2^8 log2(e))
-// = 2839 keeps every P exact: the bound is 2^11. (The forward has no such bound: it forms a
-// huge row's exponents by subtraction and gives the limit, the argmax key's value.)
-constexpr float kMaxBwdScale = 2048.0f;
-// softmax_scale * log2(e), the kernels' factor, must be finite.
-constexpr double kMaxScale = FLT_MAX / 1.4426950408889634;
+// = 2839 keeps every P exact: the bound is 2^11. (At softmax_scale = 1e30 the residual reaches
+// 1e23 and P overflowed to inf, then NaN.)
+constexpr float kMaxSoftmaxScale = 2048.0f;
 
 // Message pieces as text. NOTES: plain std::string building, no iostreams: formatting through
 // std::ostream crashed (inside the locale machinery) when the library was loaded by ctypes
@@ -322,7 +320,8 @@ FwdProblem validate_fwd(const FwdArgs& args, PointerInspector inspect) {
   c.strides(all, lse_if, dtype);
   c.seqlens(q, k);
   c.tiles(q, q);
-  const float scale = c.scale(args.softmax_scale, args.q.shape[3], kMaxScale, "softmax_scale x log2(e) must be finite");
+  const float scale = c.scale(args.softmax_scale, args.q.shape[3], kMaxSoftmaxScale,
+                              "2^11: beyond, float32 exponents of the softmax are not exact");
 
   // Pointers last, and only when there is something to compute.
   if (args.q.shape[0] > 0 && args.q.shape[1] > 0) c.pointers(all, lse_if, inspect);
@@ -357,7 +356,7 @@ BwdProblem validate_bwd(const BwdArgs& args, PointerInspector inspect) {
   c.seqlens(q, k);
   c.tiles(q, q);
   c.tiles(k, q);
-  const float scale = c.scale(args.softmax_scale, args.q.shape[3], kMaxBwdScale,
+  const float scale = c.scale(args.softmax_scale, args.q.shape[3], kMaxSoftmaxScale,
                               "2^11: beyond, the backward cannot recompute P exactly from the float32 lse");
 
   // The gradients are written while the inputs are read (and dq's partial sums are added in

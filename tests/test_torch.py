@@ -197,45 +197,16 @@ def test_bad_input_raises_value_error_naming_argument(args, kwargs, pattern):
 
 
 @gpu
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("hdim", HDIMS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
-def test_huge_scale_gives_the_argmax_limit(dtype, hdim, causal):
-    """softmax_scale = 1e30 is finite, so accepted: softmax tends to the one-hot of each row's
-    largest score, out to the value row of that key (exactly: P = 1 there, 0 elsewhere) and lse
-    to scale x that score. No NaN, no inf (it gave NaN in about half of the outputs)."""
-    b, sq, sk, h, hk, scale = 2, 200, 300, 4, 2, 1e30
-    gen = torch.Generator(device="cuda").manual_seed(hdim + 7 * causal)
-    q, k, v = randn((b, sq, h, hdim), dtype, gen), randn((b, sk, hk, hdim), dtype, gen), randn((b, sk, hk, hdim), dtype, gen)
-    out, lse = flash3.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, return_attn_probs=True)
-    assert not torch.isnan(out).any() and torch.isfinite(lse).all()
-    rep = h // hk
-    kk, vv = k.double().repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), kk)  # exact: products of 16-bit values
-    if causal:
-        s = s.masked_fill(~visible(sq, sk, q.device), float("-inf"))
-    top = s.topk(2, dim=-1)
-    # rows whose two largest scores are further apart than the kernel's FP32 rounding of S
-    clear = (top.values[..., 0] - top.values[..., 1]) > 1e-2  # (b, h, sq)
-    assert clear.float().mean() > 0.9
-    idx = top.indices[..., 0]  # (b, h, sq): the argmax key
-    want = torch.gather(vv.permute(0, 2, 1, 3), 2, idx[..., None].expand(b, h, sq, hdim)).permute(0, 2, 1, 3)
-    clear_q = clear.permute(0, 2, 1)  # (b, sq, h)
-    assert torch.equal(out[clear_q], want[clear_q]), "out is not the argmax key's value row"
-    lse_err = (lse.double() - scale * top.values[..., 0]).abs().max().item()
-    assert lse_err <= scale * 1e-3, f"lse max abs err {lse_err:.3e}"
-
-
-@gpu
-def test_huge_scale_backward_is_rejected():
-    """The backward recomputes P from the float32 lse and cannot be exact at such scales: it
-    says so (validate_bwd allows softmax_scale up to 2^11) instead of returning wrong gradients."""
+def test_huge_scale_is_rejected():
+    """softmax_scale = 1e30 (finite) gave NaN in about half of the outputs: float32 exponents are
+    exact only up to softmax_scale 2^11 (validate.cpp), so both passes say so by name instead."""
     gen = torch.Generator(device="cuda").manual_seed(5)
     q, k, v = (randn((1, 64, 2, 64), torch.bfloat16, gen).requires_grad_() for _ in range(3))
-    flash3.flash_attn_func(q, k, v, softmax_scale=2048.0).float().sum().backward()
-    out = flash3.flash_attn_func(q, k, v, softmax_scale=1e30)
+    out = flash3.flash_attn_func(q, k, v, softmax_scale=2048.0)
+    assert torch.isfinite(out).all()
+    out.float().sum().backward()
     with pytest.raises(ValueError, match=r"softmax_scale is 1e\+30.*at most 2048"):
-        out.float().sum().backward()
+        flash3.flash_attn_func(q, k, v, softmax_scale=1e30)
 
 
 @gpu

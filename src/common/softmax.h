@@ -20,9 +20,6 @@ struct OnlineSoftmax {
 
   // The reference max moves only by more than this (log2 units): see step().
   static constexpr float kMoveThreshold = 8.f;
-  // |ref * scale_log2| (log2 units) from which a row's exponents are formed by subtraction: see
-  // step(). Below it the FFMA's residual is at most 2^-5.
-  static constexpr float kExactOffset = 1048576.f;  // 2^20
 
   // S -> P = exp(scale * (S - m)) in place, m the row's reference max; returns whether the
   // running output of any row of this warp must be rescaled (the same for the whole warp), and
@@ -35,11 +32,9 @@ struct OnlineSoftmax {
   // PV GEMM's wait and the next GEMM issue.
   // NOTES: P = exp2(fma(S, scale_log2, -offset)) with offset = m * scale_log2 rounded to FP32:
   // the FMA takes the exact product, so at S = m the exponent is offset's rounding error, up to
-  // 2^-24 |offset|. Below kExactOffset that is at most 2^-5; at huge scales (1e30) it reaches
-  // 1e23 and P overflows (inf, then NaN). Where a row of the warp has such an offset, the warp
-  // forms that row's exponents as (S - m) * scale_log2 instead (S - m exact near m), which
-  // gives the limit (P = 1 at the max, 0 elsewhere); the branch is warp-uniform and the usual
-  // path keeps its one FFMA per score.
+  // 2^-24 |offset|: exact enough while |offset| < 2^20, which validation keeps for unit-scale
+  // data by bounding softmax_scale (validate.cpp, kMaxSoftmaxScale). A warp-uniform branch to an
+  // exact path for huge scales measured 5-10% slower at head dims 64 and 128 (docs/perf-log.md, R3).
   template <class TensorS>
   __device__ __forceinline__ bool step(TensorS& s, float (&rescale)[kRows]) {
     static_assert(decltype(size<0>(s))::value == kRows);
@@ -55,26 +50,16 @@ struct OnlineSoftmax {
       const float ref = move ? mx : row_max[m];
       // NOTES: a row that has seen only masked keys keeps max = -inf; use 0 as its offset so
       // that exp2(-inf - offset) = 0 instead of NaN.
-      const float ref0 = ref == -INFINITY ? 0.f : ref;
-      const float offset = ref0 * scale_log2;
-      float sum = 0.f;
-      if (__any_sync(0xffffffffu, fabsf(offset) >= kExactOffset)) {
-        rescale[m] = move ? fast_exp2((row_max[m] - ref0) * scale_log2) : 1.f;
-        CUTLASS_PRAGMA_UNROLL
-        for (int n = 0; n < size<1>(s); ++n) {
-          s(m, n) = fast_exp2((s(m, n) - ref0) * scale_log2);
-          sum += s(m, n);
-        }
-      } else {
-        rescale[m] = move ? fast_exp2(row_max[m] * scale_log2 - offset) : 1.f;
-        CUTLASS_PRAGMA_UNROLL
-        for (int n = 0; n < size<1>(s); ++n) {
-          s(m, n) = fast_exp2(fmaf(s(m, n), scale_log2, -offset));
-          sum += s(m, n);
-        }
-      }
+      const float offset = ref == -INFINITY ? 0.f : ref * scale_log2;
+      rescale[m] = move ? fast_exp2(row_max[m] * scale_log2 - offset) : 1.f;
       row_max[m] = ref;
       moved |= move;
+      float sum = 0.f;
+      CUTLASS_PRAGMA_UNROLL
+      for (int n = 0; n < size<1>(s); ++n) {
+        s(m, n) = fast_exp2(fmaf(s(m, n), scale_log2, -offset));
+        sum += s(m, n);
+      }
       row_sum[m] = row_sum[m] * rescale[m] + sum;
     }
     return __any_sync(0xffffffffu, moved);

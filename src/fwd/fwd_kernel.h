@@ -30,7 +30,6 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
 
   const int warpgroup = cutlass::canonical_warp_group_idx();
   const bool is_producer_thread = warpgroup == 0 && threadIdx.x % 128 == 0;
-  const FwdScheduler<Traits> scheduler(params.scheduler, params.seqlens);
 
   // Line 1: the barriers of the Q buffer and of the scheduler's ring, and the K and V pipelines
   // over their shared-memory rings.
@@ -52,8 +51,12 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   if (warpgroup == 0) {
     // ===================================== producer ======================================
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();  // line 3
+    const FwdScheduler<Traits> scheduler(params.scheduler, params.seqlens);
     if (Traits::kDynamicTiles && threadIdx.x == 32) return scheduler.run_draws(shared);
-    if (!is_producer_thread) return;
+    // NOTES: the other threads leave with an explicit exit: as a branch to the kernel's shared
+    // return, ptxas kept the producer's loop in a divergent region, off the uniform datapath,
+    // and spilled its 24 registers.
+    if (!is_producer_thread) asm volatile("exit;");
     Load::run(params.load, shared, pipeline_k, pipeline_v, scheduler, params.scheduler, params.nheads_per_kv);  // lines 4-10
     // NOTES: the tail kernel is launched behind the main one with programmatic dependent launch
     // (fwd_launch.h) and reads nothing the main kernel writes; this wait only keeps it from
@@ -64,17 +67,19 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
 
   // ====================================== consumers =======================================
   cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();  // line 12
+  const FwdScheduler<Traits> scheduler(params.scheduler, params.seqlens);
   const int tidx = threadIdx.x - 128;
   Tensor tOrO = partition_fragment_C(typename Traits::TiledMmaPV{}, Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{});
-  float lse[Mainloop::kRows];
   const auto views = Mainloop::make_views(shared, tidx);
   const FwdPingpong<Traits> turns(warpgroup - 1);
   typename Traits::PipelineState read_k;
   typename Traits::PipelineStateV read_v;
   for (int tiles_done = 0;; ++tiles_done) {
-    const auto work = scheduler.work(params.scheduler, tiles_done, shared);
+    auto work = scheduler.work(params.scheduler, tiles_done, shared);
     if (scheduler.done(work)) break;
+    scheduler.locate(work);
     const SeqLen len = params.seqlens.of(work.tile.batch);
+    float lse[Mainloop::kRows];
     // Lines 13-24: O = softmax(Q K^T) V over the piece's key blocks, normalized, and its lse.
     Mainloop::run(params.mainloop, shared, pipeline_k, pipeline_v, read_k, read_v, turns, tidx, tiles_done, views,
                   Mask<Traits::kCausal>(len), work.tile.m_block * Traits::kBlockM, work.n_lo, work.n_hi, tOrO, lse);

@@ -70,8 +70,9 @@ struct FwdLoad {
     auto write_k = cutlass::make_producer_start_state<Pipeline>();
     auto write_v = cutlass::make_producer_start_state<PipelineV>();
     for (int tiles_done = 0;; ++tiles_done) {
-      const auto work = scheduler.work(sched_params, tiles_done, shared);
+      auto work = scheduler.work(sched_params, tiles_done, shared);
       if (scheduler.done(work)) break;
+      scheduler.locate(work);
       const int head_kv = work.tile.head / nheads_per_kv;  // GQA/MQA by indexing
       const int n_lo = work.n_lo, n_block_max = work.n_hi;  // key blocks n_block_max - 1 down to n_lo
       Tensor gQ = local_tile(mQ(_, _, work.tile.head, work.tile.batch), TileQ{}, make_coord(work.tile.m_block, _0{}));

@@ -103,10 +103,11 @@ struct FwdScheduler {
   }
 
   // This block's k-th piece of work (the producer and the consumers call it with k = 0, 1, ...;
-  // with the dynamic order each call takes the next tile from the ring).
+  // with the dynamic order each call takes the next tile from the ring): its index, and in the
+  // tail kernel its key blocks. Check done() before locate().
   template <class Shared>
   __device__ __forceinline__ FwdWork work(const Params& params, int k, Shared& shared) const {
-    FwdWork w{};
+    FwdWork w;
     if constexpr (Traits::kTailPieces) {
       if (k < tail_pieces) {
         const TailPiece piece = tail_piece(params.split, int(blockIdx.x), k);
@@ -121,7 +122,11 @@ struct FwdScheduler {
       w.index = tiles.tile(k, shared.scheduler);
       w.part = -1;
     }
-    if (w.index >= tiles_end) return w;
+    return w;
+  }
+
+  // The coordinates of a piece of work, and (main kernel) its key blocks from the mask.
+  __device__ __forceinline__ void locate(FwdWork& w) const {
     w.tile = tile(w.index);
     if constexpr (!Traits::kTailPieces) {
       // NOTES: n_lo = 0 is known at compile time here, so the main kernel's code is that of a
@@ -129,7 +134,6 @@ struct FwdScheduler {
       w.n_lo = 0;
       w.n_hi = Mask<Traits::kCausal>(seqlens.of(w.tile.batch)).template n_block_end<kBlockM, kBlockN>(w.tile.m_block);
     }
-    return w;
   }
   __device__ __forceinline__ bool done(const FwdWork& w) const { return w.index >= tiles_end; }
 
