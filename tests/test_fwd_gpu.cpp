@@ -338,7 +338,7 @@ struct BF16Call {
   std::vector<uint16_t> result() const { return out.download<uint16_t>(out.bytes / 2); }
 };
 
-// The causal kernels draw tiles from a counter per stream (tile_scheduler.h): causal calls on
+// The causal kernels draw tiles from a counter per stream (fwd_scheduler.h): causal calls on
 // two streams at once, repeated, must give exactly what each gives alone, and later calls on
 // either stream must still see the counters cleared.
 TEST(FwdGpuStreams, CausalCallsOnTwoStreamsAtOnceMatchCallsAlone) {

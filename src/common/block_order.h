@@ -44,7 +44,7 @@ inline int bwd_section_pairs(int seqlen_q, int head_dim, int elem_bytes, long lo
   return causal_section(seqlen_q, head_dim, elem_bytes, l2_bytes / 4);
 }
 
-// The backward's sections (bwd_kernel.h, bwd_block_coords): as many as `section` pairs per
+// The backward's sections (bwd_scheduler.h, BwdScheduler): as many as `section` pairs per
 // section need, the pairs spread evenly over them. BwdSections{size, big}: the first `big`
 // sections hold size + 1 pairs, the others size, the last one what is left (bwd_causal_block).
 // Where ceil(pairs / sections) per section leaves at least half a section for the last one, that

@@ -23,9 +23,9 @@ namespace flash3 {
 // Split only where it saves at least this many key-block iterations on the critical path: a
 // piece costs about 1.6 iterations more than the same keys inside a whole tile (the tile's lone
 // first S GEMM and softmax, its epilogue; docs/perf-log.md step 17), a cut tile up to two pieces
-// per block plus the combine. Measured in session 11 (branch fwd-tail-split, every tail split
+// per block plus the combine. Measured (every tail split
 // whose blocks took >= 2 key blocks): -0.5% at a saving of 5 iterations (hdim 128 2k), +1.2% at
-// 13 (hdim 128 4k), +2% at 22 (8k); with this kernel (session 16, step 26): +0.7% at 11 (hdim
+// 13 (hdim 128 4k), +2% at 22 (8k); with this kernel (step 26): +0.7% at 11 (hdim
 // 128 4k, the one sweep point with a saving in [8, 12)), so the bar is 10.
 constexpr int kTailSplitMinSaved = 10;
 

@@ -28,7 +28,7 @@
 //            | (causal: K 2 stages, V 3 stages: 32 + 2x32 + 3x32 + 16 = 208 KB)
 //       256  |   128 (2)     |  80                |   2    |   yes    |   yes   | 64 + 2x80 = 224 KB
 //
-// NOTES: pingpong at head dim 256 was off until session 3; turned on it measured +2-17% on the
+// NOTES: pingpong at head dim 256 measured +2-17% against none on the
 // non-causal sweep and +2-6% causal in flash3_bench (docs/perf-log.md, step 12).
 // NOTES: head dim 128 non-causal at kBlockN 128 (the causal tile), measured against 176 in one
 // device call with bench/bench_torch.py (docs/perf-log.md, step 16): +4% at seqlen 512, even at
@@ -75,7 +75,7 @@ constexpr int kFwdCausal64ShortMax = 1024;
 // Non-causal: the last partial wave of tiles cut along the keys over all SMs, by a kernel of its
 // own launched behind the main one (tail_split.h; docs/perf-log.md step 25). Head dims 128 and
 // 256 only: with 192-row tiles, hdim 64's sweep shapes leave last waves of 112 of 132 tiles,
-// where a split gains little (measured +-1% in session 11, step 22).
+// where a split gains little (measured +-1%, step 22).
 struct FwdTailPieces : FwdDefaultVariant { static constexpr bool kTailPieces = true; };
 
 template <int kHeadDim, bool kCausal>
@@ -87,7 +87,7 @@ template <bool kCausal> struct FwdTileConfig<64, kCausal> {
   // spilled a few values; with O stored from registers it does not.)
   static constexpr int kBlockM = 192, kBlockN = 128, kStages = 2, kStagesV = kStages;
   static constexpr bool kPingpong = true, kIntraWGOverlap = true;
-  // kOStageWarp applies to the 128-row causal kernel (FwdBlockM128) only (kernel_traits.h).
+  // kOStageWarp applies to the 128-row causal kernel (FwdBlockM128) only (fwd_traits.h).
   static constexpr bool kStageOInQ = false, kOStageWarp = true;
 };
 template <bool kCausal> struct FwdTileConfig<128, kCausal> {

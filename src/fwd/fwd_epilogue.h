@@ -120,8 +120,8 @@ struct FwdEpilogue {
       Element* out = p.out + tile.batch * p.out_batch_stride + tile.head * p.out_head_stride;
       // NOTES: the XOR key also rotates with the tile count (any row -> key bijection is
       // conflict-free), so that ptxas does not hoist the addresses out of the tile loop and
-      // spill them. The offsets below are utils.h's xor_swizzled_offset<kCols>(row, col, key),
-      // written out: calling the helper measured even (session 13, docs/perf-log.md step 23)
+      // spill them. The offsets below are common/ptx.h's xor_swizzled_offset<kCols>(row, col, key),
+      // written out: calling the helper measured even (docs/perf-log.md step 23)
       // but cost 8-16 more instructions per kernel and 2 more local-memory accesses.
       const int key = tiles_done;
       // stmatrix k of a pass stores 8-column groups 2k, 2k+1 of rows 0-7 and 8-15; lane l gives

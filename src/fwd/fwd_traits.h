@@ -42,7 +42,7 @@ struct FwdTraits {
   static constexpr int kStages = Config::kStages;
   static constexpr int kStagesV = Config::kStagesV;  // V's ring may be deeper than K's
   static constexpr bool kCausal = kCausal_;
-  // Causal tiles differ in length: they are handed out by the dynamic scheduler (tile_scheduler.h).
+  // Causal tiles differ in length: they are handed out by the dynamic scheduler (fwd_scheduler.h).
   static constexpr bool kDynamicTiles = kCausal;
   static constexpr bool kPingpong =
       Variant::kPingpong < 0 ? Config::kPingpong : bool(Variant::kPingpong);
