@@ -61,11 +61,18 @@ _load_error = None
 
 
 def _candidates():
+    """Where libflash3.so is looked for, in order: $FLASH3_LIB (alone: an explicit choice does not
+    silently fall back to another build); the copy inside this package (pip install .); the
+    build tree of a source checkout (python/flash3 -> build/libflash3.so); the loader's paths."""
     env = os.environ.get("FLASH3_LIB")
     if env:
-        return [env]  # an explicit choice: do not silently fall back to another build
+        return [env]
     here = os.path.dirname(os.path.abspath(__file__))
-    out = [os.path.normpath(os.path.join(here, "..", "..", "build", "libflash3.so"))]
+    out = []
+    packaged = os.path.join(here, "libflash3.so")
+    if os.path.exists(packaged):
+        out.append(packaged)
+    out.append(os.path.normpath(os.path.join(here, "..", "..", "build", "libflash3.so")))
     found = ctypes.util.find_library("flash3")
     if found:
         out.append(found)
@@ -116,7 +123,8 @@ def lib():
             handle.flash3_version.restype = ctypes.c_char_p
             _lib = handle
             return _lib
-        _load_error = ("libflash3.so not found (set FLASH3_LIB or build it with CMake into build/); "
+        _load_error = ("libflash3.so not found (pip install . puts it inside the package; or set "
+                       "FLASH3_LIB, or build it with CMake into build/); "
                        "tried " + "; ".join(errors or ["nothing"]))
     raise RuntimeError(_load_error)
 

@@ -1,0 +1,132 @@
+"""flash3's operators in torch.library (namespace flash3), for torch.compile, torch.export,
+CUDA graphs (mode="reduce-overhead") and FakeTensor tracing:
+
+    torch.ops.flash3.fwd(q, k, v, softmax_scale=None, causal=False, deterministic=False) -> (out, lse)
+    torch.ops.flash3.bwd(dout, q, k, v, out, lse, softmax_scale=None, causal=False,
+                         deterministic=False) -> (dq, dk, dv)
+
+Both are functional (mutates_args=()): they allocate their outputs with torch (the caching
+allocator, so inside a CUDA graph the graph's pool) and run the library on
+torch.cuda.current_stream() of q's device; the backward's scratch memory is a torch tensor too.
+(Functional rather than writing into preallocated outputs: no functionalization wrappers or
+copies under torch.compile, inductor plans the buffers, and the eager path, which does not go
+through these operators, allocates the same way.)
+Outputs are contiguous: out like q, lse float32 (batch, nheads, seqlen_q), dq, dk, dv like q, k,
+v. fwd is differentiable in q, k, v through bwd (lse is not differentiable; `deterministic`
+is the backward's option, carried by the forward so that autograd can hand it on).
+
+Adding an operator (FP8, varlen, KV cache): a kernel in _kernels.py, then here one annotated
+function that calls it, its fake (shape arithmetic and new_empty / empty_like on the fake
+inputs only, so symbolic shapes work), optionally setup_context and backward, and one
+_define(...) call. The eager entry points (flash_attn_interface.py) skip the dispatcher where
+nothing traces (see direct()), calling the same kernels.
+"""
+from typing import Optional
+
+import torch
+
+from . import _kernels
+
+Tensor = torch.Tensor
+NAMESPACE = "flash3"
+OPS = {}  # name -> torch.library CustomOpDef, in definition order
+
+# torch.library.custom_op, register_fake and register_autograd came with PyTorch 2.4; without
+# them flash3 runs eagerly only (flash_attn_func works, torch.compile breaks the graph there).
+available = all(hasattr(torch.library, name) for name in ("custom_op", "register_fake"))
+
+_is_compiling = torch.compiler.is_compiling if hasattr(torch, "compiler") else (lambda: False)
+_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+_grad_enabled = torch.is_grad_enabled
+
+
+def direct(*tensors):
+    """True when a call on these tensors may skip the dispatcher and run the kernels directly
+    (the eager fast path: the operators' dispatch to their Python kernels and autograd cost, on
+    the host, about 10 us per forward without grad, 27 us with grad and 47 us per
+    forward+backward more (PyTorch 2.11)): nothing traces or transforms it (no
+    torch.compile / dynamo, no TorchDispatchMode such as FakeTensorMode or make_fx's proxy
+    mode, no functorch transform) and every tensor is a plain torch.Tensor (no subclass)."""
+    # NOTES: is_compiling first: dynamo folds it to True and never looks at the rest (calls into
+    # torch._C it could not trace). Each check costs about 0.1 us.
+    if not available:
+        return True
+    if _is_compiling() or _dispatch_modes() or _functorch_active():
+        return False
+    for t in tensors:
+        if type(t) is not Tensor:
+            return False
+    return True
+
+
+def _define(name, kernel, fake, setup_context=None, backward=None):
+    """Registers flash3::<name>: kernel (annotated: the schema is inferred from it) for every
+    device (the kernel itself rejects what is not CUDA, naming the argument), its fake, and its
+    autograd formula where given. Returns the OpOverload, torch.ops.flash3.<name>.default."""
+    op = torch.library.custom_op(f"{NAMESPACE}::{name}", kernel, mutates_args=())
+    op.register_fake(fake)
+    if backward is not None:
+        op.register_autograd(backward, setup_context=setup_context)
+    OPS[name] = op
+    return getattr(getattr(torch.ops, NAMESPACE), name).default
+
+
+# ---- flash3::fwd ---------------------------------------------------------------------------
+
+def _fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: Optional[float] = None, causal: bool = False,
+         deterministic: bool = False) -> tuple[Tensor, Tensor]:
+    return _kernels.fwd(q, k, v, softmax_scale, causal)
+
+
+def _fwd_fake(q, k, v, softmax_scale=None, causal=False, deterministic=False):
+    if q.dim() != 4:
+        raise ValueError(f"q: expected (batch, seqlen_q, nheads, headdim), got shape {tuple(q.shape)}")
+    b, sq, h, _ = q.shape
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((b, h, sq), dtype=torch.float32)
+
+
+def fwd_setup_context(ctx, inputs, output):
+    """Shared by flash3::fwd's autograd and the eager autograd.Function (flash_attn_interface)."""
+    q, k, v, softmax_scale, causal, deterministic = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
+    ctx.mark_non_differentiable(lse)
+    # NOTES: lse has no gradient; materialized, autograd would allocate and zero-fill a float32
+    # (batch, nheads, seqlen_q) tensor for it on every backward (docs/perf-log.md, H2).
+    # Unmaterialized, it arrives as None, and so does dout when out got no gradient.
+    ctx.set_materialize_grads(False)
+
+
+def fwd_backward(ctx, dout, dlse):
+    """d(q, k, v) from dout through flash3::bwd; None for the non-tensor inputs. The kernel is
+    called directly where nothing traces and no higher-order gradient is being built, else the
+    operator (which has no autograd: asking for a second derivative raises)."""
+    if dout is None:  # no gradient reached out: none for q, k, v either
+        return None, None, None, None, None, None
+    q, k, v, out, lse = ctx.saved_tensors
+    run = _kernels.bwd if not _grad_enabled() and direct(dout, q) else bwd
+    dq, dk, dv = run(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.deterministic)
+    return dq, dk, dv, None, None, None
+
+
+# ---- flash3::bwd ---------------------------------------------------------------------------
+
+def _bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+         softmax_scale: Optional[float] = None, causal: bool = False,
+         deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    return _kernels.bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic)
+
+
+def _bwd_fake(dout, q, k, v, out, lse, softmax_scale=None, causal=False, deterministic=False):
+    cf = torch.contiguous_format
+    return (torch.empty_like(q, memory_format=cf), torch.empty_like(k, memory_format=cf),
+            torch.empty_like(v, memory_format=cf))
+
+
+if available:
+    fwd = _define("fwd", _fwd, _fwd_fake, fwd_setup_context, fwd_backward)
+    bwd = _define("bwd", _bwd, _bwd_fake)
+else:  # pragma: no cover (PyTorch < 2.4)
+    fwd, bwd = _fwd, _bwd

@@ -1,0 +1,211 @@
+"""Drop-in for FlashAttention-3's `flash_attn_interface` (hopper/flash_attn_interface.py):
+the same function names, argument names, order, defaults and return values, so that
+
+    import flash3.flash_attn_interface as flash_attn_interface     # was: import flash_attn_interface
+    from flash3.flash_attn_interface import flash_attn_func         # or: from flash3 import ...
+
+is the only change code written for FlashAttention-3 needs.
+
+Arguments flash3 does not support yet raise NotImplementedError naming the argument when given
+a value other than their default: qv, q_descale, k_descale, v_descale (not None),
+attention_chunk (not 0), softcap (not 0.0), window_size other than no window ((-1, -1); a
+negative side is unbounded) or its causal spelling (-1, 0). (Under torch.compile with
+fullgraph=True, dynamo reports the NotImplementedError, with its message, as an unsupported
+exception; without fullgraph it reaches the caller as it is.)
+Accepted and ignored, because they tune speed only and cannot change flash3's results:
+num_splits (FlashAttention-3 splits the keys across blocks; flash3 picks its own schedule, and
+its output is the same for every value), pack_gqa (a GQA layout choice) and sm_margin (SMs left
+free for other kernels).
+
+In eager mode the calls run the library directly (the lowest host time); under torch.compile,
+torch.export or any FakeTensor / dispatch-mode tracing they call the torch.library operators
+torch.ops.flash3.fwd / bwd (_ops.py), which trace without a graph break.
+"""
+import torch
+
+from . import _kernels, _ops
+
+__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func"]
+
+# FlashAttention-3 arguments flash3 accepts and ignores (speed only; see above).
+_IGNORED = ("num_splits", "pack_gqa", "sm_margin")
+
+_direct = _ops.direct
+_grad_enabled = torch.is_grad_enabled
+
+
+class _FlashAttnFunc(torch.autograd.Function):
+    """flash3::fwd's autograd (the same setup_context and backward), without the dispatcher."""
+
+    # NOTES: forward takes ctx and calls setup_context itself: with a separate setup_context,
+    # Function.apply binds the arguments through inspect.signature on every call (about 50 us).
+    @staticmethod
+    def forward(ctx, q, k, v, softmax_scale, causal, deterministic):
+        out, lse = _kernels.fwd(q, k, v, softmax_scale, causal)
+        _ops.fwd_setup_context(ctx, (q, k, v, softmax_scale, causal, deterministic), (out, lse))
+        return out, lse
+
+    backward = staticmethod(_ops.fwd_backward)
+
+
+def _unsupported(name, value):
+    shown = f"<tensor of shape {tuple(value.shape)}>" if isinstance(value, torch.Tensor) else repr(value)
+    raise NotImplementedError(f"{name}={shown} is not supported by flash3 (FlashAttention-3 argument "
+                              f"{name}: leave it at its default)")
+
+
+def _check_options(q_descale, k_descale, v_descale, attention_chunk, softcap):
+    if q_descale is not None:
+        _unsupported("q_descale", q_descale)
+    if k_descale is not None:
+        _unsupported("k_descale", k_descale)
+    if v_descale is not None:
+        _unsupported("v_descale", v_descale)
+    if attention_chunk:
+        _unsupported("attention_chunk", attention_chunk)
+    if softcap:
+        _unsupported("softcap", softcap)
+
+
+def _mask(window_size, causal):
+    """flash3's causal flag for FlashAttention-3's (window_size, causal); raises
+    NotImplementedError naming window_size for a sliding window. As in FlashAttention-3, a
+    negative side is unbounded and causal sets the right side to 0; the sides are not compared
+    with the sequence lengths (a window longer than the sequence is still refused), so the
+    answer never depends on the shapes."""
+    left, right = window_size
+    if causal:
+        right = 0
+    if left < 0 and right < 0:
+        return False
+    if left < 0 and right == 0:
+        return True
+    raise NotImplementedError(f"window_size={tuple(window_size)!r}: sliding-window attention is not "
+                              "supported by flash3 (only (-1, -1), and (-1, 0), which is causal)")
+
+
+def _attention(q, k, v, softmax_scale, causal, deterministic, return_attn_probs):
+    if _direct(q, k, v):
+        if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            out, lse = _FlashAttnFunc.apply(q, k, v, softmax_scale, causal, deterministic)
+        else:
+            out, lse = _kernels.fwd(q, k, v, softmax_scale, causal, return_attn_probs)
+    else:
+        out, lse = _ops.fwd(q, k, v, softmax_scale, causal, deterministic)
+    return (out, lse) if return_attn_probs else out
+
+
+def flash_attn_func(
+    q,
+    k,
+    v,
+    softmax_scale=None,
+    causal=False,
+    qv=None,
+    q_descale=None, k_descale=None, v_descale=None,
+    window_size=(-1, -1),
+    attention_chunk=0,
+    softcap=0.0,
+    num_splits=1,
+    pack_gqa=None,
+    deterministic=False,
+    sm_margin=0,
+    return_attn_probs=False,
+):
+    """softmax(softmax_scale * q k^T [causal mask]) v, as FlashAttention-3's flash_attn_func.
+
+    q (batch, seqlen_q, nheads, headdim), k and v (batch, seqlen_k, nheads_kv, headdim): CUDA
+    tensors, bf16 or fp16, headdim 64, 128 or 256, nheads a multiple of nheads_kv (GQA/MQA).
+    softmax_scale: default 1 / sqrt(headdim). causal: the mask aligned bottom-right: query i
+    sees key j iff j <= i + seqlen_k - seqlen_q; a row that sees no key gives 0.
+    deterministic: bitwise-reproducible gradients (the forward always is).
+    Returns out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse) when
+    return_attn_probs, softmax_lse float32 (batch, nheads, seqlen_q) and not differentiable.
+    The unsupported and ignored arguments: see the module's docstring.
+    """
+    if qv is not None:
+        _unsupported("qv", qv)
+    if q_descale is not None or k_descale is not None or v_descale is not None or attention_chunk or softcap:
+        _check_options(q_descale, k_descale, v_descale, attention_chunk, softcap)
+    if window_size != (-1, -1):
+        causal = _mask(window_size, causal)
+    return _attention(q, k, v, softmax_scale, bool(causal), bool(deterministic), return_attn_probs)
+
+
+def _split_qkv(qkv, num_heads_q):
+    """q, k, v as views of FlashAttention-3's packed qkv: (batch, seqlen, 3, nheads, headdim), or
+    (batch, seqlen, num_heads_q + 2 * nheads_kv, headdim) with num_heads_q given."""
+    if qkv.dim() == 5:
+        if qkv.shape[2] != 3:
+            raise ValueError(f"qkv: expected (batch, seqlen, 3, nheads, headdim), got shape {tuple(qkv.shape)}")
+        return qkv.unbind(2)
+    if qkv.dim() == 4:
+        if num_heads_q is None:
+            raise ValueError("num_heads_q: needed when qkv is (batch, seqlen, nheads_q + 2 * nheads_kv, "
+                             f"headdim), got qkv of shape {tuple(qkv.shape)}")
+        num_heads_k = (qkv.shape[2] - num_heads_q) // 2
+        if num_heads_q <= 0 or num_heads_k <= 0 or num_heads_q + 2 * num_heads_k != qkv.shape[2]:
+            raise ValueError(f"num_heads_q: {num_heads_q} does not split qkv's {qkv.shape[2]} heads into "
+                             "num_heads_q + 2 * nheads_kv")
+        return qkv.split([num_heads_q, num_heads_k, num_heads_k], dim=2)
+    raise ValueError(f"qkv: expected 5 dims (batch, seqlen, 3, nheads, headdim) or 4 with num_heads_q, "
+                     f"got shape {tuple(qkv.shape)}")
+
+
+class _FlashAttnQKVPackedFunc(torch.autograd.Function):
+    """Eager autograd of the packed form: the gradient is one packed dqkv, the kernels writing dq,
+    dk and dv straight into its parts (no concatenation)."""
+
+    @staticmethod
+    def forward(ctx, qkv, softmax_scale, causal, deterministic, num_heads_q):
+        q, k, v = _split_qkv(qkv, num_heads_q)
+        out, lse = _kernels.fwd(q, k, v, softmax_scale, causal)
+        ctx.save_for_backward(qkv, out, lse)
+        ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
+        ctx.num_heads_q = num_heads_q
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout, dlse):
+        if dout is None:
+            return None, None, None, None, None
+        qkv, out, lse = ctx.saved_tensors
+        dqkv = torch.empty_like(qkv, memory_format=torch.contiguous_format)
+        _kernels.backward_into(_kernels.kernel_readable(dout), *_split_qkv(qkv, ctx.num_heads_q), out, lse,
+                               *_split_qkv(dqkv, ctx.num_heads_q), ctx.softmax_scale, ctx.causal,
+                               ctx.deterministic)
+        return dqkv, None, None, None, None
+
+
+def flash_attn_qkvpacked_func(
+    qkv,
+    softmax_scale=None,
+    causal=False,
+    q_descale=None, k_descale=None, v_descale=None,
+    window_size=(-1, -1),
+    attention_chunk=0,
+    softcap=0.0,
+    deterministic=False,
+    num_heads_q=None,
+    sm_margin=0,
+    return_attn_probs=False,
+):
+    """flash_attn_func over one packed tensor, as FlashAttention-3's flash_attn_qkvpacked_func.
+
+    qkv: (batch, seqlen, 3, nheads, headdim), or (batch, seqlen, num_heads_q + 2 * nheads_kv,
+    headdim) with num_heads_q given (GQA/MQA). The gradient, when qkv requires grad, is one
+    tensor shaped like qkv. Returns out, or (out, softmax_lse) when return_attn_probs.
+    """
+    if q_descale is not None or k_descale is not None or v_descale is not None or attention_chunk or softcap:
+        _check_options(q_descale, k_descale, v_descale, attention_chunk, softcap)
+    causal, deterministic = bool(causal), bool(deterministic)
+    if window_size != (-1, -1):
+        causal = _mask(window_size, causal)
+    if _direct(qkv) and _grad_enabled() and qkv.requires_grad:
+        out, lse = _FlashAttnQKVPackedFunc.apply(qkv, softmax_scale, causal, deterministic, num_heads_q)
+        return (out, lse) if return_attn_probs else out
+    q, k, v = _split_qkv(qkv, num_heads_q)
+    return _attention(q, k, v, softmax_scale, causal, deterministic, return_attn_probs)
