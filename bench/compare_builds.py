@@ -60,7 +60,6 @@ top-level "series" so that bench/plot.py draws it (--pass fwd|bwd).
 import argparse
 import atexit
 import datetime
-import hashlib
 import importlib.util
 import json
 import lzma
@@ -72,7 +71,7 @@ import sys
 import tempfile
 import time
 
-from timing import (BWD_FLOPS_FACTOR, DEFAULT_HDIMS, DEFAULT_SEQLENS, MISMATCH, SPIN_CYCLES,
+from timing import (sha256, BWD_FLOPS_FACTOR, DEFAULT_HDIMS, DEFAULT_SEQLENS, MISMATCH, SPIN_CYCLES,
                     first_line, fmt, gemm_tflops, geomean, ints, log, rel_diff, sdpa, spin_kernel,
                     sweep_points, tflops, time_call_ms)
 
@@ -320,14 +319,6 @@ def plot_series(builds, have_fa3, have_cudnn):
 
 
 # ---- loading -----------------------------------------------------------------------------------
-
-def sha256(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
 
 def copy_or_unpack(src, dst):
     """Copies src to dst, unpacking it first when it ends in .xz."""

@@ -52,7 +52,6 @@ import argparse
 import contextlib
 import cProfile
 import datetime
-import hashlib
 import json
 import lzma
 import os
@@ -64,7 +63,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import (HIDDEN, MISMATCH, SPIN_CYCLES, first_line, fmt, geomean, ints, log, rel_diff,  # noqa: E402
+from timing import (sha256, HIDDEN, MISMATCH, SPIN_CYCLES, first_line, fmt, geomean, ints, log, rel_diff,  # noqa: E402
                     time_call_ms)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -104,14 +103,6 @@ def flash3_version(mod):
         return mod.version() if hasattr(mod, "version") else None
     except Exception as e:  # noqa: BLE001
         return f"? ({first_line(e)})"
-
-
-def sha256(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # ---- timing --------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ Timing: CUDA events around one call, after a short spin kernel (torch.cuda._slee
 GPU busy while the host launches, so host launch overhead is hidden (every implementation alike).
 Needs no torch at import: the functions that time take the torch module as an argument.
 """
+import hashlib
 import math
 import statistics
 
@@ -39,6 +40,15 @@ def geomean(xs):
     """Geometric mean of the positive numbers in xs (None and 0 skipped); None when there are none."""
     xs = [x for x in xs if x]
     return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
+
+
+def sha256(path):
+    """The hex SHA-256 of a file (to name which library a result came from)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def first_line(e):

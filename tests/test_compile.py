@@ -150,14 +150,10 @@ def test_cpu_fullgraph_forward_and_backward_graphs(calls, packed):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
-@pytest.mark.parametrize("packed", [False, True], ids=["func", "qkvpacked"])
-def test_cpu_compile_aot_eager(calls, packed, dynamic):
-    """torch.compile(fullgraph=True) through AOTAutograd (no code generation), static and
-    dynamic shapes: dynamic=True compiles once for two batch sizes and sequence lengths."""
-    model = make_block(64, 4, 4 if packed else 1, packed, torch.float32, "cpu")
-    compiled = torch.compile(model, fullgraph=True, backend="aot_eager", dynamic=dynamic)
-    for i, (b, s) in enumerate([(2, 16), (3, 24)]):
+def check_compiled_cpu(model, compiled, dynamic, shapes, tol):
+    """Runs `compiled` on (batch, seqlen) shapes in turn (with dynamic=True the later ones must
+    not recompile) and compares output and gradients with the eager model."""
+    for i, (b, s) in enumerate(shapes):
         x, dout = torch.randn(b, s, 64), torch.randn(b, s, 64)
         if dynamic and i:
             with torch.compiler.set_stance("fail_on_recompile"):
@@ -166,7 +162,17 @@ def test_cpu_compile_aot_eager(calls, packed, dynamic):
             got = run(compiled, x, dout)
         eager = run(model, x, dout)
         for g, e in zip([got[0]] + got[1], [eager[0]] + eager[1]):
-            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(g, e, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("packed", [False, True], ids=["func", "qkvpacked"])
+def test_cpu_compile_aot_eager(calls, packed, dynamic):
+    """torch.compile(fullgraph=True) through AOTAutograd (no code generation), static and
+    dynamic shapes: dynamic=True compiles once for two batch sizes and sequence lengths."""
+    model = make_block(64, 4, 4 if packed else 1, packed, torch.float32, "cpu")
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager", dynamic=dynamic)
+    check_compiled_cpu(model, compiled, dynamic, [(2, 16), (3, 24)], tol=1e-5)
 
 
 def _inductor_cpu_works():
@@ -183,16 +189,7 @@ def test_cpu_compile_inductor(calls, dynamic):
         pytest.skip("inductor cannot build CPU kernels here")
     model = make_block(64, 4, 2, False, torch.float32, "cpu")
     compiled = torch.compile(model, fullgraph=True, dynamic=dynamic)
-    for i, (b, s) in enumerate([(2, 16), (3, 40)]):
-        x, dout = torch.randn(b, s, 64), torch.randn(b, s, 64)
-        if dynamic and i:
-            with torch.compiler.set_stance("fail_on_recompile"):
-                got = run(compiled, x, dout)
-        else:
-            got = run(compiled, x, dout)
-        eager = run(model, x, dout)
-        for g, e in zip([got[0]] + got[1], [eager[0]] + eager[1]):
-            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+    check_compiled_cpu(model, compiled, dynamic, [(2, 16), (3, 40)], tol=1e-4)
 
 
 def test_cpu_compile_passes_the_options(calls):
