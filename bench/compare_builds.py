@@ -501,29 +501,25 @@ def setup_point(torch, dev, pss, impls, d, causal, s, b, h, want_results):
     calls, results, errors = {}, {}, {}
     if pss == "fwd":
         q, k, v = ts
-        for name, impl in impls.items():
-            def call(fwd=impl.fwd):
-                return fwd(q, k, v, causal)
-            try:
-                r = call()
-                calls[name] = call
-                if want_results:
-                    results[name] = r
-            except Exception as e:  # noqa: BLE001
-                errors[name] = first_line(e)
+
+        def make(impl):
+            return lambda: impl.fwd(q, k, v, causal)
     else:
         q, k, v, dout = ts
         for t in (q, k, v):
             t.requires_grad_()
-        for name, impl in impls.items():
-            try:
-                call = impl.bwd(q, k, v, dout, causal)
-                r = call()
-                calls[name] = call
-                if want_results:
-                    results[name] = r
-            except Exception as e:  # noqa: BLE001
-                errors[name] = first_line(e)
+
+        def make(impl):
+            return impl.bwd(q, k, v, dout, causal)
+    for name, impl in impls.items():
+        try:
+            call = make(impl)
+            r = call()
+            calls[name] = call
+            if want_results:
+                results[name] = r
+        except Exception as e:  # noqa: BLE001
+            errors[name] = first_line(e)
     torch.cuda.synchronize()
     return calls, results, errors
 
