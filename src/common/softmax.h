@@ -34,7 +34,7 @@ struct OnlineSoftmax {
   // the FMA takes the exact product, so at S = m the exponent is offset's rounding error, up to
   // 2^-24 |offset|: exact enough while |offset| < 2^20, which validation keeps for unit-scale
   // data by bounding softmax_scale (validate.cpp, kMaxSoftmaxScale). A warp-uniform branch to an
-  // exact path for huge scales measured 5-10% slower at head dims 64 and 128 (docs/perf-log.md, R3).
+  // exact path for huge scales added spills at head dim 128 (docs/perf-log.md, R3).
   template <class TensorS>
   __device__ __forceinline__ bool step(TensorS& s, float (&rescale)[kRows]) {
     static_assert(decltype(size<0>(s))::value == kRows);
