@@ -44,8 +44,8 @@ Check (--attn all): m(X) = mean loss of the last 50 steps of run X;
            SDPA runs that happen to land close together do not make the test stricter than the
            batch noise allows;
   PASS iff |m(flash3) - (m(sdpa) + m(sdpa_seed2)) / 2| <= max(spread, floor).
-Outputs in --out (default ./out, ignored by git): train_gpt.png (loss curves; matplotlib where installed,
-else a small PNG writer of this file), train_gpt.json (config, data, per run the losses, times,
+Outputs in --out (default ./out, ignored by git): train_gpt.png (loss curves, with matplotlib;
+skipped where it is not installed), train_gpt.json (config, data, per run the losses, times,
 tokens/s, and the check).
 """
 import argparse
@@ -53,10 +53,8 @@ import hashlib
 import json
 import math
 import os
-import struct
 import sys
 import time
-import zlib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA_DIRS = ("src", "include", "docs", "tests", "python", "bench", "tools", "scripts", "examples")
@@ -331,151 +329,6 @@ def spread_check(runs):
 
 # ---- PNG -----------------------------------------------------------------------------------------
 
-# 3x5 glyphs ('#' = ink), drawn at a scale; lower case is drawn as upper case
-_GLYPHS = {
-    "0": "### #.# #.# #.# ###", "1": ".#. ##. .#. .#. ###", "2": "### ..# ### #.. ###",
-    "3": "### ..# ### ..# ###", "4": "#.# #.# ### ..# ..#", "5": "### #.. ### ..# ###",
-    "6": "### #.. ### #.# ###", "7": "### ..# ..# ..# ..#", "8": "### #.# ### #.# ###",
-    "9": "### #.# ### ..# ###", "A": ".#. #.# ### #.# #.#", "B": "##. #.# ##. #.# ##.",
-    "C": ".## #.. #.. #.. .##", "D": "##. #.# #.# #.# ##.", "E": "### #.. ##. #.. ###",
-    "F": "### #.. ##. #.. #..", "G": ".## #.. #.# #.# .##", "H": "#.# #.# ### #.# #.#",
-    "I": "### .#. .#. .#. ###", "J": "..# ..# ..# #.# .#.", "K": "#.# #.# ##. #.# #.#",
-    "L": "#.. #.. #.. #.. ###", "M": "#.# ### ### #.# #.#", "N": "##. #.# #.# #.# #.#",
-    "O": ".#. #.# #.# #.# .#.", "P": "##. #.# ##. #.. #..", "Q": ".#. #.# #.# ##. .##",
-    "R": "##. #.# ##. #.# #.#", "S": ".## #.. .#. ..# ##.", "T": "### .#. .#. .#. .#.",
-    "U": "#.# #.# #.# #.# ###", "V": "#.# #.# #.# #.# .#.", "W": "#.# #.# ### ### #.#",
-    "X": "#.# #.# .#. #.# #.#", "Y": "#.# #.# .#. .#. .#.", "Z": "### ..# .#. #.. ###",
-    ".": "... ... ... ... .#.", "-": "... ... ### ... ...", ":": "... .#. ... .#. ...",
-    "(": "..# .#. .#. .#. ..#", ")": "#.. .#. .#. .#. #..", "=": "... ### ... ### ...",
-    "/": "..# ..# .#. #.. #..", "+": "... .#. ### .#. ...", ",": "... ... ... .#. #..",
-    "_": "... ... ... ... ###", "'": ".#. .#. ... ... ...", "|": ".#. .#. .#. .#. .#.",
-    "<": "..# .#. #.. .#. ..#", ">": "#.. .#. ..# .#. #..", ";": "... .#. ... .#. #..",
-    " ": "... ... ... ... ...", "%": "#.# ..# .#. #.. #.#",
-}
-
-
-class Canvas:
-    """An RGB image in a bytearray with lines, rectangles and 3x5-pixel text; png() encodes it."""
-
-    def __init__(self, w, h, bg=(255, 255, 255)):
-        self.w, self.h = w, h
-        self.px = bytearray(bytes(bg) * (w * h))
-
-    def set(self, x, y, c):
-        if 0 <= x < self.w and 0 <= y < self.h:
-            i = 3 * (y * self.w + x)
-            self.px[i:i + 3] = bytes(c)
-
-    def rect(self, x0, y0, x1, y1, c):
-        for y in range(max(0, y0), min(self.h, y1 + 1)):
-            i, j = 3 * (y * self.w + max(0, x0)), 3 * (y * self.w + min(self.w - 1, x1) + 1)
-            if j > i:
-                self.px[i:j] = bytes(c) * ((j - i) // 3)
-
-    def line(self, x0, y0, x1, y1, c, width=1):
-        n = max(abs(x1 - x0), abs(y1 - y0), 1)
-        r0 = -(width // 2)
-        for i in range(n + 1):
-            x, y = round(x0 + (x1 - x0) * i / n), round(y0 + (y1 - y0) * i / n)
-            for dx in range(r0, r0 + width):
-                for dy in range(r0, r0 + width):
-                    self.set(x + dx, y + dy, c)
-
-    def text(self, x, y, s, c=(0, 0, 0), scale=2):
-        """s at top-left (x, y); returns the x after it."""
-        for ch in s:
-            g = _GLYPHS.get(ch.upper(), "### #.# #.# #.# ###")
-            for r, row in enumerate(g.split()):
-                for col, bit in enumerate(row):
-                    if bit == "#":
-                        self.rect(x + col * scale, y + r * scale, x + (col + 1) * scale - 1,
-                                  y + (r + 1) * scale - 1, c)
-            x += 4 * scale
-        return x
-
-    @staticmethod
-    def text_width(s, scale=2):
-        return 4 * scale * len(s)
-
-    def png(self):
-        raw = b"".join(b"\0" + bytes(self.px[3 * y * self.w:3 * (y + 1) * self.w]) for y in range(self.h))
-
-        def chunk(kind, body):
-            return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-        return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", self.w, self.h, 8, 2, 0, 0, 0))
-                + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
-
-
-def nice_ticks(lo, hi, n=5):
-    """About n round tick values covering [lo, hi]."""
-    if not (math.isfinite(lo) and math.isfinite(hi)) or hi <= lo:
-        hi = lo + 1.0
-    raw = (hi - lo) / n
-    mag = 10 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
-    t = math.ceil(lo / step - 1e-9) * step
-    out = []
-    while t <= hi + 1e-9 * step:
-        out.append(round(t, 10))
-        t += step
-    return out, step
-
-
-def tick_label(t, step):
-    e = math.floor(math.log10(step) + 1e-9)
-    d = max(0, -e) + (1 if step < 10 and abs(step / 10 ** e - 2.5) < 1e-6 else 0)
-    return f"{0.0 if abs(t) < 1e-6 * step else t:.{d}f}"
-
-
-def draw_panel(cv, box, series, title, y_range=None):
-    """Line chart of series [(label, color, [y per step])] in box (x0, y0, x1, y1) of canvas cv;
-    title: a line, or a list of lines."""
-    x0, y0, x1, y1 = box
-    ink, grid = (0, 0, 0), (225, 225, 225)
-    title = [title] if isinstance(title, str) else title
-    left, bottom, top, right = 60, 34, 8 + 14 * len(title), 20
-    px0, py0, px1, py1 = x0 + left, y0 + top, x1 - right, y1 - bottom
-    n = max((len(s[2]) for s in series), default=1)
-    ys = [v for s in series for v in s[2] if math.isfinite(v)]
-    lo, hi = y_range if y_range else ((min(ys), max(ys)) if ys else (0.0, 1.0))
-    if hi <= lo:
-        lo, hi = lo - 0.5, hi + 0.5
-    yt, ystep = nice_ticks(lo, hi)
-    lo, hi = min(lo, yt[0]), max(hi, yt[-1])
-    xt, xstep = nice_ticks(0, max(1, n))
-
-    def X(i):
-        return round(px0 + (px1 - px0) * i / max(1, n))
-
-    def Y(v):  # clamped to the plot box
-        return min(py1, max(py0, round(py1 - (py1 - py0) * (v - lo) / (hi - lo))))
-    for t in yt:
-        cv.line(px0, Y(t), px1, Y(t), grid)
-        lab = tick_label(t, ystep)
-        cv.text(px0 - 6 - cv.text_width(lab), Y(t) - 5, lab)
-    for t in xt:
-        if t <= n:
-            cv.line(X(t), py0, X(t), py1, grid)
-            lab = f"{t:.0f}"
-            cv.text(X(t) - cv.text_width(lab) // 2, py1 + 6, lab)
-    cv.line(px0, py0, px0, py1, ink)
-    cv.line(px0, py1, px1, py1, ink)
-    for i, line in enumerate(title):
-        cv.text(px0, y0 + 4 + 14 * i, line)
-    cv.text((px0 + px1) // 2 - cv.text_width("step") // 2, y1 - 12, "step")
-    for label, color, vals in series:
-        pts = [(X(i + 1), Y(v)) for i, v in enumerate(vals) if math.isfinite(v)]
-        for (ax, ay), (bx, by) in zip(pts, pts[1:]):
-            cv.line(ax, ay, bx, by, color, width=2)
-    # legend, top right
-    ly = py0 + 6
-    for label, color, _ in series:
-        w = cv.text_width(label)
-        cv.rect(px1 - w - 30, ly + 3, px1 - w - 14, ly + 6, color)
-        cv.text(px1 - w - 6, ly, label)
-        ly += 16
-
-
 def smooth(vals, k=10):
     out, acc = [], []
     for v in vals:
@@ -504,20 +357,6 @@ def chart_series(runs):
                 diff.append((f"{k} - sdpa", COLORS.get(k, (0, 0, 0)),
                              smooth([a - b for a, b in zip(r["losses"], base)])))
     return loss, diff
-
-
-def write_png_builtin(path, runs, title):
-    loss, diff = chart_series(runs)
-    w, h = 900, 760 if diff else 480
-    cv = Canvas(w, h)
-    ys = [v for _, _, vals in loss for v in vals[min(5, len(vals) - 1):] if math.isfinite(v)]
-    y_range = (min(ys), max(ys)) if ys else None  # the first steps (loss 5.5) would flatten the rest
-    lines = title.split("\n")
-    draw_panel(cv, (0, 0, w, 480), loss, ["training loss (nats/byte): " + lines[0]] + lines[1:], y_range)
-    if diff:
-        draw_panel(cv, (0, 480, w, h), diff, "loss minus sdpa's (same seed), 10-step mean")
-    with open(path, "wb") as f:
-        f.write(cv.png())
 
 
 def write_png_matplotlib(path, runs, title):
@@ -552,18 +391,14 @@ def write_png_matplotlib(path, runs, title):
     plt.close(fig)
 
 
-def write_png(path, runs, title, writer="auto"):
-    """Writes the chart; returns the writer used ("matplotlib" or "builtin")."""
-    if writer in ("auto", "matplotlib"):
-        try:
-            write_png_matplotlib(path, runs, title)
-            return "matplotlib"
-        except Exception as e:  # noqa: BLE001 - no matplotlib (or a broken one): the builtin writer
-            if writer == "matplotlib":
-                raise
-            log(f"matplotlib: {type(e).__name__}: {e}; using the builtin PNG writer")
-    write_png_builtin(path, runs, title)
-    return "builtin"
+def write_png(path, runs, title):
+    """Writes the chart with matplotlib; returns whether it did (no matplotlib: no chart)."""
+    try:
+        write_png_matplotlib(path, runs, title)
+        return True
+    except ImportError as e:
+        log(f"chart skipped: {e}")
+        return False
 
 
 # ---- main ----------------------------------------------------------------------------------------
@@ -586,7 +421,6 @@ def parse_args(argv=None):
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--device", default=None, help="default: cuda where available, else cpu")
     p.add_argument("--out", default=os.path.join(ROOT, "out"), help="output folder [./out]")
-    p.add_argument("--png-writer", choices=("auto", "matplotlib", "builtin"), default="auto")
     p.add_argument("--log-every", type=int, default=25)
     a = p.parse_args(argv)
     if a.heads is None:
@@ -682,10 +516,10 @@ def main(argv=None):
                   f"sdpa_seed2 {chk['means']['sdpa_seed2']:.4f}; |diff| {chk['diff']:.4f} <= "
                   f"{chk['tolerance']:.4f}: {'PASS' if chk['pass'] else 'FAIL'}")
     png = os.path.join(a.out, "train_gpt.png")
-    result["png_writer"] = write_png(png, result["runs"], title, a.png_writer)
+    result["chart"] = write_png(png, result["runs"], title)
     with open(out_json, "w") as f:
         json.dump(result, f, indent=1)
-    log(f"wrote {png} ({result['png_writer']}) and {out_json}")
+    log(f"wrote {png if result['chart'] else 'no chart'} and {out_json}")
     return 0 if chk is None or chk["pass"] else 1
 
 
