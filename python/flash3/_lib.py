@@ -25,7 +25,7 @@ assert ctypes.sizeof(Tensor) == 80, "flash3_tensor layout changed"
 
 
 class FwdArgs(ctypes.Structure):
-    """flash3_fwd_args (first version): the layout the package packs (see __init__._FWD)."""
+    """flash3_fwd_args (first version): the layout _kernels._FWD packs."""
     _fields_ = [
         ("struct_size", ctypes.c_uint32),
         ("causal", ctypes.c_int32),
@@ -37,7 +37,7 @@ class FwdArgs(ctypes.Structure):
 
 
 class BwdArgs(ctypes.Structure):
-    """flash3_bwd_args (first version): the layout the package packs (see __init__._BWD)."""
+    """flash3_bwd_args (first version): the layout _kernels._BWD packs."""
     _fields_ = [
         ("struct_size", ctypes.c_uint32),
         ("causal", ctypes.c_int32),
@@ -110,9 +110,9 @@ def lib():
             except OSError as e:
                 errors.append(f"{path}: {e}")
                 continue
-            # flash3_fwd_args / flash3_bwd_args go as addresses (c_void_p: a ctypes buffer, an
-            # int, or ctypes.byref of a FwdArgs / BwdArgs): the package packs each call's struct
-            # into one buffer with struct.pack_into (faster than filling ctypes Structures).
+            # flash3_fwd_args / flash3_bwd_args go as addresses (c_void_p: a bytes object, a
+            # ctypes buffer, an int, or ctypes.byref of a FwdArgs / BwdArgs): the package packs
+            # each call's struct into bytes with one struct.Struct.pack (_kernels.py).
             ptr = ctypes.c_void_p
             handle.flash3_fwd.argtypes = [ptr, ctypes.c_char_p, ctypes.c_int]
             handle.flash3_fwd.restype = ctypes.c_int
