@@ -23,7 +23,7 @@ static_assert(sizeof(flash3::DType) == sizeof(int32_t), "DType must be 32-bit");
 static_assert(FLASH3_FWD_ARGS_SIZE_V1 == 16 + 5 * sizeof(flash3_tensor) + 8, "flash3_fwd_args v1 layout");
 static_assert(FLASH3_BWD_ARGS_SIZE_V1 == 16 + 9 * sizeof(flash3_tensor) + 24, "flash3_bwd_args v1 layout");
 static_assert(offsetof(flash3_fwd_args, q) == 16 && offsetof(flash3_bwd_args, q) == 16, "args header");
-static_assert(sizeof(flash3_fwd_args) == FLASH3_FWD_ARGS_SIZE_V1, "flash3_fwd_args is v1 (update when appending)");
+static_assert(FLASH3_FWD_ARGS_SIZE_V2 == FLASH3_FWD_ARGS_SIZE_V1 + 3 * sizeof(flash3_tensor), "flash3_fwd_args v2 layout");
 static_assert(sizeof(flash3_bwd_args) == FLASH3_BWD_ARGS_SIZE_V1, "flash3_bwd_args is v1 (update when appending)");
 
 TensorRef to_ref(const flash3_tensor* t) {
@@ -101,6 +101,9 @@ flash3::FwdArgs fwd_args(const flash3_fwd_args* c) {
   args.v = to_ref(&a.v);
   args.out = to_ref(&a.out);
   args.lse = to_ref(&a.lse);
+  args.q_scale = to_ref(&a.q_scale);
+  args.k_scale = to_ref(&a.k_scale);
+  args.v_scale = to_ref(&a.v_scale);
   args.softmax_scale = a.softmax_scale;
   args.causal = a.causal != 0;
   args.stream = static_cast<cudaStream_t>(a.stream);

@@ -20,21 +20,28 @@ void run_bwd(const BwdProblem& problem, const BwdArgs& args, const BwdWorkspaceL
 
 // Calls visit(std::integral_constant<DType, kDType>, std::integral_constant<int, kHeadDim>) for
 // the row of (dtype, head_dim) and returns true, or returns false when the table has no such row.
-template <class Visit>
+// kBackward: only the rows with a backward (FLASH3_KERNEL, not FLASH3_FWD_KERNEL).
+template <bool kBackward = false, class Visit>
 bool dispatch(DType dtype, int head_dim, Visit&& visit) {
 #define FLASH3_KERNEL(DT, HD)                                                               \
   if (dtype == DType::DT && head_dim == HD) {                                               \
     visit(std::integral_constant<DType, DType::DT>{}, std::integral_constant<int, HD>{});   \
     return true;                                                                            \
   }
+#define FLASH3_FWD_KERNEL(DT, HD)                                                           \
+  if constexpr (!kBackward) {                                                               \
+    FLASH3_KERNEL(DT, HD)                                                                   \
+  }
 #include "kernel_table.inc"
+#undef FLASH3_FWD_KERNEL
 #undef FLASH3_KERNEL
   return false;
 }
 
-// Whether the table has a row for (dtype, head_dim).
+// Whether the table has a row for (dtype, head_dim) (kBackward: with a backward).
+template <bool kBackward = false>
 inline bool kernel_built(DType dtype, int head_dim) {
-  return dispatch(dtype, head_dim, [](auto, auto) {});
+  return dispatch<kBackward>(dtype, head_dim, [](auto, auto) {});
 }
 
 }  // namespace flash3::detail

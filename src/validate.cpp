@@ -75,6 +75,8 @@ struct Arg {
 const char* const kQDims[] = {"batch", "seqlen_q", "nheads", "head_dim"};
 const char* const kKDims[] = {"batch", "seqlen_k", "nheads_kv", "head_dim"};
 const char* const kLseDims[] = {"batch", "nheads", "seqlen_q"};
+const char* const kQScaleDims[] = {"batch", "nheads", "q_blocks"};
+const char* const kKScaleDims[] = {"batch", "nheads_kv", "kv_blocks"};
 
 // "q.shape[3] (head_dim)".
 struct Dim {
@@ -133,10 +135,11 @@ class Checker {
   }
 
   // q is float16 or bfloat16, each of `same` has q's dtype (else `rule`), lse (if any) float32.
-  DType dtypes(const Arg& q, const Args& same, const Arg* lse, const char* rule) const {
+  // `more`: the other dtypes q may have (the message's end).
+  DType dtypes(const Arg& q, const Args& same, const Arg* lse, const char* rule, const char* more = "") const {
     const DType dtype = q.t.dtype;
     if (dtype != DType::kFloat16 && dtype != DType::kBFloat16) {
-      fail("q.dtype is ", Name{dtype}, "; supported dtypes are float16, bfloat16");
+      fail("q.dtype is ", Name{dtype}, "; supported dtypes are float16, bfloat16", more);
     }
     for (const Arg* a : same) {
       if (a->t.dtype != dtype) {
@@ -147,6 +150,46 @@ class Checker {
       fail("lse.dtype is ", Name{lse->t.dtype}, "; lse must be float32");
     }
     return dtype;
+  }
+
+  // FP8 q: k and v float8_e4m3 too, out bfloat16, lse (if any) float32.
+  void fp8_dtypes(const Arg& k, const Arg& v, const Arg& out, const Arg* lse) const {
+    for (const Arg* a : {&k, &v}) {
+      if (a->t.dtype != DType::kFloat8E4M3) {
+        fail(a->name, ".dtype is ", Name{a->t.dtype}, " but q.dtype is float8_e4m3; q, k and v must have the same dtype");
+      }
+    }
+    if (out.t.dtype != DType::kBFloat16) {
+      fail("out.dtype is ", Name{out.t.dtype}, "; with float8_e4m3 q, k, v, out must be bfloat16");
+    }
+    if (lse != nullptr && lse->t.dtype != DType::kFloat32) {
+      fail("lse.dtype is ", Name{lse->t.dtype}, "; lse must be float32");
+    }
+  }
+
+  // An FP8 dequantization scale (FwdArgs::q_scale, k_scale, v_scale): float32, (batch, heads)
+  // with heads = nheads_kv (one per (batch, kv head)) or (batch, heads_blocks, blocks) with
+  // `blocks` blocks of `block` rows; any strides >= 0; 4-byte aligned device memory.
+  void fp8_scale(const Arg& s, int64_t batch, int64_t nheads_kv, int64_t heads_blocks, int64_t seqlen, int block,
+                 PointerInspector inspect) const {
+    const TensorRef& t = s.t;
+    const int64_t blocks = (seqlen + block - 1) / block;
+    const std::string shapes = std::string("; ") + s.name + " must be (batch, nheads_kv) = (" + std::to_string(batch) +
+                               ", " + std::to_string(nheads_kv) + ") or (batch, " + s.dims[1] + ", ceil(" +
+                               (s.dims == kQScaleDims ? "seqlen_q / " : "seqlen_k / ") + std::to_string(block) +
+                               ")) = (" + std::to_string(batch) + ", " + std::to_string(heads_blocks) + ", " +
+                               std::to_string(blocks) + ")";
+    if (t.dtype != DType::kFloat32) fail(s.name, ".dtype is ", Name{t.dtype}, "; scales must be float32");
+    if (t.rank != 2 && t.rank != 3) fail(s.name, ".rank is ", t.rank, shapes);
+    const int64_t want[3] = {batch, t.rank == 2 ? nheads_kv : heads_blocks, blocks};
+    for (int d = 0; d < t.rank; ++d) {
+      if (t.shape[d] != want[d]) fail(s.name, ".shape[", d, "] is ", t.shape[d], shapes);
+      if (t.stride[d] < 0) fail(s.name, ".stride[", d, "] is ", t.stride[d], "; scale strides must be >= 0");
+    }
+    if (batch > 0 && want[1] > 0 && (t.rank == 2 || blocks > 0)) {
+      if (t.data == nullptr) fail(s.name, ".data is null; a non-empty ", s.name, " needs a device pointer");
+      pointer(std::string(s.name) + ".data", t.data, 4, inspect, "scale pointers");
+    }
   }
 
   void sizes(const Args& all) const {
@@ -310,21 +353,53 @@ FwdProblem validate_fwd(const FwdArgs& args, PointerInspector inspect) {
   if (write_lse) all.push_back(&lse);
 
   c.ranks(all);
-  const DType dtype = c.dtypes(q, {&k, &v, &out}, lse_if, "q, k, v and out must have the same dtype");
+  const bool fp8 = args.q.dtype == DType::kFloat8E4M3;
+  const DType dtype = fp8 ? DType::kFloat8E4M3
+                          : c.dtypes(q, {&k, &v, &out}, lse_if, "q, k, v and out must have the same dtype",
+                                   ", float8_e4m3 (with bfloat16 out)");
+  if (fp8) c.fp8_dtypes(k, v, out, lse_if);
+  const Arg q_scale{"q_scale", args.q_scale, kQScaleDims, 3}, k_scale{"k_scale", args.k_scale, kKScaleDims, 3},
+      v_scale{"v_scale", args.v_scale, kKScaleDims, 3};
+  if (!fp8) {
+    for (const Arg* s : {&q_scale, &k_scale, &v_scale}) {
+      if (s->t.data != nullptr) {
+        c.fail(s->name, " is given but q.dtype is ", Name{dtype}, "; scales apply to float8_e4m3 inputs only");
+      }
+    }
+  }
   c.sizes(all);
   c.qk_shapes(q, k);
   c.same_shape(v, k, "k and v must have the same shape");
   c.same_shape(out, q, "out must have the same shape as q");
   if (write_lse) c.lse_shape(lse, q);
   c.heads(q, k);
-  c.strides(all, lse_if, dtype);
+  if (fp8) {
+    c.strides({&q, &k, &v}, nullptr, dtype);
+    c.strides(write_lse ? Args{&out, &lse} : Args{&out}, lse_if, DType::kBFloat16);
+  } else {
+    c.strides(all, lse_if, dtype);
+  }
   c.seqlens(q, k);
   c.tiles(q, q);
   const float scale = c.scale(args.softmax_scale, args.q.shape[3], kMaxSoftmaxScale,
                               "2^11: beyond, float32 exponents of the softmax are not exact");
 
   // Pointers last, and only when there is something to compute.
-  if (args.q.shape[0] > 0 && args.q.shape[1] > 0) c.pointers(all, lse_if, inspect);
+  if (args.q.shape[0] > 0 && args.q.shape[1] > 0) {
+    c.pointers(all, lse_if, inspect);
+    if (fp8) {
+      const int64_t batch = args.q.shape[0], nheads = args.q.shape[2], nheads_kv = args.k.shape[2];
+      if (args.q_scale.data || args.q_scale.rank) {
+        c.fp8_scale(q_scale, batch, nheads_kv, nheads, args.q.shape[1], kFp8BlockQ, inspect);
+      }
+      if (args.k_scale.data || args.k_scale.rank) {
+        c.fp8_scale(k_scale, batch, nheads_kv, nheads_kv, args.k.shape[1], kFp8BlockKV, inspect);
+      }
+      if (args.v_scale.data || args.v_scale.rank) {
+        c.fp8_scale(v_scale, batch, nheads_kv, nheads_kv, args.k.shape[1], kFp8BlockKV, inspect);
+      }
+    }
+  }
 
   FwdProblem p = problem<FwdProblem>(dtype, args.q, args.k, scale, args.causal);
   p.write_lse = write_lse;

@@ -5,6 +5,7 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <random>
@@ -62,6 +63,22 @@ inline void random_tensor(DType dtype, size_t n, std::mt19937_64& rng, std::vect
     bits[i] = to_bits(dtype, normal(rng));
     values[i] = from_bits(dtype, bits[i]);
   }
+}
+
+// Query rows the reference computes: all of them for small problems, else a sample that
+// includes the first and last rows and the rows around tile boundaries.
+inline std::vector<int> reference_rows(int seqlen_q, std::mt19937_64& rng) {
+  std::vector<int> rows;
+  if (seqlen_q <= 1024) {
+    for (int i = 0; i < seqlen_q; ++i) rows.push_back(i);
+    return rows;
+  }
+  for (int i : {0, 1, 63, 64, 127, 128, 129, seqlen_q - 129, seqlen_q - 2, seqlen_q - 1}) rows.push_back(i);
+  std::uniform_int_distribution<int> pick(0, seqlen_q - 1);
+  for (int i = 0; i < 54; ++i) rows.push_back(pick(rng));
+  std::sort(rows.begin(), rows.end());
+  rows.erase(std::unique(rows.begin(), rows.end()), rows.end());
+  return rows;
 }
 
 // NaN in both fp16 (0x7E00 family) and bf16 (0x7FC0 family): 0x7FFF is NaN in both.

@@ -64,8 +64,9 @@ int64_t last_key(const Problem& p, int64_t i) {
 // is still summed in order over the head dim.
 constexpr int kRows = 16;
 
-// Attention in precision T, with rnd() applied where attention_fwd_lowp says.
-template <class T, class Rnd>
+// Attention in precision T, with rnd() applied where attention_fwd_lowp says (kFp8: where
+// attention_fwd_fp8_plain says).
+template <class T, bool kFp8 = false, class Rnd>
 void attention(const Problem& p, const double* q, const double* k, const double* v, double* out,
                double* lse, const std::vector<int>* rows, Rnd rnd) {
   std::vector<int> all_rows;
@@ -100,7 +101,7 @@ void attention(const Problem& p, const double* q, const double* k, const double*
       max_last = std::max(max_last, last[r]);
       for (int64_t c = 0; c < d; ++c) {
         const T qc = r < nr ? static_cast<T>(q[((b * sq + i) * p.nheads + h) * d + c]) : T(0);
-        qt[c * kRows + r] = rnd(qc * scale);
+        qt[c * kRows + r] = kFp8 ? qc : rnd(qc * scale);
       }
     }
     for (int64_t j = 0; j <= max_last; ++j) {
@@ -109,17 +110,18 @@ void attention(const Problem& p, const double* q, const double* k, const double*
         const T kc = static_cast<T>(kbase[j * kv_row + c]);
         for (int r = 0; r < kRows; ++r) acc[r] += qt[c * kRows + r] * kc;
       }
-      for (int r = 0; r < kRows; ++r) s[r * sk + j] = rnd(acc[r]);
+      for (int r = 0; r < kRows; ++r) s[r * sk + j] = kFp8 ? acc[r] * scale : rnd(acc[r]);
     }
     std::fill(o.begin(), o.end(), T(0));
-    T row_lse[kRows];
+    T row_lse[kRows], row_sum[kRows];
     for (int r = 0; r < nr; ++r) {
       T* sr = s.data() + r * sk;
       T m = -std::numeric_limits<T>::infinity(), sum = 0;
       for (int64_t j = 0; j <= last[r]; ++j) m = std::max(m, sr[j]);
       for (int64_t j = 0; j <= last[r]; ++j) sum += (sr[j] = std::exp(sr[j] - m));
-      for (int64_t j = 0; j <= last[r]; ++j) sr[j] = rnd(sr[j] / sum);
+      for (int64_t j = 0; j <= last[r]; ++j) sr[j] = kFp8 ? static_cast<T>(round_e4m3(sr[j])) : rnd(sr[j] / sum);
       row_lse[r] = last[r] < 0 ? std::numeric_limits<T>::infinity() : m + std::log(sum);
+      row_sum[r] = sum;
     }
     for (int64_t j = 0; j <= max_last; ++j) {
       const double* vj = vbase + j * kv_row;
@@ -132,7 +134,8 @@ void attention(const Problem& p, const double* q, const double* k, const double*
     }
     for (int r = 0; r < nr; ++r) {
       const int64_t i = (*rows)[r0 + r];
-      for (int64_t c = 0; c < d; ++c) out[((b * sq + i) * p.nheads + h) * d + c] = rnd(o[r * d + c]);
+      const T div = kFp8 && last[r] >= 0 ? row_sum[r] : T(1);
+      for (int64_t c = 0; c < d; ++c) out[((b * sq + i) * p.nheads + h) * d + c] = rnd(o[r * d + c] / div);
       if (lse != nullptr) lse[(b * p.nheads + h) * sq + i] = row_lse[r];
     }
   });
@@ -266,6 +269,35 @@ void attention_fwd_lowp(const Problem& p, DType dtype, const double* q, const do
     case FLASH3_BFLOAT16: return attention<float>(p, q, k, v, out, lse, rows, round_bf16);
   }
   throw std::invalid_argument("flash3::ref::attention_fwd_lowp: dtype must be float16 or bfloat16");
+}
+
+// e4m3 (OCP float8_e4m3fn): 3 mantissa bits, normal exponents [-6, 8], no infinities; finite
+// values beyond 448 saturate to +-448 (as cvt.rn.satfinite).
+double round_e4m3(double x) {
+  const double r = round_format(x, 3, -6, 8);
+  return std::fabs(r) > 448.0 ? std::copysign(448.0, x) : r;
+}
+
+void attention_fwd_fp8_plain(const Problem& p, const double* q, const double* k, const double* v, double* out,
+                             double* lse, const std::vector<int>* rows) {
+  attention<float, true>(p, q, k, v, out, lse, rows, round_bf16);
+}
+
+uint8_t double_to_e4m3_bits(double x) {
+  const double r = round_e4m3(x);
+  const uint8_t sign = std::signbit(r) ? 0x80 : 0;
+  const double a = std::fabs(r);
+  if (a == 0.0) return sign;
+  if (a < 0x1p-6) return sign | static_cast<uint8_t>(a * 0x1p9);  // subnormal: units of 2^-9
+  const int e = std::ilogb(a);
+  const int m = static_cast<int>(std::ldexp(a, -e) * 8.0) - 8;
+  return sign | static_cast<uint8_t>(((e + 7) << 3) | m);
+}
+
+double e4m3_bits_to_double(uint8_t b) {
+  const int e = (b >> 3) & 0xf, m = b & 7;
+  const double a = e == 0 ? std::ldexp(double(m), -9) : std::ldexp(1.0 + m / 8.0, e - 7);
+  return (b & 0x80) ? -a : a;
 }
 
 void attention_bwd_fp64(const Problem& p, const double* q, const double* k, const double* v,

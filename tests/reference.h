@@ -34,6 +34,19 @@ void attention_fwd_lowp(const Problem& p, DType dtype, const double* q, const do
                         const double* v, double* out, double* lse,
                         const std::vector<int>* rows = nullptr);
 
+// The FP8 forward's "plain" computation (its tests' error yardstick), on the dequantized inputs
+// (exact in float32: e4m3 values times float32 scales): S = (q k^T in float32) * scale;
+// P = exp(S - rowmax) in float32, rounded to e4m3 before P v (accumulated in float32); out =
+// rnd_bf16(P v / rowsum of the unrounded P); lse in float32.
+void attention_fwd_fp8_plain(const Problem& p, const double* q, const double* k, const double* v, double* out,
+                             double* lse, const std::vector<int>* rows = nullptr);
+
+// e4m3 (float8_e4m3fn): x rounded to nearest even (saturating at +-448), and its bits; the value
+// of a bit pattern (not NaN: 0x7f / 0xff).
+double round_e4m3(double x);
+uint8_t double_to_e4m3_bits(double x);
+double e4m3_bits_to_double(uint8_t b);
+
 // Backward of attention_fwd_fp64 for the loss sum(dout * out), in double:
 //   P = softmax(scale q k^T, masked), dV = P^T dO, dP = dO V^T, D = rowsum(dO o O) (computed as
 //   rowsum(P o dP), the same number in exact arithmetic), dS = P o (dP - D),

@@ -41,22 +41,6 @@ std::string describe(const Case& c) {
          (c.key_ramp > 0 ? " key_ramp=" + std::to_string(c.key_ramp) : "");
 }
 
-// Query rows the reference computes: all of them for small problems, else a sample that
-// includes the first and last rows and the rows around tile boundaries.
-std::vector<int> reference_rows(int seqlen_q, std::mt19937_64& rng) {
-  std::vector<int> rows;
-  if (seqlen_q <= 1024) {
-    for (int i = 0; i < seqlen_q; ++i) rows.push_back(i);
-    return rows;
-  }
-  for (int i : {0, 1, 63, 64, 127, 128, 129, seqlen_q - 129, seqlen_q - 2, seqlen_q - 1}) rows.push_back(i);
-  std::uniform_int_distribution<int> pick(0, seqlen_q - 1);
-  for (int i = 0; i < 54; ++i) rows.push_back(pick(rng));
-  std::sort(rows.begin(), rows.end());
-  rows.erase(std::unique(rows.begin(), rows.end()), rows.end());
-  return rows;
-}
-
 void run_case(const Case& c, uint64_t seed) {
   SCOPED_TRACE(describe(c));
   std::mt19937_64 rng(seed);

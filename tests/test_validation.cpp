@@ -693,7 +693,7 @@ TEST(CApi, InitSetsTheSizeAndZeroDefaults) {
   std::memset(&f, 0xAB, sizeof f);
   flash3_fwd_args_init(&f);
   EXPECT_EQ(f.struct_size, sizeof(flash3_fwd_args));
-  EXPECT_EQ(f.struct_size, FLASH3_FWD_ARGS_SIZE_V1);
+  EXPECT_EQ(f.struct_size, FLASH3_FWD_ARGS_SIZE_V2);
   EXPECT_EQ(f.q.data, nullptr);
   EXPECT_EQ(f.softmax_scale, 0.0f);
   EXPECT_EQ(f.stream, nullptr);
@@ -772,6 +772,8 @@ TEST(CApi, FirstVersionStructIsReadToItsSizeOnly) {
   const flash3_fwd_args f = c_fwd_args(make_args(0, 128, 256, 8, 2, 128, /*with_data=*/false));
   std::vector<unsigned char> buf(FLASH3_FWD_ARGS_SIZE_V1 + 64, 0xFF);
   std::memcpy(buf.data(), &f, FLASH3_FWD_ARGS_SIZE_V1);
+  const uint32_t v1 = FLASH3_FWD_ARGS_SIZE_V1;
+  std::memcpy(buf.data(), &v1, sizeof v1);  // a first-version caller's struct_size
   char err[256];
   EXPECT_EQ(flash3_fwd(reinterpret_cast<const flash3_fwd_args*>(buf.data()), err, sizeof err), FLASH3_OK) << err;
   const flash3_bwd_args b = c_bwd_args(make_bwd_args(0, 128, 256, 8, 2, 128, /*with_data=*/false));
@@ -784,6 +786,7 @@ TEST(CApi, FirstVersionStructIsReadToItsSizeOnly) {
   EXPECT_EQ(bytes, 0u);
   // the fields are read: a first-version struct with a bad tensor is still checked
   std::memcpy(buf.data(), &f, FLASH3_FWD_ARGS_SIZE_V1);
+  std::memcpy(buf.data(), &v1, sizeof v1);
   reinterpret_cast<flash3_fwd_args*>(buf.data())->k.shape[3] = 64;
   EXPECT_EQ(flash3_fwd(reinterpret_cast<const flash3_fwd_args*>(buf.data()), err, sizeof err),
             FLASH3_INVALID_ARGUMENT);

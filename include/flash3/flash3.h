@@ -4,7 +4,7 @@
 // in the layout users of FlashAttention-3 know:
 //   q   (batch, seqlen_q, nheads,    head_dim)
 //   k,v (batch, seqlen_k, nheads_kv, head_dim)
-//   out (batch, seqlen_q, nheads,    head_dim)           same dtype as q
+//   out (batch, seqlen_q, nheads,    head_dim)           same dtype as q (FP8 q: bfloat16)
 //   lse (batch, nheads, seqlen_q)  float32, optional     log-sum-exp of the scaled scores (natural log)
 // Only the last dimension must be contiguous (stride 1). Every error is thrown as flash3::Error
 // before anything is launched; its message names the argument, the value it got and what is
@@ -57,10 +57,23 @@ class CudaError : public Error {
   explicit CudaError(const std::string& what) : Error(what) {}
 };
 
+// FP8 forward (q, k, v float8_e4m3, out bfloat16): the rows of one scale block. A block of q is
+// kFp8BlockQ query rows, one of k or v kFp8BlockKV keys, each the full head_dim wide.
+constexpr int kFp8BlockQ = 64;
+constexpr int kFp8BlockKV = 128;
+
 struct FwdArgs {
   TensorRef q, k, v;
   TensorRef out;
   TensorRef lse;               // optional: lse.data == nullptr means "do not write it"
+  // FP8 inputs only (q, k, v float8_e4m3; out bfloat16): dequantization scales, float32, each
+  // optional (data == nullptr: 1). The true q is q * q_scale, likewise k and v. Each is either
+  //   (batch, nheads_kv)                                   one scale per (batch, kv head), as
+  //                                                        FlashAttention-3's q/k/v_descale
+  //   q_scale (batch, nheads, ceil(seqlen_q / kFp8BlockQ))   block scales: one per block of
+  //   k_scale, v_scale (batch, nheads_kv, ceil(seqlen_k / kFp8BlockKV))  rows (quantize_fp8)
+  // with any strides.
+  TensorRef q_scale, k_scale, v_scale;
   // <= 0 (or NaN) means the default 1/sqrt(head_dim). Any finite scale up to FLT_MAX / log2(e);
   // a huge one gives the limit (each row's output is the value of its largest-score key).
   float softmax_scale = 0.0f;
@@ -107,6 +120,26 @@ bool is_supported_head_dim(int head_dim);
 
 // True when a Hopper (sm_90) GPU is present and usable by this process.
 bool hopper_available(std::string* why_not = nullptr);
+
+// ---------------------------------------------------------------------------------------------
+// FP8 quantization for the FP8 forward: in (batch, seqlen, nheads, head_dim) bfloat16 or float16
+// -> out (same shape) float8_e4m3 and scale (batch, nheads, ceil(seqlen / block_rows)) float32,
+// with in ~= out * scale per block of block_rows rows (scale = the block's max |value| / 448,
+// 1 for an all-zero block). With hadamard, each row (one head's head_dim vector) is first
+// multiplied by M = diag(s) H / sqrt(head_dim), s random signs from `seed`, H the Sylvester
+// Hadamard matrix (head_dim a power of two): M is orthogonal, so quantizing q and k with the
+// same seed leaves q k^T, and the attention output, unchanged (incoherent processing, §3.3);
+// v is quantized without it. Only the last dim must be contiguous, for in and out.
+struct QuantizeArgs {
+  TensorRef in;
+  TensorRef out;
+  TensorRef scale;
+  int block_rows = kFp8BlockKV;  // kFp8BlockQ for q, kFp8BlockKV for k and v
+  bool hadamard = false;
+  uint64_t seed = 0;
+  cudaStream_t stream = nullptr;
+};
+void quantize_fp8(const QuantizeArgs& args);
 
 // ---------------------------------------------------------------------------------------------
 // Backward pass (FlashAttention-3, Algorithm 3). Given the forward's inputs, its output and

@@ -53,6 +53,9 @@ typedef struct flash3_fwd_args {
   flash3_tensor q, k, v, out;
   flash3_tensor lse;    /* data == NULL: not written */
   void* stream;         /* a cudaStream_t; NULL: the default stream */
+  /* v2: FP8 (float8_e4m3 q, k, v) dequantization scales, float32; data == NULL: none (1). Shapes
+   * (batch, nheads_kv) or block scales, as flash3::FwdArgs::q_scale, k_scale, v_scale. */
+  flash3_tensor q_scale, k_scale, v_scale;
 } flash3_fwd_args;
 
 /* Backward attention (see flash3::BwdArgs in flash3.h). */
@@ -71,6 +74,7 @@ typedef struct flash3_bwd_args {
 
 /* The sizes of the first versions: the smallest struct_size accepted. */
 #define FLASH3_FWD_ARGS_SIZE_V1 ((uint32_t)(offsetof(flash3_fwd_args, stream) + sizeof(void*)))
+#define FLASH3_FWD_ARGS_SIZE_V2 ((uint32_t)sizeof(flash3_fwd_args))
 #define FLASH3_BWD_ARGS_SIZE_V1 ((uint32_t)(offsetof(flash3_bwd_args, stream) + sizeof(void*)))
 
 /* Set a struct up: all zero (every default), struct_size = sizeof. Inline, so that struct_size

@@ -38,13 +38,13 @@ def version():
 
 # flash3_tensor (flash3_c.h): void* data; int32 dtype, rank; int64 shape[4], stride[4] (elements).
 # flash3_fwd_args: uint32 struct_size; int32 causal; float softmax_scale; uint32 reserved; then
-# q, k, v, out, lse; void* stream. flash3_bwd_args: uint32 struct_size; int32 causal,
+# q, k, v, out, lse; void* stream; q_scale, k_scale, v_scale (FP8). flash3_bwd_args: uint32 struct_size; int32 causal,
 # deterministic; float softmax_scale; then q, k, v, out, dout, lse, dq, dk, dv; void* workspace;
 # uint64 workspace_bytes; void* stream. Each struct is packed whole into a bytes object by one
 # Struct.pack and passed by address (the library only reads it): the cheapest way to fill it
 # from Python (measured: about half the time of packing a ctypes buffer tensor by tensor).
 _TENSOR = "Qii4q4q"
-_FWD = struct.Struct("<IifI" + _TENSOR * 5 + "Q")
+_FWD = struct.Struct("<IifI" + _TENSOR * 5 + "Q" + _TENSOR * 3)
 _BWD = struct.Struct("<Iiif" + _TENSOR * 9 + "QQQ")
 assert (_FWD.size, _BWD.size) == (_lib.FWD_ARGS_SIZE, _lib.BWD_ARGS_SIZE), "flash3 args layout changed"
 assert struct.calcsize("<" + _TENSOR) == ctypes.sizeof(_lib.Tensor) and _lib.FwdArgs.q.offset == 16
@@ -119,19 +119,26 @@ def _check(rc, buf, what):
         raise (ValueError if rc == _lib.INVALID_ARGUMENT else RuntimeError)(msg)
 
 
-def forward_into(q, k, v, out, lse=None, softmax_scale=None, causal=False):
-    """Runs the forward pass into caller-given buffers: out like q, lse float32 (b, h, sq) or None.
-    Raises ValueError with the library's message on invalid arguments, RuntimeError otherwise."""
+def forward_into(q, k, v, out, lse=None, softmax_scale=None, causal=False, q_scale=None, k_scale=None,
+                 v_scale=None):
+    """Runs the forward pass into caller-given buffers: out like q (bfloat16 for float8_e4m3 q),
+    lse float32 (b, h, sq) or None. FP8 (float8_e4m3fn q, k, v): q_scale, k_scale, v_scale are
+    float32 dequantization scales, (batch, nheads_kv) or block scales (flash3.h, FwdArgs), or
+    None (1). Raises ValueError with the library's message on invalid arguments, RuntimeError
+    otherwise."""
     scale = _scale_arg(softmax_scale)
     try:
         tensors = (*_fields(q), *_fields(k), *_fields(v), *_fields(out), *_fields(lse))
+        scales = _NULL * 3 if q_scale is None and k_scale is None and v_scale is None else (
+            *_fields(q_scale), *_fields(k_scale), *_fields(v_scale))
         index = q.get_device()
     except (AttributeError, KeyError, IndexError, TypeError, ValueError):
-        _explain((("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)), optional=("lse",))
+        _explain((("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse), ("q_scale", q_scale),
+                  ("k_scale", k_scale), ("v_scale", v_scale)), optional=("lse", "q_scale", "k_scale", "v_scale"))
         raise
     lib, buf = _lib.lib(), _lib.err_buffer()
     with _on_device(index):  # on torch's current stream of q's device
-        args = _FWD.pack(_lib.FWD_ARGS_SIZE, 1 if causal else 0, scale, 0, *tensors, _stream(index))
+        args = _FWD.pack(_lib.FWD_ARGS_SIZE, 1 if causal else 0, scale, 0, *tensors, _stream(index), *scales)
         rc = lib.flash3_fwd(args, buf, _lib.ERR_LEN)
     _check(rc, buf, "flash3_fwd")
     return out, lse

@@ -25,7 +25,7 @@ assert ctypes.sizeof(Tensor) == 80, "flash3_tensor layout changed"
 
 
 class FwdArgs(ctypes.Structure):
-    """flash3_fwd_args (first version): the layout _kernels._FWD packs."""
+    """flash3_fwd_args (second version): the layout _kernels._FWD packs."""
     _fields_ = [
         ("struct_size", ctypes.c_uint32),
         ("causal", ctypes.c_int32),
@@ -33,6 +33,7 @@ class FwdArgs(ctypes.Structure):
         ("reserved", ctypes.c_uint32),
         ("q", Tensor), ("k", Tensor), ("v", Tensor), ("out", Tensor), ("lse", Tensor),
         ("stream", ctypes.c_void_p),
+        ("q_scale", Tensor), ("k_scale", Tensor), ("v_scale", Tensor),  # v2: FP8 scales
     ]
 
 
@@ -54,7 +55,7 @@ class BwdArgs(ctypes.Structure):
 # struct_size as this package fills the structs (FLASH3_*_ARGS_SIZE_V1 in flash3_c.h)
 FWD_ARGS_SIZE = ctypes.sizeof(FwdArgs)
 BWD_ARGS_SIZE = ctypes.sizeof(BwdArgs)
-assert (FWD_ARGS_SIZE, BWD_ARGS_SIZE) == (424, 760), "flash3_fwd_args / flash3_bwd_args layout changed"
+assert (FWD_ARGS_SIZE, BWD_ARGS_SIZE) == (664, 760), "flash3_fwd_args / flash3_bwd_args layout changed"
 
 _lib = None
 _load_error = None

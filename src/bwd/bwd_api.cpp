@@ -40,7 +40,7 @@ void bwd(const BwdArgs& args) {
   }
   detail::require_hopper("flash3::bwd");
 
-  if (!detail::kernel_built(p.dtype, p.head_dim)) {  // validate_bwd admits only the table's rows
+  if (!detail::kernel_built</*kBackward=*/true>(p.dtype, p.head_dim)) {  // validate_bwd admits only the table's rows
     throw Error("flash3::bwd: no kernel for head_dim " + std::to_string(p.head_dim));
   }
 
@@ -52,7 +52,7 @@ void bwd(const BwdArgs& args) {
     base = static_cast<char*>(ptr);
   }
   try {
-    detail::dispatch(p.dtype, p.head_dim, [&](auto dtype, auto head_dim) {
+    detail::dispatch</*kBackward=*/true>(p.dtype, p.head_dim, [&](auto dtype, auto head_dim) {
       detail::run_bwd<decltype(dtype)::value, decltype(head_dim)::value>(p, args, ws, base);
     });
   } catch (...) {

@@ -17,6 +17,10 @@ template <>
 struct ElementOf<DType::kFloat16> {
   using type = cutlass::half_t;
 };
+template <>
+struct ElementOf<DType::kFloat8E4M3> {
+  using type = cutlass::float_e4m3_t;
+};
 template <DType kDType>
 using Element = typename ElementOf<kDType>::type;
 

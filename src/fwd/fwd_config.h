@@ -81,6 +81,15 @@ struct FwdTailPieces : FwdDefaultVariant { static constexpr bool kTailPieces = t
 template <int kHeadDim, bool kCausal>
 struct FwdTileConfig;
 
+// The FP8 forward (fwd_fp8_traits.h): two consumer warpgroups, 128-key tiles (one k/v scale
+// block, kFp8BlockKV), K, V and the transposed V in two stages each. Shared memory at head dim
+// 256: Q 32 + K 64 + V 64 + Vt 64 = 224 KB, so O leaves straight from registers there.
+template <int kHeadDim>
+struct FwdFp8TileConfig {
+  static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2;
+  static constexpr bool kOStageWarp = kHeadDim <= 128;
+};
+
 template <bool kCausal> struct FwdTileConfig<64, kCausal> {
   // NOTES: three consumer warpgroups (160 registers each): more warps to hide the softmax,
   // which at head dim 64 takes as long as the GEMMs. (With O staged through shared memory this

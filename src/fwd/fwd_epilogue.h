@@ -32,7 +32,7 @@ struct FwdEpilogueStorage {
 
 template <class Traits>
 struct FwdEpilogue {
-  using Element = typename Traits::Element;
+  using Element = typename Traits::ElementOut;
   static constexpr int kBlockM = Traits::kBlockM, kHeadDim = Traits::kHeadDim;
 
   // Thread 0 of the block, before the kernel's __syncthreads.

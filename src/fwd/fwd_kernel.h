@@ -13,6 +13,7 @@
 
 #include "common/mask.h"
 #include "common/ptx.h"
+#include "fwd/fwd_fp8_transpose.h"
 #include "fwd/fwd_traits.h"
 
 namespace flash3::detail {
@@ -21,7 +22,7 @@ template <class Traits>
 __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     fwd_kernel(const __grid_constant__ typename Traits::Params params) {
   using Load = FwdLoad<Traits>;
-  using Mainloop = FwdMainloop<Traits>;
+  using Mainloop = typename Traits::Mainloop;
   using Epilogue = FwdEpilogue<Traits>;
   using Pipeline = typename Traits::Pipeline;
   using PipelineV = typename Traits::PipelineV;
@@ -35,7 +36,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   // over their shared-memory rings.
   if (threadIdx.x == 0) {
     Load::init(shared, params.load);
-    FwdScheduler<Traits>::init_barriers(shared.scheduler, Traits::kNumConsumerThreads);
+    FwdScheduler<Traits>::init_barriers(shared.scheduler, Traits::kTileReaders);
     cutlass::arch::fence_barrier_init();
     Epilogue::init(params.epilogue);
   }
@@ -53,6 +54,13 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();  // line 3
     const FwdScheduler<Traits> scheduler(params.scheduler, params.seqlens);
     if (Traits::kDynamicTiles && threadIdx.x == 32) return scheduler.run_draws(shared);
+    if constexpr (Traits::kFp8) {
+      // FP8: warps 2.. transpose V for the PV GEMM (fwd_fp8_transpose.h).
+      if (threadIdx.x >= 64) {
+        FwdFp8Transpose<Traits>::run(shared, pipeline_v, scheduler, params.scheduler, threadIdx.x - 64);
+        asm volatile("exit;");
+      }
+    }
     // NOTES: the other threads leave with an explicit exit: as a branch to the kernel's shared
     // return, ptxas kept the producer's loop in a divergent region, off the uniform datapath,
     // and spilled its 24 registers.
@@ -82,7 +90,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     float lse[Mainloop::kRows];
     // Lines 13-24: O = softmax(Q K^T) V over the piece's key blocks, normalized, and its lse.
     Mainloop::run(params.mainloop, shared, pipeline_k, pipeline_v, read_k, read_v, turns, tidx, tiles_done, views,
-                  Mask<Traits::kCausal>(len), work.tile.m_block * Traits::kBlockM, work.n_lo, work.n_hi, tOrO, lse);
+                  Mask<Traits::kCausal>(len), work.tile.m_block * Traits::kBlockM, work.n_lo, work.n_hi, tOrO, lse,
+                  work.tile.batch, work.tile.head, work.tile.head / params.nheads_per_kv);
     if constexpr (Traits::kTailPieces) {
       if (work.part >= 0 &&
           !FwdCombine<Traits>::run(params.combine, params.scheduler.split, shared, work, tOrO, lse, tidx)) {

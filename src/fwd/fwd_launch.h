@@ -12,6 +12,7 @@
 #include "common/tail_split.h"
 #include "dispatch.h"
 #include "fwd/fwd_ablation.h"
+#include "fwd/fwd_fp8_traits.h"
 #include "fwd/fwd_kernel.h"
 #include "runtime/launch.h"
 #include "runtime/runtime.h"
@@ -38,8 +39,9 @@ typename Traits::Params make_fwd_params(const FwdProblem& p, const FwdArgs& args
   params.mainloop.softmax_scale = p.softmax_scale;
   params.mainloop.scale_log2 = float(p.softmax_scale * M_LOG2E);
   params.epilogue.layout_o = qkv_layout(args.out);
-  params.epilogue.tma_o = Traits::make_tma_o(static_cast<Element*>(args.out.data), params.epilogue.layout_o);
-  params.epilogue.out = static_cast<Element*>(args.out.data);
+  using ElementOut = typename Traits::ElementOut;
+  params.epilogue.tma_o = Traits::make_tma_o(static_cast<ElementOut*>(args.out.data), params.epilogue.layout_o);
+  params.epilogue.out = static_cast<ElementOut*>(args.out.data);
   params.epilogue.out_row_stride = args.out.stride[1];
   params.epilogue.out_head_stride = args.out.stride[2];
   params.epilogue.out_batch_stride = args.out.stride[0];
@@ -58,6 +60,23 @@ typename Traits::Params make_fwd_params(const FwdProblem& p, const FwdArgs& args
   params.seqlens.seqlen_q = p.seqlen_q;
   params.seqlens.seqlen_k = p.seqlen_k;
   params.nheads_per_kv = p.nheads / p.nheads_kv;
+  if constexpr (Traits::kFp8) {
+    // (batch, nheads_kv): one scale per (batch, kv head), block stride 0; rank 3: block scales.
+    auto scale = [](const TensorRef& t) {
+      Fp8Scale s{nullptr, 0, 0, 0};
+      if (t.data != nullptr) {
+        s.ptr = static_cast<const float*>(t.data);
+        s.batch_stride = t.stride[0];
+        s.head_stride = t.stride[1];
+        s.block_stride = t.rank == 3 ? t.stride[2] : 0;
+      }
+      return s;
+    };
+    params.mainloop.q = scale(args.q_scale);
+    params.mainloop.k = scale(args.k_scale);
+    params.mainloop.v = scale(args.v_scale);
+    params.mainloop.q_per_kv_head = args.q_scale.rank == 2;
+  }
   return params;
 }
 
@@ -142,33 +161,47 @@ inline bool fwd_schedule(const FwdProblem& p, const FwdArgs& args, FwdAblation a
          (ablation != FwdAblation::kNoPersistent && (!p.causal || p.seqlen_k <= 1024));
 }
 
-template <DType kDType, int kHeadDim>
-void run_fwd(const FwdProblem& p, const FwdArgs& args, FwdAblation ablation) {
-  using Element = detail::Element<kDType>;
+// The FP8 forward: no technique ablations, no tail split (FwdFp8Traits).
+template <int kHeadDim>
+void run_fwd_fp8(const FwdProblem& p, const FwdArgs& args, FwdAblation ablation) {
+  if (is_technique_ablation(ablation)) throw Error("flash3::fwd: the ablations are built for bfloat16 only");
   int* counter = nullptr;
   const bool persistent = fwd_schedule(p, args, ablation, counter);
-  if (is_technique_ablation(ablation)) {
-    if (kDType != DType::kBFloat16 || kHeadDim != 128 || p.causal) {
-      throw Error("flash3::fwd: ablation " + std::to_string(int(ablation)) +
-                  " is built for bfloat16, head_dim 128, non-causal only");
-    }
-    return run_fwd_technique_ablation(p, args, ablation, persistent);
-  }
-  if (p.causal) {
-    if constexpr (kHeadDim == 64) {
-      if (p.seqlen_q <= kFwdCausal64ShortMax) {
-        return launch_fwd<FwdTraits<Element, kHeadDim, true, FwdBlockM128>>(p, args, persistent, counter);
-      }
-    }
-    launch_fwd<FwdTraits<Element, kHeadDim, true>>(p, args, persistent, counter);
+  if (p.causal) return launch_fwd<FwdFp8Traits<kHeadDim, true>>(p, args, persistent, counter);
+  launch_fwd<FwdFp8Traits<kHeadDim, false>>(p, args, persistent, counter);
+}
+
+template <DType kDType, int kHeadDim>
+void run_fwd(const FwdProblem& p, const FwdArgs& args, FwdAblation ablation) {
+  if constexpr (kDType == DType::kFloat8E4M3) {
+    return run_fwd_fp8<kHeadDim>(p, args, ablation);
   } else {
-    if constexpr (kHeadDim != 64) {  // FwdTailPieces (fwd_config.h)
-      if (ablation == FwdAblation::kDefault) {
-        return launch_fwd<FwdTraits<Element, kHeadDim, false>, FwdTraits<Element, kHeadDim, false, FwdTailPieces>>(
-            p, args, persistent, counter);
+    using Element = detail::Element<kDType>;
+    int* counter = nullptr;
+    const bool persistent = fwd_schedule(p, args, ablation, counter);
+    if (is_technique_ablation(ablation)) {
+      if (kDType != DType::kBFloat16 || kHeadDim != 128 || p.causal) {
+        throw Error("flash3::fwd: ablation " + std::to_string(int(ablation)) +
+                    " is built for bfloat16, head_dim 128, non-causal only");
       }
+      return run_fwd_technique_ablation(p, args, ablation, persistent);
     }
-    launch_fwd<FwdTraits<Element, kHeadDim, false>>(p, args, persistent, counter);
+    if (p.causal) {
+      if constexpr (kHeadDim == 64) {
+        if (p.seqlen_q <= kFwdCausal64ShortMax) {
+          return launch_fwd<FwdTraits<Element, kHeadDim, true, FwdBlockM128>>(p, args, persistent, counter);
+        }
+      }
+      launch_fwd<FwdTraits<Element, kHeadDim, true>>(p, args, persistent, counter);
+    } else {
+      if constexpr (kHeadDim != 64) {  // FwdTailPieces (fwd_config.h)
+        if (ablation == FwdAblation::kDefault) {
+          return launch_fwd<FwdTraits<Element, kHeadDim, false>,
+                            FwdTraits<Element, kHeadDim, false, FwdTailPieces>>(p, args, persistent, counter);
+        }
+      }
+      launch_fwd<FwdTraits<Element, kHeadDim, false>>(p, args, persistent, counter);
+    }
   }
 }
 

@@ -86,7 +86,8 @@ struct FwdMainloop {
                                              Pipeline& pipeline_k, PipelineV& pipeline_v, PipelineState& read_k,
                                              PipelineStateV& read_v, const FwdPingpong<Traits>& turns, int tidx,
                                              int tiles_done, const Views& views, const MaskT& mask, int row0,
-                                             int n_lo, int n_block_max, TensorO& tOrO, float (&lse)[kRows]) {
+                                             int n_lo, int n_block_max, TensorO& tOrO, float (&lse)[kRows],
+                                             int /*batch*/, int /*head*/, int /*head_kv*/) {
     typename Traits::TiledMmaQK mma_qk;
     typename Traits::TiledMmaPV mma_pv;
     auto const& tSrQ = get<0>(views);

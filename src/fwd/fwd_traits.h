@@ -21,10 +21,11 @@ using namespace cute;
 
 // The kernel's parameters: each part's own, and the sequence lengths they share. One type for
 // every kernel of a (dtype, tile shape): the tail kernel's parameters are the main kernel's.
-template <class Element, class TmaQ, class TmaKV, class TmaO, class LayoutQKV>
+template <class Element, class TmaQ, class TmaKV, class TmaO, class LayoutQKV,
+          class MainloopParams = FwdMainloopParams>
 struct FwdParams {
   FwdLoadParams<TmaQ, TmaKV, LayoutQKV> load;
-  FwdMainloopParams mainloop;
+  MainloopParams mainloop;
   FwdEpilogueParams<Element, TmaO, LayoutQKV> epilogue;
   FwdSchedulerParams scheduler;
   FwdCombineParams combine;
@@ -35,7 +36,9 @@ struct FwdParams {
 template <class Element_, int kHeadDim_, bool kCausal_, class Variant = FwdDefaultVariant>
 struct FwdTraits {
   using Element = Element_;
+  using ElementOut = Element_;
   using Config = FwdTileConfig<kHeadDim_, kCausal_>;
+  static constexpr bool kFp8 = false;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = Variant::kBlockM > 0 ? Variant::kBlockM : Config::kBlockM;
   static constexpr int kBlockN = Variant::kBlockN > 0 ? Variant::kBlockN : Config::kBlockN;
@@ -56,6 +59,7 @@ struct FwdTraits {
   static constexpr int kNumConsumerWG = kBlockM / 64;
   static constexpr int kNumConsumerThreads = 128 * kNumConsumerWG;
   static constexpr int kNumThreads = 128 + kNumConsumerThreads;
+  static constexpr int kTileReaders = kNumConsumerThreads;  // of the scheduler's ring
   // NOTES: setmaxnreg budget: 65536 registers per SM, one block per SM.
   // 2 consumers: 24 x 128 + 240 x 256 = 64512; 3 consumers: 32 x 128 + 160 x 384 = 65536.
   static constexpr int kProducerRegs = kNumConsumerWG == 2 ? 24 : 32;
@@ -126,6 +130,7 @@ struct FwdTraits {
   // One type for every variant with the same tiles: the tail kernel's parameters are the main
   // kernel's (fwd_launch.h).
   using Params = FwdParams<Element, TmaQ, TmaKV, TmaO, LayoutQKV>;
+  using Mainloop = FwdMainloop<FwdTraits>;
 
   // kOStageWarp (O from registers): each consumer warp stages its 16 rows of O, kOStageCols
   // columns at a time, in a buffer of its own, so that the global stores write whole row
