@@ -25,6 +25,11 @@ static_assert(FLASH3_BWD_ARGS_SIZE_V1 == 16 + 9 * sizeof(flash3_tensor) + 24, "f
 static_assert(offsetof(flash3_fwd_args, q) == 16 && offsetof(flash3_bwd_args, q) == 16, "args header");
 static_assert(FLASH3_FWD_ARGS_SIZE_V2 == FLASH3_FWD_ARGS_SIZE_V1 + 3 * sizeof(flash3_tensor), "flash3_fwd_args v2 layout");
 static_assert(sizeof(flash3_bwd_args) == FLASH3_BWD_ARGS_SIZE_V1, "flash3_bwd_args is v1 (update when appending)");
+static_assert(FLASH3_QUANTIZE_FP8_ARGS_SIZE_V1 == 8 + 3 * sizeof(flash3_tensor) + 24,
+              "flash3_quantize_fp8_args v1 layout");
+static_assert(offsetof(flash3_quantize_fp8_args, in) == 8, "flash3_quantize_fp8_args header");
+static_assert(sizeof(flash3_quantize_fp8_args) == FLASH3_QUANTIZE_FP8_ARGS_SIZE_V1,
+              "flash3_quantize_fp8_args is v1 (update when appending)");
 
 TensorRef to_ref(const flash3_tensor* t) {
   TensorRef r;  // a NULL tensor is rank 0: rejected by validation, except fwd's lse ("not written")
@@ -131,6 +136,23 @@ flash3::BwdArgs bwd_args(const flash3_bwd_args* c) {
   return args;
 }
 
+flash3::QuantizeArgs quantize_args(const flash3_quantize_fp8_args* c) {
+  const flash3_quantize_fp8_args a = read_args(c, FLASH3_QUANTIZE_FP8_ARGS_SIZE_V1, "flash3::quantize_fp8: ",
+                                               "flash3_quantize_fp8_args");
+  if (a.reserved != 0) {
+    throw flash3::Error("flash3::quantize_fp8: args->reserved is " + std::to_string(a.reserved) + "; it must be 0");
+  }
+  flash3::QuantizeArgs args;
+  args.in = to_ref(&a.in);
+  args.out = to_ref(&a.out);
+  args.scale = to_ref(&a.scale);
+  args.block_rows = a.block_rows == 0 ? flash3::kFp8BlockKV : a.block_rows;  // 0: the default
+  args.hadamard = a.hadamard != 0;
+  args.seed = a.seed;
+  args.stream = static_cast<cudaStream_t>(a.stream);
+  return args;
+}
+
 }  // namespace
 
 extern "C" {
@@ -150,6 +172,10 @@ int flash3_bwd_workspace_size(const flash3_bwd_args* args, uint64_t* bytes, char
     a.workspace = nullptr;  // not read: the size is asked before there is one
     *bytes = static_cast<uint64_t>(flash3::bwd_workspace_size(flash3::validate_bwd(a)));
   });
+}
+
+int flash3_quantize_fp8(const flash3_quantize_fp8_args* args, char* err, int err_len) {
+  return guarded(err, err_len, [&] { flash3::quantize_fp8(quantize_args(args)); });
 }
 
 int flash3_hopper_available(char* why, int why_len) {

@@ -1,8 +1,10 @@
-"""CPU stand-ins for flash3's two library calls (forward_into, backward_into), for the tests that
-run without a GPU: the attention math in float64, written into the caller's buffers as the
-library would (rows that see no key: out 0, lse +inf; dq 0). Everything above them (the
-operators, their fakes and autograd, the eager autograd path, the allocation of outputs and
-the handling of dout) is flash3's own code.
+"""CPU stand-ins for flash3's library calls (forward_into, backward_into, quantize_fp8_into), for
+the tests that run without a GPU: the attention math in float64, written into the caller's
+buffers as the library would (rows that see no key: out 0, lse +inf; dq 0; FP8 inputs
+dequantized by their scales first), and the FP8 block quantization (with the Hadamard rotation
+of src/quant/hadamard.h) computed as the kernel does, in float32 where it rounds. Everything
+above them (the operators, their fakes and autograd, the eager paths, the allocation of
+outputs and the handling of dout) is flash3's own code.
 
     calls = stand_in.install(monkeypatch)   # each call appends (name, dict of its arguments)
 """
@@ -58,13 +60,82 @@ def attention_grads(dout, q, k, v, softmax_scale=None, causal=False):
     return dq, dk.reshape(b, sk, hk, rep, d).sum(3), dv.reshape(b, sk, hk, rep, d).sum(3)
 
 
+# ---- FP8 -----------------------------------------------------------------------------------------
+
+def _sign(seed, i):
+    """s_i of src/quant/hadamard.h: -1 when the top bit of splitmix64 of seed + (i + 1) * the
+    golden-ratio increment is set, else +1."""
+    mask = 2**64 - 1
+    z = (seed + (i + 1) * 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return -1.0 if (z ^ (z >> 31)) >> 63 else 1.0
+
+
+def hadamard_matrix(d, seed, normalized=True):
+    """M = diag(s) H (/ sqrt(d) when normalized), float64 (d, d): a row x rotates to x @ M.
+    H_ij = (-1)^popcount(i & j), the Sylvester Hadamard matrix."""
+    i = torch.arange(d)
+    bits = i[:, None] & i[None, :]
+    parity = torch.zeros_like(bits)
+    while bool(bits.any()):
+        parity ^= bits & 1
+        bits = bits >> 1
+    h = 1.0 - 2.0 * parity.double()
+    s = torch.tensor([_sign(seed, j) for j in range(d)], dtype=torch.float64)
+    m = s[:, None] * h
+    return m / math.sqrt(d) if normalized else m
+
+
+def quantize(x, block_rows, hadamard=False, seed=0):
+    """(out float8_e4m3fn, scale float32 (b, h, ceil(s / block_rows))) as the kernel computes
+    them: y = x (rotated by the unnormalized diag(s) H with hadamard) in float32, amax per block,
+    scale = amax / 448 (/ sqrt(d) with hadamard) rounded once to float32 (1 for a zero block),
+    out = y * float32(448 / amax) rounded to e4m3."""
+    b, s, h, d = x.shape
+    y = x.double()
+    if hadamard:
+        y = y @ hadamard_matrix(d, seed, normalized=False).to(x.device)
+    y = y.float()
+    nb = (s + block_rows - 1) // block_rows
+    pad = torch.zeros(b, nb * block_rows, h, d, dtype=torch.float32, device=x.device)
+    pad[:, :s] = y.abs()
+    amax = pad.reshape(b, nb, block_rows, h, d).amax(dim=(2, 4)).transpose(1, 2)  # (b, h, nb)
+    factor = (1.0 / math.sqrt(d) if hadamard else 1.0) / 448.0
+    scale = torch.where(amax > 0, (amax.double() * factor).float(), torch.ones_like(amax))
+    inv = torch.where(amax > 0, torch.tensor(448.0) / amax, torch.zeros_like(amax))  # float32
+    rows = torch.arange(s, device=x.device) // block_rows
+    out = (y * inv[:, :, rows].transpose(1, 2)[..., None]).to(torch.float8_e4m3fn)
+    return out, scale
+
+
+def dequantize(t, scale, block, heads_kv):
+    """t (b, s, h, d) in float64 times its scale: None (1), (b, heads_kv) (query head i uses kv
+    head i // (h // heads_kv)) or block scales (b, h, ceil(s / block))."""
+    x = t.double()
+    if scale is None:
+        return x
+    b, s, h, d = t.shape
+    sc = scale.double()
+    if sc.dim() == 2:
+        return x * sc.repeat_interleave(h // heads_kv, dim=1)[:, None, :, None]
+    rows = torch.arange(s, device=t.device) // block
+    return x * sc[:, :, rows].transpose(1, 2)[..., None]
+
+
 def install(monkeypatch):
-    """Puts the stand-ins in place of flash3._kernels.forward_into / backward_into (what
-    flash3's kernels, operators and autograd call); returns the list the calls are logged in."""
+    """Puts the stand-ins in place of flash3._kernels.forward_into / backward_into /
+    quantize_fp8_into (what flash3's kernels, operators and autograd call); returns the list the
+    calls are logged in."""
     calls = []
 
-    def forward_into(q, k, v, out, lse=None, softmax_scale=None, causal=False):
-        calls.append(("fwd", dict(q=q, k=k, v=v, out=out, lse=lse, softmax_scale=softmax_scale, causal=causal)))
+    def forward_into(q, k, v, out, lse=None, softmax_scale=None, causal=False, q_scale=None, k_scale=None,
+                     v_scale=None):
+        calls.append(("fwd", dict(q=q, k=k, v=v, out=out, lse=lse, softmax_scale=softmax_scale, causal=causal,
+                                  q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)))
+        if q.dtype == torch.float8_e4m3fn:
+            hk = k.shape[2]
+            q, k, v = dequantize(q, q_scale, 64, hk), dequantize(k, k_scale, 128, hk), dequantize(v, v_scale, 128, hk)
         o, l = attention(q, k, v, softmax_scale, causal)
         out.copy_(o)
         if lse is not None:
@@ -79,6 +150,15 @@ def install(monkeypatch):
             buf.copy_(g)
         return dq, dk, dv
 
+    def quantize_fp8_into(x, out, scale, block_rows=128, hadamard=False, seed=0):
+        calls.append(("quantize", dict(x=x, out=out, scale=scale, block_rows=block_rows, hadamard=hadamard,
+                                       seed=seed)))
+        o, s = quantize(x, block_rows, hadamard, seed)
+        out.copy_(o)
+        scale.copy_(s)
+        return out, scale
+
     monkeypatch.setattr(flash3._kernels, "forward_into", forward_into)
     monkeypatch.setattr(flash3._kernels, "backward_into", backward_into)
+    monkeypatch.setattr(flash3._kernels, "quantize_fp8_into", quantize_fp8_into)
     return calls

@@ -59,9 +59,6 @@ def test_cpu_module_alias():
 
 UNSUPPORTED = [
     (dict(qv=torch.zeros(1, 16, 2, 64)), "qv"),
-    (dict(q_descale=torch.ones(1, 2)), "q_descale"),
-    (dict(k_descale=torch.ones(1, 2)), "k_descale"),
-    (dict(v_descale=torch.ones(1, 2)), "v_descale"),
     (dict(window_size=(128, 0)), "window_size"),
     (dict(window_size=(4, 4)), "window_size"),
     (dict(window_size=(-1, 8)), "window_size"),
@@ -72,7 +69,7 @@ UNSUPPORTED = [
 
 
 @pytest.mark.parametrize("kwargs, name", UNSUPPORTED, ids=[
-    "qv", "q_descale", "k_descale", "v_descale", "window_128_0", "window_4_4", "window_right", "window_causal_left",
+    "qv", "window_128_0", "window_4_4", "window_right", "window_causal_left",
     "attention_chunk", "softcap"])
 def test_cpu_unsupported_argument_raises_naming_it(kwargs, name):
     """Checked before anything runs: CPU tensors, no library needed."""
@@ -82,6 +79,17 @@ def test_cpu_unsupported_argument_raises_naming_it(kwargs, name):
     if "qv" not in kwargs:
         with pytest.raises(NotImplementedError, match=rf"\b{name}\b"):
             flash3.flash_attn_qkvpacked_func(torch.zeros(1, 16, 3, 2, 64, dtype=torch.bfloat16), **kwargs)
+
+
+@pytest.mark.parametrize("name", ["q_descale", "k_descale", "v_descale"])
+def test_cpu_descale_with_16bit_inputs_raises_value_error_naming_it(name):
+    """FP8 descales apply to float8_e4m3fn inputs only: with 16-bit ones, a ValueError naming the
+    argument, before anything runs (CPU tensors, no library needed)."""
+    q = torch.zeros(1, 16, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=rf"^{name}\b.*torch.bfloat16"):
+        flash3.flash_attn_func(q, q, q, **{name: torch.ones(1, 2)})
+    with pytest.raises(ValueError, match=rf"^{name}\b"):
+        flash3.flash_attn_qkvpacked_func(torch.zeros(1, 16, 3, 2, 64, dtype=torch.bfloat16), **{name: torch.ones(1, 2)})
 
 
 def test_cpu_unknown_argument_is_a_type_error():

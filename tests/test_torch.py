@@ -161,12 +161,14 @@ def test_requires_grad_forward_and_backward():
     (dict(window_size=(128, 0)), "window_size"),
     (dict(softcap=30.0), "softcap"),
     (dict(attention_chunk=256), "attention_chunk"),
-    (dict(q_descale=1.0), "q_descale"),
 ])
 def test_unsupported_options(kwargs, name):
     q = torch.randn(1, 16, 2, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(NotImplementedError, match=name):
         flash3.flash_attn_func(q, q, q, **kwargs)
+    # FP8 descales with 16-bit inputs: a ValueError naming the argument
+    with pytest.raises(ValueError, match="q_descale"):
+        flash3.flash_attn_func(q, q, q, q_descale=1.0)
     with pytest.raises(TypeError, match="no_such_option"):
         flash3.flash_attn_func(q, q, q, no_such_option=1)
 

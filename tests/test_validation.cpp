@@ -857,4 +857,94 @@ TEST(CApi, BwdOfAnEmptyBatchIsANoOp) {  // validation passes with no pointer to 
   EXPECT_STREQ(err, "flash3::bwd: bytes is null; it must point to a uint64_t");
 }
 
+// flash3_quantize_fp8: contiguous in (b, s, h, d) bfloat16, out float8_e4m3, scale (b, h,
+// ceil(s / block_rows)) float32, all with null data (every failure below is found before the
+// pointers are looked at, and an empty in never looks at them).
+flash3_quantize_fp8_args c_quantize_args(int64_t b, int64_t s, int64_t h, int64_t d, int block_rows = 128) {
+  flash3_quantize_fp8_args c;
+  flash3_quantize_fp8_args_init(&c);
+  c.in = c_tensor(TensorRef::contiguous(nullptr, DType::kBFloat16, {b, s, h, d}));
+  c.out = c_tensor(TensorRef::contiguous(nullptr, DType::kFloat8E4M3, {b, s, h, d}));
+  c.scale = c_tensor(TensorRef::contiguous(nullptr, DType::kFloat32, {b, h, (s + block_rows - 1) / block_rows}));
+  return c;
+}
+
+TEST(CApi, QuantizeInitSetsTheSizeAndZeroDefaults) {
+  flash3_quantize_fp8_args q;
+  std::memset(&q, 0xAB, sizeof q);
+  flash3_quantize_fp8_args_init(&q);
+  EXPECT_EQ(q.struct_size, sizeof(flash3_quantize_fp8_args));
+  EXPECT_EQ(q.struct_size, FLASH3_QUANTIZE_FP8_ARGS_SIZE_V1);
+  EXPECT_EQ(q.reserved, 0u);
+  EXPECT_EQ(q.in.data, nullptr);
+  EXPECT_EQ(q.in.rank, 0);
+  EXPECT_EQ(q.scale.data, nullptr);
+  EXPECT_EQ(q.block_rows, 0);  // the default: 128 (kFp8BlockKV)
+  EXPECT_EQ(q.hadamard, 0);
+  EXPECT_EQ(q.seed, 0u);
+  EXPECT_EQ(q.stream, nullptr);
+}
+
+TEST(CApi, QuantizeReportsInvalidArguments) {
+  flash3_quantize_fp8_args c = c_quantize_args(2, 300, 4, 96);
+  char err[256];
+  EXPECT_EQ(flash3_quantize_fp8(&c, err, sizeof err), FLASH3_INVALID_ARGUMENT);
+  EXPECT_STREQ(err, "flash3::quantize_fp8: in.shape[3] (head_dim) is 96; supported head dims are 64, 128, 256");
+  c = c_quantize_args(2, 300, 4, 128);
+  c.out.dtype = FLASH3_FLOAT8_E5M2;
+  EXPECT_EQ(flash3_quantize_fp8(&c, err, sizeof err), FLASH3_INVALID_ARGUMENT);
+  EXPECT_STREQ(err, "flash3::quantize_fp8: out.dtype is float8_e5m2; out must be float8_e4m3");
+  c = c_quantize_args(2, 300, 4, 128);
+  c.block_rows = -3;
+  EXPECT_EQ(flash3_quantize_fp8(&c, err, sizeof err), FLASH3_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(err).rfind("flash3::quantize_fp8: block_rows is -3; it must be >= 1", 0), 0u) << err;
+  // block_rows 0 is the default 128: a scale shaped for 64-row blocks no longer fits
+  c = c_quantize_args(2, 300, 4, 128, /*block_rows=*/64);
+  EXPECT_EQ(flash3_quantize_fp8(&c, err, sizeof err), FLASH3_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(err).rfind("flash3::quantize_fp8: scale.shape[2] (num_blocks) is 5 but "
+                                   "ceil(seqlen / block_rows) is 3 (seqlen 300, block_rows 128)",
+                                   0),
+            0u)
+      << err;
+  c = c_quantize_args(0, 300, 4, 128);
+  c.reserved = 2;
+  EXPECT_EQ(flash3_quantize_fp8(&c, err, sizeof err), FLASH3_INVALID_ARGUMENT);
+  EXPECT_STREQ(err, "flash3::quantize_fp8: args->reserved is 2; it must be 0");
+  flash3_quantize_fp8_args_init(&c);  // every tensor NULL (rank 0)
+  EXPECT_EQ(flash3_quantize_fp8(&c, err, sizeof err), FLASH3_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(err).rfind("flash3::quantize_fp8: in.rank is 0", 0), 0u) << err;
+  EXPECT_EQ(flash3_quantize_fp8(nullptr, err, sizeof err), FLASH3_INVALID_ARGUMENT);
+  EXPECT_STREQ(err, "flash3::quantize_fp8: args is null; pass a flash3_quantize_fp8_args; set it up with "
+                    "flash3_quantize_fp8_args_init");
+  c = c_quantize_args(0, 300, 4, 128);
+  c.struct_size = 8;
+  EXPECT_EQ(flash3_quantize_fp8(&c, err, sizeof err), FLASH3_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(err), "flash3::quantize_fp8: args->struct_size is 8; it must be at least " +
+                                  std::to_string(FLASH3_QUANTIZE_FP8_ARGS_SIZE_V1) +
+                                  " (sizeof(flash3_quantize_fp8_args) of the first version); set it up with "
+                                  "flash3_quantize_fp8_args_init");
+}
+
+TEST(CApi, QuantizeOfAnEmptyBatchIsANoOp) {  // validation passes with no pointer to inspect
+  for (int which = 0; which < 3; ++which) {
+    const flash3_quantize_fp8_args c =
+        c_quantize_args(which == 0 ? 0 : 2, which == 1 ? 0 : 300, which == 2 ? 0 : 4, 128);
+    char err[64] = "unchanged";
+    EXPECT_EQ(flash3_quantize_fp8(&c, err, sizeof err), FLASH3_OK) << err;
+    EXPECT_STREQ(err, "");
+  }
+  // a later version's struct: zero bytes past the known fields are accepted, a set one is not
+  const flash3_quantize_fp8_args c = c_quantize_args(0, 300, 4, 128);
+  const uint32_t size = sizeof c + 16;
+  std::vector<unsigned char> buf(size, 0);
+  std::memcpy(buf.data(), &c, sizeof c);
+  std::memcpy(buf.data(), &size, sizeof size);
+  const auto* p = reinterpret_cast<const flash3_quantize_fp8_args*>(buf.data());
+  char err[512];
+  EXPECT_EQ(flash3_quantize_fp8(p, err, sizeof err), FLASH3_OK) << err;
+  buf[size - 1] = 1;
+  EXPECT_EQ(flash3_quantize_fp8(p, err, sizeof err), FLASH3_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(err).find("byte " + std::to_string(size - 1) + " is not zero"), std::string::npos) << err;
+}
+
 }  // namespace

@@ -72,10 +72,25 @@ typedef struct flash3_bwd_args {
   void* stream;         /* a cudaStream_t; NULL: the default stream */
 } flash3_bwd_args;
 
+/* FP8 quantization for the FP8 forward (see flash3::QuantizeArgs in flash3.h): in (batch, seqlen,
+ * nheads, head_dim) float16 or bfloat16 -> out (same shape) float8_e4m3 and scale (batch, nheads,
+ * ceil(seqlen / block_rows)) float32, in ~= out * scale per block of block_rows rows. */
+typedef struct flash3_quantize_fp8_args {
+  uint32_t struct_size; /* bytes: sizeof(flash3_quantize_fp8_args) of the caller's header */
+  uint32_t reserved;    /* 0 (keeps the tensors 8-byte aligned without padding) */
+  flash3_tensor in, out, scale;
+  int32_t block_rows;   /* rows per scale block; 0: the default 128 (kFp8BlockKV; 64 for q) */
+  int32_t hadamard;     /* nonzero: rotate each row by the seeded Hadamard transform first */
+  uint64_t seed;        /* the rotation's random signs (the same seed for q and k) */
+  void* stream;         /* a cudaStream_t; NULL: the default stream */
+} flash3_quantize_fp8_args;
+
 /* The sizes of the first versions: the smallest struct_size accepted. */
 #define FLASH3_FWD_ARGS_SIZE_V1 ((uint32_t)(offsetof(flash3_fwd_args, stream) + sizeof(void*)))
 #define FLASH3_FWD_ARGS_SIZE_V2 ((uint32_t)sizeof(flash3_fwd_args))
 #define FLASH3_BWD_ARGS_SIZE_V1 ((uint32_t)(offsetof(flash3_bwd_args, stream) + sizeof(void*)))
+#define FLASH3_QUANTIZE_FP8_ARGS_SIZE_V1 \
+  ((uint32_t)(offsetof(flash3_quantize_fp8_args, stream) + sizeof(void*)))
 
 /* Set a struct up: all zero (every default), struct_size = sizeof. Inline, so that struct_size
  * is the caller's sizeof, not the library's. */
@@ -84,6 +99,10 @@ static inline void flash3_fwd_args_init(flash3_fwd_args* args) {
   args->struct_size = (uint32_t)sizeof *args;
 }
 static inline void flash3_bwd_args_init(flash3_bwd_args* args) {
+  memset(args, 0, sizeof *args);
+  args->struct_size = (uint32_t)sizeof *args;
+}
+static inline void flash3_quantize_fp8_args_init(flash3_quantize_fp8_args* args) {
   memset(args, 0, sizeof *args);
   args->struct_size = (uint32_t)sizeof *args;
 }
@@ -98,6 +117,10 @@ int flash3_bwd(const flash3_bwd_args* args, char* err, int err_len);
 /* Scratch bytes flash3_bwd needs for these arguments (workspace and stream are not read),
  * written to *bytes. Validates like flash3_bwd (same codes and messages). */
 int flash3_bwd_workspace_size(const flash3_bwd_args* args, uint64_t* bytes, char* err, int err_len);
+
+/* FP8 quantization: writes out and scale. Same return codes and err convention as flash3_fwd;
+ * an empty in (batch, seqlen or nheads 0) returns FLASH3_OK without a launch. */
+int flash3_quantize_fp8(const flash3_quantize_fp8_args* args, char* err, int err_len);
 
 /* 1 if a Hopper GPU is usable, else 0 (and a reason in why, if why_len > 0). */
 int flash3_hopper_available(char* why, int why_len);

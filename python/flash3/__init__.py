@@ -10,13 +10,18 @@ flash_attn_func and flash_attn_qkvpacked_func follow FlashAttention-3's
 flash3.flash_attn_interface (`import flash3.flash_attn_interface as flash_attn_interface`).
 They trace under torch.compile (fullgraph, dynamic shapes, CUDA graphs) through the
 torch.library operators torch.ops.flash3.fwd and torch.ops.flash3.bwd (flash3._ops).
-The buffer-level entry points are forward_into and backward_into.
+FP8 (inference): flash_attn_func takes float8_e4m3fn q, k, v with q_descale, k_descale,
+v_descale as FlashAttention-3 does; flash_attn_fp8_func quantizes bfloat16 / float16 inputs
+itself (block scales, Hadamard rotation) and quantize_fp8 is its quantizer (flash3.fp8; the
+operators torch.ops.flash3.fwd_fp8 and torch.ops.flash3.quantize_fp8).
+The buffer-level entry points are forward_into, backward_into and quantize_fp8_into.
 
 The library is loaded at the first call, not at import (see _lib.py for where it is looked for).
 """
-from . import _kernels, _lib, _ops, flash_attn_interface
-from ._kernels import _kernel_layout, backward_into, forward_into, hopper_available, version
+from . import _kernels, _lib, _ops, flash_attn_interface, fp8
+from ._kernels import _kernel_layout, backward_into, forward_into, hopper_available, quantize_fp8_into, version
 from .flash_attn_interface import _IGNORED, flash_attn_func, flash_attn_qkvpacked_func
+from .fp8 import flash_attn_fp8_func, quantize_fp8
 
-__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_interface", "forward_into",
-           "backward_into", "hopper_available", "version"]
+__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_interface", "flash_attn_fp8_func",
+           "quantize_fp8", "forward_into", "backward_into", "quantize_fp8_into", "hopper_available", "version"]

@@ -1,10 +1,13 @@
-"""flash3's ctypes path: the flash3_fwd_args / flash3_bwd_args structs packed for one call,
-the library called on torch's current stream, and the two allocating kernels the operators
-(_ops.py) and the eager autograd path share (fwd, bwd). Loads libflash3.so at the first call.
+"""flash3's ctypes path: the flash3_fwd_args / flash3_bwd_args / flash3_quantize_fp8_args structs
+packed for one call, the library called on torch's current stream, and the allocating kernels
+the operators (_ops.py) and the eager paths share (fwd, bwd, quantize_fp8). Loads libflash3.so
+at the first call.
 """
 import contextlib
 import ctypes
 import math
+import operator
+import re
 import struct
 
 import torch
@@ -16,6 +19,12 @@ _DTYPES = {torch.float16: _lib.FLOAT16, torch.bfloat16: _lib.BFLOAT16, torch.flo
 for _name, _code in (("float8_e4m3fn", _lib.FLOAT8_E4M3), ("float8_e5m2", _lib.FLOAT8_E5M2)):
     if hasattr(torch, _name):
         _DTYPES[getattr(torch, _name)] = _code
+
+_E4M3 = getattr(torch, "float8_e4m3fn", None)
+_E5M2 = getattr(torch, "float8_e5m2", None)
+FP8_DTYPES = frozenset(t for t in (_E4M3, _E5M2) if t is not None)
+
+_FLOAT32 = torch.float32
 
 _WORKSPACE_ALIGN = 256  # bytes: flash3::BwdArgs::workspace
 _BWD_WORKSPACE_BYTES = {}  # (q.shape, k.shape, device, causal, deterministic) -> bytes
@@ -40,13 +49,16 @@ def version():
 # flash3_fwd_args: uint32 struct_size; int32 causal; float softmax_scale; uint32 reserved; then
 # q, k, v, out, lse; void* stream; q_scale, k_scale, v_scale (FP8). flash3_bwd_args: uint32 struct_size; int32 causal,
 # deterministic; float softmax_scale; then q, k, v, out, dout, lse, dq, dk, dv; void* workspace;
-# uint64 workspace_bytes; void* stream. Each struct is packed whole into a bytes object by one
+# uint64 workspace_bytes; void* stream. flash3_quantize_fp8_args: uint32 struct_size, reserved;
+# in, out, scale; int32 block_rows, hadamard; uint64 seed; void* stream. Each struct is packed whole into a bytes object by one
 # Struct.pack and passed by address (the library only reads it): the cheapest way to fill it
 # from Python (measured: about half the time of packing a ctypes buffer tensor by tensor).
 _TENSOR = "Qii4q4q"
 _FWD = struct.Struct("<IifI" + _TENSOR * 5 + "Q" + _TENSOR * 3)
 _BWD = struct.Struct("<Iiif" + _TENSOR * 9 + "QQQ")
-assert (_FWD.size, _BWD.size) == (_lib.FWD_ARGS_SIZE, _lib.BWD_ARGS_SIZE), "flash3 args layout changed"
+_QUANTIZE = struct.Struct("<II" + _TENSOR * 3 + "iiQQ")
+assert (_FWD.size, _BWD.size, _QUANTIZE.size) == (_lib.FWD_ARGS_SIZE, _lib.BWD_ARGS_SIZE,
+                                                  _lib.QUANTIZE_FP8_ARGS_SIZE), "flash3 args layout changed"
 assert struct.calcsize("<" + _TENSOR) == ctypes.sizeof(_lib.Tensor) and _lib.FwdArgs.q.offset == 16
 _NULL = (0,) * 11  # a flash3_tensor with data NULL: "not given"
 _PAD = ((), (0,), (0, 0), (0, 0, 0), (0, 0, 0, 0))
@@ -69,6 +81,12 @@ def _fields(t):
     return (t.data_ptr(), _DTYPES[t.dtype], rank, *t.shape, *pad, *t.stride(), *pad)
 
 
+# The dtypes _explain suggests for a tensor argument that has one it cannot pass on.
+_WANTED_DTYPES = {"lse": "torch.float32", "q_scale": "torch.float32", "k_scale": "torch.float32",
+                  "v_scale": "torch.float32", "scale": "torch.float32", "x": "torch.bfloat16 or torch.float16",
+                  "out": "torch.bfloat16 or torch.float16 (torch.float8_e4m3fn from quantize_fp8)"}
+
+
 def _explain(named, optional=()):
     """Raises the ValueError naming the first of the (name, tensor) pairs that _fields refused."""
     for name, t in named:
@@ -81,7 +99,8 @@ def _explain(named, optional=()):
         if not t.is_cuda:
             raise ValueError(f"{name}: must be a CUDA tensor, got device {t.device}")
         if t.dtype not in _DTYPES:
-            raise ValueError(f"{name}: dtype {t.dtype} is not supported (use torch.bfloat16 or torch.float16)")
+            wanted = _WANTED_DTYPES.get(name, "torch.bfloat16 or torch.float16")
+            raise ValueError(f"{name}: dtype {t.dtype} is not supported (use {wanted})")
         if t.dim() > 4:
             raise ValueError(f"{name}: rank {t.dim()} is not supported (at most 4), shape {tuple(t.shape)}")
 
@@ -113,10 +132,70 @@ def _on_device(index):
     return contextlib.nullcontext() if index == current else torch.cuda.device(index)
 
 
-def _check(rc, buf, what):
+def _check(rc, buf, what, note=None):
+    """Raises the library's error for a return code other than OK: ValueError for an invalid
+    argument, RuntimeError otherwise. note(msg) may add to the message."""
     if rc != _lib.OK:
         msg = buf.value.decode(errors="replace") or f"{what} failed with code {rc}"
+        if note is not None:
+            msg = note(msg)
         raise (ValueError if rc == _lib.INVALID_ARGUMENT else RuntimeError)(msg)
+
+
+def block_rows_arg(block_rows):
+    """block_rows as a positive int; ValueError naming it otherwise (the library's C ABI reads 0
+    as its default, so 0 is refused here rather than quietly changed)."""
+    try:
+        rows = operator.index(block_rows)
+    except TypeError:
+        raise ValueError(f"block_rows: must be an int, got {type(block_rows).__name__}") from None
+    if not 1 <= rows < 2**31:
+        raise ValueError(f"block_rows: must be >= 1 and < 2^31 (64 for q, 128 for k and v), got {rows}")
+    return rows
+
+
+def seed_arg(seed):
+    """seed as an int in [0, 2^63) (the operators carry it as a torch int64); ValueError naming
+    it otherwise."""
+    try:
+        value = operator.index(seed)
+    except TypeError:
+        raise ValueError(f"seed: must be an int, got {type(seed).__name__}") from None
+    if not 0 <= value < 2**63:
+        raise ValueError(f"seed: must be in [0, 2^63), got {value}")
+    return value
+
+
+def check_fp8_qkv(q, k, v):
+    """ValueError naming the first of q, k, v that is not a float8_e4m3fn tensor (the FP8
+    forward's only input dtype): e5m2, and float8 mixed with 16-bit tensors, are refused here,
+    before anything runs."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dtype is _E4M3:
+            continue
+        if t.dtype is _E5M2:
+            raise ValueError(f"{name}: dtype {t.dtype} is not supported; flash3's FP8 attention takes "
+                             "torch.float8_e4m3fn q, k and v (e4m3 only)")
+        raise ValueError(f"{name}: dtype {t.dtype} but q is {q.dtype}; FP8 attention needs q, k and v all "
+                         "torch.float8_e4m3fn (quantize 16-bit tensors with flash3.quantize_fp8, or pass "
+                         "all three in 16 bits)")
+
+
+def check_scale(name, s, q, shape=None):
+    """ValueError naming a dequantization scale s (None: not given) that is not a float32 tensor
+    on q's device, or (shape given) not of that shape."""
+    if s is None:
+        return
+    if not isinstance(s, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor (float32), got {type(s).__name__}")
+    if s.dtype is not _FLOAT32:
+        raise ValueError(f"{name}: dtype {s.dtype} is not supported; scales must be torch.float32")
+    if s.device != q.device:
+        raise ValueError(f"{name}: on device {s.device} but q is on {q.device}; scales must be on q's device")
+    if shape is not None and tuple(s.shape) != tuple(shape):
+        raise ValueError(f"{name}: shape {tuple(s.shape)}, expected (batch, nheads_kv) = {tuple(shape)}")
 
 
 def forward_into(q, k, v, out, lse=None, softmax_scale=None, causal=False, q_scale=None, k_scale=None,
@@ -197,25 +276,91 @@ def backward_into(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=None, causa
 
 
 _CONTIGUOUS = torch.contiguous_format
-_FLOAT32 = torch.float32
+_BFLOAT16 = torch.bfloat16
 
 
-def fwd(q, k, v, softmax_scale=None, causal=False, want_lse=True):
-    """(out, lse) of attention over q, k, v: out contiguous, shaped and typed like q; lse float32
-    (batch, nheads, seqlen_q), contiguous (None when not want_lse). The shapes and layouts are
-    those of the fake implementation of flash3::fwd (_ops.py): keep them in step."""
+def out_dtype(q):
+    """The dtype of the forward's out for q: q's, bfloat16 for float8_e4m3fn q."""
+    return _BFLOAT16 if q.dtype is _E4M3 else q.dtype
+
+
+def fwd(q, k, v, softmax_scale=None, causal=False, want_lse=True, q_scale=None, k_scale=None, v_scale=None):
+    """(out, lse) of attention over q, k, v: out contiguous, shaped like q and typed like it
+    (bfloat16 for float8_e4m3fn q, which takes the dequantization scales q_scale, k_scale,
+    v_scale: forward_into); lse float32 (batch, nheads, seqlen_q), contiguous (None when not
+    want_lse). The shapes and layouts are those of the fake implementations of flash3::fwd and
+    flash3::fwd_fp8 (_ops.py): keep them in step."""
     # NOTES: always contiguous, whatever q's layout: an output whose strides followed q's could
     # differ from what the fake promised to a compiled graph when the compiler lays q out anew;
     # empty_like with an explicit format is also the cheapest allocation call (measured).
-    out = torch.empty_like(q, memory_format=_CONTIGUOUS)
+    if q.dtype is _E4M3:
+        out = torch.empty_like(q, dtype=_BFLOAT16, memory_format=_CONTIGUOUS)
+    else:
+        out = torch.empty_like(q, memory_format=_CONTIGUOUS)
     lse = None
     if want_lse:
         if q.dim() != 4:
             raise ValueError(f"q: expected (batch, seqlen_q, nheads, headdim), got shape {tuple(q.shape)}")
         b, sq, h, _ = q.shape
         lse = q.new_empty((b, h, sq), dtype=_FLOAT32)
-    forward_into(q, k, v, out, lse, softmax_scale, causal)
+    if q_scale is None and k_scale is None and v_scale is None:
+        forward_into(q, k, v, out, lse, softmax_scale, causal)
+    else:
+        forward_into(q, k, v, out, lse, softmax_scale, causal, q_scale, k_scale, v_scale)
     return out, lse
+
+
+def _in_is_x(msg):
+    """The library names the quantizer's input `in`; the Python functions call it x."""
+    return msg + " (in: the argument x)" if re.search(r"\bin\.|\bin$", msg) else msg
+
+
+def quantize_fp8_into(x, out, scale, block_rows=128, hadamard=False, seed=0):
+    """Quantizes x (batch, seqlen, nheads, head_dim), bfloat16 or float16, into caller-given
+    buffers: out float8_e4m3fn shaped like x and scale float32 (batch, nheads, ceil(seqlen /
+    block_rows)), with x ~= out * scale per block of block_rows rows of one head (scale = the
+    block's max |value| / 448; 1 for an all-zero block). hadamard: each row (head_dim values)
+    is first rotated by an orthogonal seeded Hadamard transform (flash3.h, QuantizeArgs); q and
+    k quantized with the same seed keep q k^T. seed: an int in [0, 2^63). Returns (out, scale).
+    Raises ValueError with the library's message on invalid arguments, RuntimeError otherwise."""
+    rows, seed = block_rows_arg(block_rows), seed_arg(seed)
+    try:
+        tensors = (*_fields(x), *_fields(out), *_fields(scale))
+        index = x.get_device()
+    except (AttributeError, KeyError, IndexError, TypeError, ValueError):
+        _explain((("x", x), ("out", out), ("scale", scale)))
+        raise
+    lib, buf = _lib.lib(), _lib.err_buffer()
+    if not _lib.has_quantize():
+        raise RuntimeError("this libflash3.so has no FP8 quantizer (flash3_quantize_fp8): rebuild the library")
+    with _on_device(index):
+        args = _QUANTIZE.pack(_lib.QUANTIZE_FP8_ARGS_SIZE, 0, *tensors, rows, 1 if hadamard else 0, seed,
+                              _stream(index))
+        rc = lib.flash3_quantize_fp8(args, buf, _lib.ERR_LEN)
+    _check(rc, buf, "flash3_quantize_fp8", _in_is_x)
+    return out, scale
+
+
+def quantize_shapes(x, block_rows):
+    """(out's shape, scale's shape) of quantize_fp8 of x: x's, and (batch, nheads,
+    ceil(seqlen / block_rows)); shape arithmetic only (symbolic sizes stay symbolic)."""
+    if x.dim() != 4:
+        raise ValueError(f"x: expected (batch, seqlen, nheads, head_dim), got shape {tuple(x.shape)}")
+    b, s, h, _ = x.shape
+    return x.shape, (b, h, (s + block_rows - 1) // block_rows)
+
+
+def quantize_fp8(x, block_rows=128, hadamard=False, seed=0):
+    """(out, scale) of quantize_fp8_into, allocated: out contiguous float8_e4m3fn shaped like x,
+    scale contiguous float32 (batch, nheads, ceil(seqlen / block_rows)) (the fake of
+    flash3::quantize_fp8, _ops.py: keep them in step)."""
+    rows = block_rows_arg(block_rows)
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    _, scale_shape = quantize_shapes(x, rows)
+    out = torch.empty_like(x, dtype=_E4M3, memory_format=_CONTIGUOUS)
+    scale = x.new_empty(scale_shape, dtype=_FLOAT32)
+    return quantize_fp8_into(x, out, scale, rows, hadamard, seed)
 
 
 def kernel_readable(dout):

@@ -52,10 +52,24 @@ class BwdArgs(ctypes.Structure):
     ]
 
 
-# struct_size as this package fills the structs (FLASH3_*_ARGS_SIZE_V1 in flash3_c.h)
+class QuantizeFp8Args(ctypes.Structure):
+    """flash3_quantize_fp8_args (first version): the layout _kernels._QUANTIZE packs."""
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint32),
+        ("in_", Tensor), ("out", Tensor), ("scale", Tensor),  # C: in, out, scale
+        ("block_rows", ctypes.c_int32),
+        ("hadamard", ctypes.c_int32),
+        ("seed", ctypes.c_uint64),
+        ("stream", ctypes.c_void_p),
+    ]
+
+
+# struct_size as this package fills the structs (FLASH3_*_ARGS_SIZE_V* in flash3_c.h)
 FWD_ARGS_SIZE = ctypes.sizeof(FwdArgs)
 BWD_ARGS_SIZE = ctypes.sizeof(BwdArgs)
-assert (FWD_ARGS_SIZE, BWD_ARGS_SIZE) == (664, 760), "flash3_fwd_args / flash3_bwd_args layout changed"
+QUANTIZE_FP8_ARGS_SIZE = ctypes.sizeof(QuantizeFp8Args)
+assert (FWD_ARGS_SIZE, BWD_ARGS_SIZE, QUANTIZE_FP8_ARGS_SIZE) == (664, 760, 272), "flash3 args layout changed"
 
 _lib = None
 _load_error = None
@@ -92,6 +106,20 @@ def _bind_bwd(handle, ptr):
     handle.flash3_bwd_workspace_size.restype = ctypes.c_int
 
 
+def _bind_quantize(handle, ptr):
+    """Declares flash3_quantize_fp8 where the library has it (one built before it still loads;
+    has_quantize() then says False)."""
+    if not hasattr(handle, "flash3_quantize_fp8"):
+        return
+    handle.flash3_quantize_fp8.argtypes = [ptr, ctypes.c_char_p, ctypes.c_int]
+    handle.flash3_quantize_fp8.restype = ctypes.c_int
+
+
+def has_quantize():
+    """True when the loaded library exports flash3_quantize_fp8."""
+    return hasattr(lib(), "flash3_quantize_fp8")
+
+
 def has_bwd():
     """True when the loaded library exports the backward entry points."""
     handle = lib()
@@ -111,13 +139,14 @@ def lib():
             except OSError as e:
                 errors.append(f"{path}: {e}")
                 continue
-            # flash3_fwd_args / flash3_bwd_args go as addresses (c_void_p: a bytes object, a
+            # flash3_fwd_args / flash3_bwd_args / flash3_quantize_fp8_args go as addresses (c_void_p: a bytes object, a
             # ctypes buffer, an int, or ctypes.byref of a FwdArgs / BwdArgs): the package packs
             # each call's struct into bytes with one struct.Struct.pack (_kernels.py).
             ptr = ctypes.c_void_p
             handle.flash3_fwd.argtypes = [ptr, ctypes.c_char_p, ctypes.c_int]
             handle.flash3_fwd.restype = ctypes.c_int
             _bind_bwd(handle, ptr)
+            _bind_quantize(handle, ptr)
             handle.flash3_hopper_available.argtypes = [ctypes.c_char_p, ctypes.c_int]
             handle.flash3_hopper_available.restype = ctypes.c_int
             handle.flash3_version.argtypes = []

@@ -4,6 +4,9 @@ CUDA graphs (mode="reduce-overhead") and FakeTensor tracing:
     torch.ops.flash3.fwd(q, k, v, softmax_scale=None, causal=False, deterministic=False) -> (out, lse)
     torch.ops.flash3.bwd(dout, q, k, v, out, lse, softmax_scale=None, causal=False,
                          deterministic=False) -> (dq, dk, dv)
+    torch.ops.flash3.fwd_fp8(q, k, v, q_scale=None, k_scale=None, v_scale=None, softmax_scale=None,
+                             causal=False) -> (out, lse)
+    torch.ops.flash3.quantize_fp8(x, block_rows=128, hadamard=False, seed=0) -> (out, scale)
 
 Both are functional (mutates_args=()): they allocate their outputs with torch (the caching
 allocator, so inside a CUDA graph the graph's pool) and run the library on
@@ -14,6 +17,11 @@ through these operators, allocates the same way.)
 Outputs are contiguous: out like q, lse float32 (batch, nheads, seqlen_q), dq, dk, dv like q, k,
 v. fwd is differentiable in q, k, v through bwd (lse is not differentiable; `deterministic`
 is the backward's option, carried by the forward so that autograd can hand it on).
+The FP8 operators are inference-only and have no autograd: out of fwd_fp8 is bfloat16 (batch,
+seqlen_q, nheads, head_dim) from float8_e4m3fn q, k, v and float32 dequantization scales
+(_kernels.forward_into); quantize_fp8 gives out float8_e4m3fn shaped like x and scale float32
+(batch, nheads, ceil(seqlen / block_rows)). Backward through either (an input that requires
+grad) raises torch's "no autograd formula was registered" RuntimeError naming the operator.
 
 Adding an operator (FP8, varlen, KV cache): a kernel in _kernels.py, then here one annotated
 function that calls it, its fake (shape arithmetic and new_empty / empty_like on the fake
@@ -83,7 +91,8 @@ def _fwd_fake(q, k, v, softmax_scale=None, causal=False, deterministic=False):
     if q.dim() != 4:
         raise ValueError(f"q: expected (batch, seqlen_q, nheads, headdim), got shape {tuple(q.shape)}")
     b, sq, h, _ = q.shape
-    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((b, h, sq), dtype=torch.float32)
+    out = torch.empty_like(q, dtype=_kernels.out_dtype(q), memory_format=torch.contiguous_format)
+    return out, q.new_empty((b, h, sq), dtype=torch.float32)
 
 
 def fwd_setup_context(ctx, inputs, output):
@@ -125,8 +134,43 @@ def _bwd_fake(dout, q, k, v, out, lse, softmax_scale=None, causal=False, determi
             torch.empty_like(v, memory_format=cf))
 
 
+# ---- flash3::fwd_fp8 -----------------------------------------------------------------------
+
+def _fwd_fp8(q: Tensor, k: Tensor, v: Tensor, q_scale: Optional[Tensor] = None, k_scale: Optional[Tensor] = None,
+             v_scale: Optional[Tensor] = None, softmax_scale: Optional[float] = None,
+             causal: bool = False) -> tuple[Tensor, Tensor]:
+    return _kernels.fwd(q, k, v, softmax_scale, causal, True, q_scale, k_scale, v_scale)
+
+
+def _fwd_fp8_fake(q, k, v, q_scale=None, k_scale=None, v_scale=None, softmax_scale=None, causal=False):
+    _kernels.check_fp8_qkv(q, k, v)
+    for name, s in (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)):
+        _kernels.check_scale(name, s, q)  # their shapes are the kernel's to check
+    if q.dim() != 4:
+        raise ValueError(f"q: expected (batch, seqlen_q, nheads, headdim), got shape {tuple(q.shape)}")
+    b, sq, h, _ = q.shape
+    out = torch.empty_like(q, dtype=torch.bfloat16, memory_format=torch.contiguous_format)
+    return out, q.new_empty((b, h, sq), dtype=torch.float32)
+
+
+# ---- flash3::quantize_fp8 ------------------------------------------------------------------
+
+def _quantize_fp8(x: Tensor, block_rows: int = 128, hadamard: bool = False, seed: int = 0) -> tuple[Tensor, Tensor]:
+    return _kernels.quantize_fp8(x, block_rows, hadamard, seed)
+
+
+def _quantize_fp8_fake(x, block_rows=128, hadamard=False, seed=0):
+    if isinstance(block_rows, int):  # a symbolic block_rows is checked by the kernel
+        _kernels.block_rows_arg(block_rows)
+    _, scale_shape = _kernels.quantize_shapes(x, block_rows)
+    out = torch.empty_like(x, dtype=torch.float8_e4m3fn, memory_format=torch.contiguous_format)
+    return out, x.new_empty(scale_shape, dtype=torch.float32)
+
+
 if available:
     fwd = _define("fwd", _fwd, _fwd_fake, fwd_setup_context, fwd_backward)
     bwd = _define("bwd", _bwd, _bwd_fake)
+    fwd_fp8 = _define("fwd_fp8", _fwd_fp8, _fwd_fp8_fake)
+    quantize_fp8 = _define("quantize_fp8", _quantize_fp8, _quantize_fp8_fake)
 else:  # pragma: no cover (PyTorch < 2.4)
-    fwd, bwd = _fwd, _bwd
+    fwd, bwd, fwd_fp8, quantize_fp8 = _fwd, _bwd, _fwd_fp8, _quantize_fp8

@@ -6,10 +6,16 @@ the same function names, argument names, order, defaults and return values, so t
 
 is the only change code written for FlashAttention-3 needs.
 
+FP8, as FlashAttention-3: q, k, v torch.float8_e4m3fn with the float32 dequantization scales
+q_descale, k_descale, v_descale ((batch, nheads_kv) each, optional: None is 1) give a bfloat16
+out (and lse); inference only (no autograd; a backward through it raises). The descales with
+16-bit q, k, v, float8_e5m2, and float8 mixed with 16-bit tensors raise ValueError naming the
+argument. (flash3.flash_attn_fp8_func quantizes 16-bit inputs itself, with block scales.)
+
 Arguments flash3 does not support yet raise NotImplementedError naming the argument when given
-a value other than their default: qv, q_descale, k_descale, v_descale (not None),
-attention_chunk (not 0), softcap (not 0.0), window_size other than no window ((-1, -1); a
-negative side is unbounded) or its causal spelling (-1, 0). (Under torch.compile with
+a value other than their default: qv (not None), attention_chunk (not 0), softcap (not 0.0),
+window_size other than no window ((-1, -1); a negative side is unbounded) or its causal
+spelling (-1, 0). (Under torch.compile with
 fullgraph=True, dynamo reports the NotImplementedError, with its message, as an unsupported
 exception; without fullgraph it reaches the caller as it is.)
 Accepted and ignored, because they tune speed only and cannot change flash3's results:
@@ -31,6 +37,7 @@ __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func"]
 _IGNORED = ("num_splits", "pack_gqa", "sm_margin")
 
 _direct = _ops.direct
+_FP8 = _kernels.FP8_DTYPES
 _grad_enabled = torch.is_grad_enabled
 
 
@@ -54,13 +61,7 @@ def _unsupported(name, value):
                               f"{name}: leave it at its default)")
 
 
-def _check_options(q_descale, k_descale, v_descale, attention_chunk, softcap):
-    if q_descale is not None:
-        _unsupported("q_descale", q_descale)
-    if k_descale is not None:
-        _unsupported("k_descale", k_descale)
-    if v_descale is not None:
-        _unsupported("v_descale", v_descale)
+def _check_options(attention_chunk, softcap):
     if attention_chunk:
         _unsupported("attention_chunk", attention_chunk)
     if softcap:
@@ -95,6 +96,30 @@ def _attention(q, k, v, softmax_scale, causal, deterministic, return_attn_probs)
     return (out, lse) if return_attn_probs else out
 
 
+def _fp8_attention(q, k, v, q_descale, k_descale, v_descale, softmax_scale, causal, return_attn_probs):
+    """FlashAttention-3's FP8 forward: float8_e4m3fn q, k, v, descales float32 (batch,
+    nheads_kv) or None; out bfloat16. Also where descales come with 16-bit inputs, to refuse them
+    naming the argument."""
+    descales = (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale))
+    if q.dtype not in _kernels.FP8_DTYPES:
+        for name, s in descales:
+            if s is not None:
+                shown = f"<tensor of shape {tuple(s.shape)}>" if isinstance(s, torch.Tensor) else repr(s)
+                raise ValueError(f"{name}: given ({shown}) but q is {q.dtype}; q_descale, k_descale and "
+                                 "v_descale apply to torch.float8_e4m3fn q, k, v only (leave them None)")
+    _kernels.check_fp8_qkv(q, k, v)
+    shape = (k.shape[0], k.shape[2]) if k.dim() == 4 else None  # else the kernel names k's rank
+    for name, s in descales:
+        _kernels.check_scale(name, s, q, shape)
+    scales = [s for _, s in descales if s is not None]
+    grad = _grad_enabled() and any(t.requires_grad for t in (q, k, v, *scales))
+    if _direct(q, k, v, *scales) and not grad:
+        out, lse = _kernels.fwd(q, k, v, softmax_scale, causal, return_attn_probs, q_descale, k_descale, v_descale)
+    else:  # also where an input requires grad: the operator has no autograd, its backward raises
+        out, lse = _ops.fwd_fp8(q, k, v, q_descale, k_descale, v_descale, softmax_scale, causal)
+    return (out, lse) if return_attn_probs else out
+
+
 def flash_attn_func(
     q,
     k,
@@ -115,7 +140,9 @@ def flash_attn_func(
     """softmax(softmax_scale * q k^T [causal mask]) v, as FlashAttention-3's flash_attn_func.
 
     q (batch, seqlen_q, nheads, headdim), k and v (batch, seqlen_k, nheads_kv, headdim): CUDA
-    tensors, bf16 or fp16, headdim 64, 128 or 256, nheads a multiple of nheads_kv (GQA/MQA).
+    tensors, bf16 or fp16, headdim 64, 128 or 256, nheads a multiple of nheads_kv (GQA/MQA);
+    or float8_e4m3fn with q_descale, k_descale, v_descale float32 (batch, nheads_kv) (each
+    optional: None is 1; the true q is q * q_descale per (batch, kv head)), out then bfloat16.
     softmax_scale: default 1 / sqrt(headdim). causal: the mask aligned bottom-right: query i
     sees key j iff j <= i + seqlen_k - seqlen_q; a row that sees no key gives 0.
     deterministic: bitwise-reproducible gradients (the forward always is).
@@ -125,10 +152,13 @@ def flash_attn_func(
     """
     if qv is not None:
         _unsupported("qv", qv)
-    if q_descale is not None or k_descale is not None or v_descale is not None or attention_chunk or softcap:
-        _check_options(q_descale, k_descale, v_descale, attention_chunk, softcap)
+    if attention_chunk or softcap:
+        _check_options(attention_chunk, softcap)
     if window_size != (-1, -1):
         causal = _mask(window_size, causal)
+    if q_descale is not None or k_descale is not None or v_descale is not None or q.dtype in _FP8:
+        return _fp8_attention(q, k, v, q_descale, k_descale, v_descale, softmax_scale, bool(causal),
+                              return_attn_probs)
     return _attention(q, k, v, softmax_scale, bool(causal), bool(deterministic), return_attn_probs)
 
 
@@ -198,12 +228,16 @@ def flash_attn_qkvpacked_func(
     qkv: (batch, seqlen, 3, nheads, headdim), or (batch, seqlen, num_heads_q + 2 * nheads_kv,
     headdim) with num_heads_q given (GQA/MQA). The gradient, when qkv requires grad, is one
     tensor shaped like qkv. Returns out, or (out, softmax_lse) when return_attn_probs.
+    FP8 (float8_e4m3fn qkv, descales (batch, nheads_kv)): as flash_attn_func, no gradient.
     """
-    if q_descale is not None or k_descale is not None or v_descale is not None or attention_chunk or softcap:
-        _check_options(q_descale, k_descale, v_descale, attention_chunk, softcap)
+    if attention_chunk or softcap:
+        _check_options(attention_chunk, softcap)
     causal, deterministic = bool(causal), bool(deterministic)
     if window_size != (-1, -1):
         causal = _mask(window_size, causal)
+    if q_descale is not None or k_descale is not None or v_descale is not None or qkv.dtype in _FP8:
+        q, k, v = _split_qkv(qkv, num_heads_q)
+        return _fp8_attention(q, k, v, q_descale, k_descale, v_descale, softmax_scale, causal, return_attn_probs)
     if _direct(qkv) and _grad_enabled() and qkv.requires_grad:
         out, lse = _FlashAttnQKVPackedFunc.apply(qkv, softmax_scale, causal, deterministic, num_heads_q)
         return (out, lse) if return_attn_probs else out

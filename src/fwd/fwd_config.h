@@ -86,7 +86,7 @@ struct FwdTileConfig;
 // 256: Q 32 + K 64 + V 64 + Vt 64 = 224 KB, so O leaves straight from registers there.
 template <int kHeadDim>
 struct FwdFp8TileConfig {
-  static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2;
+  static constexpr int kBlockM = 128, kBlockN = kHeadDim == 256 ? 64 : 128, kStages = 2;
   static constexpr bool kOStageWarp = kHeadDim <= 128;
 };
 

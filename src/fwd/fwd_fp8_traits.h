@@ -46,8 +46,6 @@ struct FwdFp8Traits {
   static constexpr int kNumConsumerThreads = 128 * kNumConsumerWG;
   static constexpr int kNumThreads = 128 + kNumConsumerThreads;
   static constexpr int kTransposeWarps = 2;
-  // Readers of the scheduler's ring: the consumers and the transposers.
-  static constexpr int kTileReaders = kNumConsumerThreads + 32 * kTransposeWarps;
   // NOTES: setmaxnreg moves registers within the block's launch allocation (168 x 384 = 64512
   // with two consumer warpgroups): 32 x 128 + 232 x 256 = 63488 fits; 240 for the consumers
   // (the 16-bit kernel's, with 24 for the producer) would leave the transposers 24, and 32 +

@@ -28,7 +28,9 @@ FLASH3_HD constexpr int fp8_key_of_k(int kk) {
 // transposer warps read it (then v_empty) and write Vt stage s (after vt_empty; then vt_full),
 // the consumers read Vt stage s (then vt_empty). For the TMA thread and the consumers it has
 // the interface of CUTLASS's PipelineTmaAsync that fwd_load.h and the mainloop use: the producer
-// side is V's, the consumer side Vt's.
+// side is V's, the consumer side Vt's. After its last tile the TMA thread completes one more V
+// stage without data and with `stop` set (producer_stop): the transposers leave on it, so they
+// need no scheduler of their own.
 template <int kStages_, int kTransposeWarps, int kConsumerThreads>
 struct Fp8VPipeline {
   static constexpr uint32_t Stages = kStages_;
@@ -44,6 +46,7 @@ struct Fp8VPipeline {
   struct SharedStorage {
     FullBarrier v_full[Stages];
     Barrier v_empty[Stages], vt_full[Stages], vt_empty[Stages];
+    int stop[Stages];
   };
   using State = cutlass::PipelineState<Stages>;
 
@@ -54,6 +57,7 @@ struct Fp8VPipeline {
   __device__ Fp8VPipeline(SharedStorage& storage, const Params& p, ClusterShape) : s(storage), bytes(p.transaction_bytes) {
     if (threadIdx.x == 0) {
       for (int i = 0; i < int(Stages); ++i) {
+        s.stop[i] = 0;
         s.v_full[i].init(1);
         s.v_empty[i].init(kTransposeWarps);
         s.vt_full[i].init(kTransposeWarps);
@@ -71,14 +75,24 @@ struct Fp8VPipeline {
   __device__ __forceinline__ uint64_t* producer_get_barrier(const State& st) {
     return reinterpret_cast<uint64_t*>(&s.v_full[st.index()]);
   }
+  // The TMA thread, after its last load: the end, through the next V stage. NOTES: a flag per
+  // stage: the transposers may still be on the other stage's last tile when it is set.
+  __device__ __forceinline__ void producer_stop(const State& st) {
+    s.v_empty[st.index()].wait(st.phase());
+    *reinterpret_cast<volatile int*>(&s.stop[st.index()]) = 1;
+    s.v_full[st.index()].arrive();  // release: the flag is visible to whoever sees the phase
+  }
   // The consumers (the PV GEMM's B operand is Vt).
   __device__ __forceinline__ void consumer_wait(const State& st) { s.vt_full[st.index()].wait(st.phase()); }
   __device__ __forceinline__ void consumer_release(const State& st) { s.vt_empty[st.index()].arrive(); }
-  // The transposer warps: V stage landed and Vt stage free; then both handed on (lane 0 of each
-  // warp, after the warp's shared-memory writes are fenced for the async proxy).
-  __device__ __forceinline__ void transpose_wait(const State& st) {
+  // The transposer warps: V stage landed (false: the TMA thread's stop instead) and Vt stage
+  // free; then both handed on (lane 0 of each warp, after the warp's shared-memory writes are
+  // fenced for the async proxy).
+  __device__ __forceinline__ bool transpose_wait(const State& st) {
     s.v_full[st.index()].wait(st.phase());
+    if (*reinterpret_cast<volatile int*>(&s.stop[st.index()])) return false;
     s.vt_empty[st.index()].wait(st.phase() ^ 1);
+    return true;
   }
   __device__ __forceinline__ void transpose_done(const State& st, bool lane0) {
     if (lane0) {
@@ -91,55 +105,55 @@ struct Fp8VPipeline {
 template <class Traits>
 struct FwdFp8Transpose {
   static constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
-  static constexpr int kThreads = 32 * Traits::kTransposeWarps;
-  // A work unit: 4 keys (one quad of Vt's k order) x 4 head-dim columns, 4 words in and out.
-  static constexpr int kQuadsD = kHeadDim / 4, kUnits = (kBlockN / 4) * kQuadsD;
-  static_assert(kBlockN % 32 == 0 && kUnits % kThreads == 0);
+  static constexpr int kWarps = Traits::kTransposeWarps;
+  // A work unit of one warp: 32 keys x 16 head-dim bytes, one ldmatrix.x4.trans and one
+  // stmatrix.x4 (512 bytes).
+  static constexpr int kUnits = (kBlockN / 32) * (kHeadDim / 16);
+  static_assert(kBlockN % 32 == 0 && kUnits % kWarps == 0);
 
-  // Transposes V stage `stage` into Vt stage `stage`. t: the thread's index among the transposers.
+  // Transposes V stage `stage` into Vt stage `stage`; warp: this warp's index among the
+  // transposers, lane its lane.
+  // ldmatrix.trans of 8 keys x 8 b16 columns (16 head-dim bytes) gives lane 4r + q the bytes
+  // (V[2q][2r], V[2q][2r+1], V[2q+1][2r], V[2q+1][2r+1]) of its matrix; the four matrices are
+  // keys 0-7, 8-15, 16-23, 24-31 of a 32-key group (lane l addresses key l). Byte permutes
+  // then give Vt row 2r (and 2r + 1) at k = 4q..4q+3 the keys 2q, 2q+1, 2q+8, 2q+9, which is
+  // fp8_key_of_k's order (and at k = 16 + 4q.. the keys 16 more), and one stmatrix.x4 writes
+  // the four words: its matrices are Vt rows 2r at k 0-15, at k 16-31, rows 2r + 1 likewise.
+  // NOTES: the addresses come from the CuTe layouts, about 25 instructions each; the
+  // transposers bound the kernel (measured: 1.7-2.2x faster with the transpose skipped).
   template <class TensorV, class TensorVt>
-  __device__ __forceinline__ static void tile(TensorV& sV, TensorVt& sVt, int stage, int t) {
-#pragma unroll 4
-    for (int u = t; u < kUnits; u += kThreads) {
-      const int dq = u % kQuadsD, kq = u / kQuadsD;  // head-dim quad, k quad
-      const int kk = 4 * kq;
-      const int d = 4 * dq;
-      const int key0 = (kk / 32) * 32 + fp8_key_of_k(kk % 32);  // keys key0, +1, +8, +9
-      const uint32_t a0 = *reinterpret_cast<const uint32_t*>(&sV(key0, d, stage));
-      const uint32_t a1 = *reinterpret_cast<const uint32_t*>(&sV(key0 + 1, d, stage));
-      const uint32_t a2 = *reinterpret_cast<const uint32_t*>(&sV(key0 + 8, d, stage));
-      const uint32_t a3 = *reinterpret_cast<const uint32_t*>(&sV(key0 + 9, d, stage));
-      // 4 x 4 byte transpose: word c of the result holds byte c of a0, a1, a2, a3.
-      const uint32_t t01lo = __byte_perm(a0, a1, 0x5140), t23lo = __byte_perm(a2, a3, 0x5140);
-      const uint32_t t01hi = __byte_perm(a0, a1, 0x7362), t23hi = __byte_perm(a2, a3, 0x7362);
-      *reinterpret_cast<uint32_t*>(&sVt(d + 0, kk, stage)) = __byte_perm(t01lo, t23lo, 0x5410);
-      *reinterpret_cast<uint32_t*>(&sVt(d + 1, kk, stage)) = __byte_perm(t01lo, t23lo, 0x7632);
-      *reinterpret_cast<uint32_t*>(&sVt(d + 2, kk, stage)) = __byte_perm(t01hi, t23hi, 0x5410);
-      *reinterpret_cast<uint32_t*>(&sVt(d + 3, kk, stage)) = __byte_perm(t01hi, t23hi, 0x7632);
+  __device__ __forceinline__ static void tile(TensorV& sV, TensorVt& sVt, int stage, int warp, int lane) {
+    const int st_row = 2 * (lane % 8) + lane / 16, st_col = 16 * ((lane / 8) % 2);
+#pragma unroll 2
+    for (int u = warp; u < kUnits; u += kWarps) {
+      const int g = u / (kHeadDim / 16), c = u % (kHeadDim / 16);  // key group, head-dim chunk
+      const uint32_t src = cute::cast_smem_ptr_to_uint(&sV(32 * g + lane, 16 * c, stage));
+      const uint32_t dst = cute::cast_smem_ptr_to_uint(&sVt(16 * c + st_row, 32 * g + st_col, stage));
+      uint32_t a, b, x, y;
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(a), "=r"(b), "=r"(x), "=r"(y)
+                   : "r"(src)
+                   : "memory");
+      asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(dst),
+                   "r"(__byte_perm(a, b, 0x6420)), "r"(__byte_perm(x, y, 0x6420)), "r"(__byte_perm(a, b, 0x7531)),
+                   "r"(__byte_perm(x, y, 0x7531))
+                   : "memory");
     }
   }
 
-  // The transposer warps' loop: as many V tiles, in the same order, as the TMA thread loads
-  // (the same pieces of work from the scheduler).
-  template <class Scheduler>
-  __device__ static void run(typename Traits::SharedStorage& shared, typename Traits::PipelineV& pipeline_v,
-                             const Scheduler& scheduler, const typename Scheduler::Params& sched_params, int t) {
+  // The transposer warps' loop over V stages, in the order the TMA thread fills them, until its
+  // stop. t: the thread's index among the transposers.
+  __device__ static void run(typename Traits::SharedStorage& shared, typename Traits::PipelineV& pipeline_v, int t) {
     Tensor sV = make_tensor(make_smem_ptr(shared.smem_v.data()), typename Traits::SmemLayoutV{});
     Tensor sVt = make_tensor(make_smem_ptr(shared.smem_vt.data()), typename Traits::SmemLayoutVt{});
     typename Traits::PipelineStateV st;
-    const bool lane0 = t % 32 == 0;
-    for (int tiles_done = 0;; ++tiles_done) {
-      auto work = scheduler.work(sched_params, tiles_done, shared);
-      if (scheduler.done(work)) break;
-      scheduler.locate(work);
-      for (int n = work.n_lo; n < work.n_hi; ++n) {
-        pipeline_v.transpose_wait(st);
-        tile(sV, sVt, st.index(), t);
-        cutlass::arch::fence_view_async_shared();  // st.shared -> WGMMA (async proxy)
-        __syncwarp();
-        pipeline_v.transpose_done(st, lane0);
-        ++st;
-      }
+    const int warp = t / 32, lane = t % 32;
+    while (pipeline_v.transpose_wait(st)) {
+      tile(sV, sVt, st.index(), warp, lane);
+      cutlass::arch::fence_view_async_shared();  // st.shared -> WGMMA (async proxy)
+      __syncwarp();
+      pipeline_v.transpose_done(st, lane == 0);
+      ++st;
     }
   }
 };

@@ -36,7 +36,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   // over their shared-memory rings.
   if (threadIdx.x == 0) {
     Load::init(shared, params.load);
-    FwdScheduler<Traits>::init_barriers(shared.scheduler, Traits::kTileReaders);
+    FwdScheduler<Traits>::init_barriers(shared.scheduler, Traits::kNumConsumerThreads);
     cutlass::arch::fence_barrier_init();
     Epilogue::init(params.epilogue);
   }
@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     if constexpr (Traits::kFp8) {
       // FP8: warps 2.. transpose V for the PV GEMM (fwd_fp8_transpose.h).
       if (threadIdx.x >= 64) {
-        FwdFp8Transpose<Traits>::run(shared, pipeline_v, scheduler, params.scheduler, threadIdx.x - 64);
+        FwdFp8Transpose<Traits>::run(shared, pipeline_v, threadIdx.x - 64);
         asm volatile("exit;");
       }
     }

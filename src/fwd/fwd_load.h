@@ -123,6 +123,7 @@ struct FwdLoad {
       if (n_block_max > n_lo) load_v(n_lo);
       scheduler.request_next(shared);
     }
+    if constexpr (Traits::kFp8) pipeline_v.producer_stop(write_v);  // the V transposers' end
   }
 };
 

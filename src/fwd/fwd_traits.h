@@ -59,7 +59,6 @@ struct FwdTraits {
   static constexpr int kNumConsumerWG = kBlockM / 64;
   static constexpr int kNumConsumerThreads = 128 * kNumConsumerWG;
   static constexpr int kNumThreads = 128 + kNumConsumerThreads;
-  static constexpr int kTileReaders = kNumConsumerThreads;  // of the scheduler's ring
   // NOTES: setmaxnreg budget: 65536 registers per SM, one block per SM.
   // 2 consumers: 24 x 128 + 240 x 256 = 64512; 3 consumers: 32 x 128 + 160 x 384 = 65536.
   static constexpr int kProducerRegs = kNumConsumerWG == 2 ? 24 : 32;
