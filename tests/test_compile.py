@@ -24,19 +24,7 @@ from torch._dynamo.backends.common import aot_autograd  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 from torch._functorch.aot_autograd import make_boxed_func  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    """Each test compiles from scratch (the same Block.forward is compiled by many tests: its
-    cache would otherwise fill up and fall back to eager)."""
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
-@pytest.fixture
-def calls(monkeypatch):
-    return stand_in.install(monkeypatch)
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 class Block(torch.nn.Module):

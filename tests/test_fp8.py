@@ -37,17 +37,7 @@ FWD_FP8_SCHEMA = ("flash3::fwd_fp8(Tensor q, Tensor k, Tensor v, Tensor? q_scale
 QUANTIZE_SCHEMA = ("flash3::quantize_fp8(Tensor x, SymInt block_rows=128, bool hadamard=False, SymInt seed=0) "
                    "-> (Tensor, Tensor)")
 
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
-@pytest.fixture
-def calls(monkeypatch):
-    return stand_in.install(monkeypatch)
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _randn(shape, device="cpu", dtype=torch.bfloat16, seed=0, outliers=False):

@@ -27,11 +27,6 @@ BWD_SCHEMA = ("flash3::bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out
               "float? softmax_scale=None, bool causal=False, bool deterministic=False) -> (Tensor, Tensor, Tensor)")
 
 
-@pytest.fixture
-def calls(monkeypatch):
-    return stand_in.install(monkeypatch)
-
-
 def _qkv(b=2, sq=9, sk=12, h=4, hk=2, d=16, dtype=torch.float32, device="cpu", seed=0, grad=False):
     gen = torch.Generator(device=device).manual_seed(seed)
     q = torch.randn(b, sq, h, d, generator=gen, device=device).to(dtype)

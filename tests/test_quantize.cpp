@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "error_check.h"
 #include "gpu_harness.h"
 #include "quant/hadamard.h"
 #include "quant/quantize.h"
@@ -231,20 +232,7 @@ QuantizeArgs make_args(int64_t b, int64_t s, int64_t h, int64_t d, int block_row
 }
 
 ::testing::AssertionResult fails_with(const QuantizeArgs& a, std::initializer_list<std::string> parts) {
-  const std::string prefix = "flash3::quantize_fp8: ";
-  try {
-    validate_quantize(a, &fake_inspect);
-  } catch (const Error& e) {
-    const std::string msg = e.what();
-    if (msg.rfind(prefix, 0) != 0) return ::testing::AssertionFailure() << "bad prefix: " << msg;
-    for (const std::string& part : parts) {
-      if (msg.find(part) == std::string::npos) {
-        return ::testing::AssertionFailure() << "message \"" << msg << "\" lacks \"" << part << "\"";
-      }
-    }
-    return ::testing::AssertionSuccess() << msg;
-  }
-  return ::testing::AssertionFailure() << "validation did not throw";
+  return throws_error([&] { validate_quantize(a, &fake_inspect); }, "flash3::quantize_fp8: ", parts);
 }
 
 TEST(QuantizeValidate, AcceptsValidArguments) {

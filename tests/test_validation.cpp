@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "flash3/flash3.h"
+#include "error_check.h"
 #include "flash3/flash3_c.h"
 
 namespace {
@@ -60,19 +61,7 @@ void validate(const BwdArgs& a) { flash3::validate_bwd(a, &fake_inspect); }
 template <class Args>
 ::testing::AssertionResult fails_with(const Args& a, std::initializer_list<std::string> parts) {
   const std::string prefix = std::is_same_v<Args, FwdArgs> ? "flash3::fwd: " : "flash3::bwd: ";
-  try {
-    validate(a);
-  } catch (const flash3::Error& e) {
-    const std::string msg = e.what();
-    if (msg.rfind(prefix, 0) != 0) return ::testing::AssertionFailure() << "bad prefix: " << msg;
-    for (const std::string& part : parts) {
-      if (msg.find(part) == std::string::npos) {
-        return ::testing::AssertionFailure() << "message \"" << msg << "\" lacks \"" << part << "\"";
-      }
-    }
-    return ::testing::AssertionSuccess() << msg;
-  }
-  return ::testing::AssertionFailure() << "validation did not throw";
+  return flash3::testing::throws_error([&] { validate(a); }, prefix, parts);
 }
 
 // Contiguous q, k, v, out, dout, lse, dq, dk, dv at distinct aligned fake addresses (those of

@@ -129,20 +129,9 @@ struct FwdFp8Mainloop {
   static constexpr int kRows = 2;
   static_assert(kBlockN % 32 == 0 && kFp8BlockKV % kBlockN == 0, "a key block lies in one k/v scale block");
 
+  // The consumer thread's views (fwd_mainloop_views); V^T is the transposers' ring.
   __device__ __forceinline__ static auto make_views(typename Traits::SharedStorage& shared, int tidx) {
-    Tensor sQ = make_tensor(make_smem_ptr(shared.smem_q.data()), typename Traits::SmemLayoutQ{});
-    Tensor sK = make_tensor(make_smem_ptr(shared.smem_k.data()), typename Traits::SmemLayoutK{});
-    Tensor sVt = make_tensor(make_smem_ptr(shared.smem_vt.data()), typename Traits::SmemLayoutVt{});
-    typename Traits::TiledMmaQK mma_qk;
-    typename Traits::TiledMmaPV mma_pv;
-    auto thr_qk = mma_qk.get_thread_slice(tidx);
-    auto thr_pv = mma_pv.get_thread_slice(tidx);
-    Tensor tSrQ = thr_qk.partition_fragment_A(sQ);
-    Tensor tSrK = thr_qk.partition_fragment_B(sK);
-    Tensor tOrV = thr_pv.partition_fragment_B(sVt);
-    Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
-    Tensor tScS_rc = make_tensor(tScS.data(), acc_layout_rowcol(tScS.layout()));
-    return cute::make_tuple(tSrQ, tSrK, tOrV, tScS_rc);
+    return fwd_mainloop_views<Traits>(shared, shared.smem_vt.data(), tidx);
   }
 
   template <class Views, class MaskT, class TensorO>

@@ -49,6 +49,26 @@ struct FwdPingpong {
   }
 };
 
+// The consumer thread's views, made once per kernel: the WGMMA descriptors of Q, K and V^T (at
+// vt) in shared memory and the (row, col) coordinates of its scores inside a tile.
+template <class Traits, class ElementVt>
+__device__ __forceinline__ auto fwd_mainloop_views(typename Traits::SharedStorage& shared, ElementVt* vt, int tidx) {
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
+  Tensor sQ = make_tensor(make_smem_ptr(shared.smem_q.data()), typename Traits::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(shared.smem_k.data()), typename Traits::SmemLayoutK{});
+  Tensor sVt = make_tensor(make_smem_ptr(vt), typename Traits::SmemLayoutVt{});
+  typename Traits::TiledMmaQK mma_qk;
+  typename Traits::TiledMmaPV mma_pv;
+  auto thr_qk = mma_qk.get_thread_slice(tidx);
+  auto thr_pv = mma_pv.get_thread_slice(tidx);
+  Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // descriptors into shared memory
+  Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stage)
+  Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stage)
+  Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor tScS_rc = make_tensor(tScS.data(), acc_layout_rowcol(tScS.layout()));
+  return cute::make_tuple(tSrQ, tSrK, tOrV, tScS_rc);
+}
+
 template <class Traits>
 struct FwdMainloop {
   using Element = typename Traits::Element;
@@ -60,22 +80,9 @@ struct FwdMainloop {
   // Accumulator rows per thread: rows r and r + 8 of its warp's 16 (m64 WGMMA tiles).
   static constexpr int kRows = 2;
 
-  // The consumer thread's views, made once per kernel: the WGMMA descriptors of Q, K, V^T in
-  // shared memory and the (row, col) coordinates of its scores inside a tile.
+  // The consumer thread's views (fwd_mainloop_views); V^T is the V ring seen transposed.
   __device__ __forceinline__ static auto make_views(typename Traits::SharedStorage& shared, int tidx) {
-    Tensor sQ = make_tensor(make_smem_ptr(shared.smem_q.data()), typename Traits::SmemLayoutQ{});
-    Tensor sK = make_tensor(make_smem_ptr(shared.smem_k.data()), typename Traits::SmemLayoutK{});
-    Tensor sVt = make_tensor(make_smem_ptr(shared.smem_v.data()), typename Traits::SmemLayoutVt{});
-    typename Traits::TiledMmaQK mma_qk;
-    typename Traits::TiledMmaPV mma_pv;
-    auto thr_qk = mma_qk.get_thread_slice(tidx);
-    auto thr_pv = mma_pv.get_thread_slice(tidx);
-    Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // descriptors into shared memory
-    Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stage)
-    Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stage)
-    Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
-    Tensor tScS_rc = make_tensor(tScS.data(), acc_layout_rowcol(tScS.layout()));
-    return cute::make_tuple(tSrQ, tSrK, tOrV, tScS_rc);
+    return fwd_mainloop_views<Traits>(shared, shared.smem_v.data(), tidx);
   }
 
   // One piece of work (fwd_scheduler.h): key blocks n_block_max - 1 down to n_lo of the tile
