@@ -936,4 +936,79 @@ TEST(CApi, QuantizeOfAnEmptyBatchIsANoOp) {  // validation passes with no pointe
   EXPECT_NE(std::string(err).find("byte " + std::to_string(size - 1) + " is not zero"), std::string::npos) << err;
 }
 
+// ---- FP8 forward: dtypes and scales ---------------------------------------------------------
+
+// make_args with float8_e4m3 q, k, v (bfloat16 out) and the three scales: per (batch, kv head)
+// when block is false, else block scales (q per 64 rows, k and v per 128 keys).
+FwdArgs make_fp8_args(bool block) {
+  FwdArgs a = make_args(2, 200, 300, 8, 2, 128);
+  for (TensorRef* t : {&a.q, &a.k, &a.v}) {
+    *t = TensorRef::contiguous(t->data, DType::kFloat8E4M3, {t->shape[0], t->shape[1], t->shape[2], t->shape[3]});
+  }
+  if (block) {
+    a.q_scale = TensorRef::contiguous(fake_ptr(0x600000), DType::kFloat32, {2, 8, 4});  // ceil(200 / 64)
+    a.k_scale = TensorRef::contiguous(fake_ptr(0x610000), DType::kFloat32, {2, 2, 3});  // ceil(300 / 128)
+    a.v_scale = TensorRef::contiguous(fake_ptr(0x620000), DType::kFloat32, {2, 2, 3});
+  } else {
+    a.q_scale = TensorRef::contiguous(fake_ptr(0x600000), DType::kFloat32, {2, 2});
+    a.k_scale = TensorRef::contiguous(fake_ptr(0x610000), DType::kFloat32, {2, 2});
+    a.v_scale = TensorRef::contiguous(fake_ptr(0x620000), DType::kFloat32, {2, 2});
+  }
+  return a;
+}
+
+TEST(FwdFp8Validation, AcceptsDescalesBlockScalesAndNone) {
+  for (bool block : {false, true}) {
+    const FwdArgs a = make_fp8_args(block);
+    const flash3::FwdProblem p = flash3::validate_fwd(a, &fake_inspect);
+    EXPECT_EQ(p.dtype, DType::kFloat8E4M3);
+    FwdArgs none = a;
+    none.q_scale = none.k_scale = none.v_scale = TensorRef{};
+    EXPECT_NO_THROW(validate(none));
+    FwdArgs strided = a;  // any strides, 0 included (one scale broadcast over blocks)
+    strided.k_scale.stride[2] = 0;
+    EXPECT_NO_THROW(validate(strided));
+  }
+}
+
+TEST(FwdFp8Validation, RejectsMixedDtypesAndOut) {
+  FwdArgs a = make_fp8_args(false);
+  a.k.dtype = DType::kBFloat16;
+  EXPECT_TRUE(fails_with(a, {"k.dtype is bfloat16 but q.dtype is float8_e4m3", "same dtype"}));
+  a = make_fp8_args(false);
+  a.out.dtype = DType::kFloat8E4M3;
+  EXPECT_TRUE(fails_with(a, {"out.dtype is float8_e4m3", "out must be bfloat16"}));
+  a = make_fp8_args(false);
+  a.q.dtype = a.k.dtype = a.v.dtype = DType::kFloat8E5M2;
+  EXPECT_TRUE(fails_with(a, {"q.dtype is float8_e5m2", "float8_e4m3 (with bfloat16 out)"}));
+  a = make_args(2, 200, 300, 8, 2, 128);  // 16-bit q with a scale
+  a.v_scale = TensorRef::contiguous(fake_ptr(0x620000), DType::kFloat32, {2, 2});
+  EXPECT_TRUE(fails_with(a, {"v_scale is given but q.dtype is bfloat16", "float8_e4m3 inputs only"}));
+}
+
+TEST(FwdFp8Validation, RejectsScalesOfTheWrongShapeDtypeOrMemory) {
+  FwdArgs a = make_fp8_args(true);
+  a.q_scale.shape[2] = 3;  // ceil(200 / 64) is 4
+  EXPECT_TRUE(fails_with(a, {"q_scale.shape[2] is 3", "(batch, nheads, ceil(seqlen_q / 64)) = (2, 8, 4)"}));
+  a = make_fp8_args(true);
+  a.k_scale.shape[1] = 8;
+  EXPECT_TRUE(fails_with(a, {"k_scale.shape[1] is 8", "(batch, nheads_kv) = (2, 2)"}));
+  a = make_fp8_args(false);
+  a.v_scale.dtype = DType::kBFloat16;
+  EXPECT_TRUE(fails_with(a, {"v_scale.dtype is bfloat16", "scales must be float32"}));
+  a = make_fp8_args(false);
+  a.q_scale = TensorRef::contiguous(fake_ptr(0x600000), DType::kFloat32, {2, 2, 1, 1});
+  EXPECT_TRUE(fails_with(a, {"q_scale.rank is 4"}));
+  a = make_fp8_args(false);
+  a.k_scale.stride[0] = -1;
+  EXPECT_TRUE(fails_with(a, {"k_scale.stride[0] is -1", ">= 0"}));
+  a = make_fp8_args(false);
+  g_host = a.v_scale.data;
+  EXPECT_TRUE(fails_with(a, {"v_scale.data points to host memory"}));
+  g_host = nullptr;
+  a = make_fp8_args(false);
+  a.q_scale.data = nullptr;
+  EXPECT_TRUE(fails_with(a, {"q_scale.data is null"}));
+}
+
 }  // namespace
