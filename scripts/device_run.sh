@@ -4,7 +4,9 @@
 # and the benchmarks. Logs and JSON go to $OUT (default ./out). The CUTLASS headers and the
 # GoogleTest sources must already be in third_party/ (run scripts/setup.sh here, then carry
 # third_party: the GPU machine has no network).
-#   usage: bash scripts/device_run.sh [all|build|bwdcheck|test|sanitize|profile|prof|causal|bench|bwdbench|power|quick]...
+#   usage: bash scripts/device_run.sh [all|build|bwdcheck|test|sanitize|profile|prof|causal|bench|bwdbench|power|fp8|quick]...
+# fp8: bench/bench_fp8.py (the FP8 forward beside FlashAttention-3's, Table 3, the quantizer);
+# it needs .anchors/fa3_anchor.so.xz carried (../shared/anchors/fa3/), else runs without FA3.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -97,6 +99,16 @@ if has bwdbench; then
     timeout ${BENCH_TIMEOUT:-300} python3 bench/bench_torch.py --pass bwd ${BWD_BENCH_ARGS:-} --json "$OUT/bench_torch_bwd.json" 2>&1 | tee "$OUT/bench_torch_bwd.log"
   python3 bench/plot.py "$OUT/bench_torch_bwd.json" "$OUT/bwd_chart.png" || true
   python3 bench/table.py "$OUT/bench_torch_bwd.json" | tee -a "$OUT/summary.txt" || true
+fi
+if has fp8; then
+  fa3=none
+  if [ -f .anchors/fa3_anchor.so.xz ]; then
+    python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" \
+      .anchors/fa3_anchor.so.xz /tmp/fa3_anchor.so && fa3=/tmp/fa3_anchor.so
+  fi
+  FLASH3_LIB="$root/build/libflash3.so" PYTHONPATH="$root/python" PYTHONUNBUFFERED=1 \
+    timeout ${FP8_TIMEOUT:-300} python3 bench/bench_fp8.py --fa3 "$fa3" ${FP8_ARGS:-} --json "$OUT/fp8.json" 2>&1 | tee "$OUT/bench_fp8.log"
+  grep -E "^\||geomean|Table 3|quantizer|end to end" "$OUT/bench_fp8.log" >> "$OUT/summary.txt"
 fi
 if has power; then
   # Backward under sustained load beside cuDNN, with the SM clock and power draw (tools/bwd_power.py;
