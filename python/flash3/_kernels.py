@@ -142,28 +142,26 @@ def _check(rc, buf, what, note=None):
         raise (ValueError if rc == _lib.INVALID_ARGUMENT else RuntimeError)(msg)
 
 
-def block_rows_arg(block_rows):
-    """block_rows as a positive int; ValueError naming it otherwise (the library's C ABI reads 0
-    as its default, so 0 is refused here rather than quietly changed)."""
+def _int_arg(name, value, lo, hi, bounds):
+    """value as an int in [lo, hi); ValueError naming it otherwise (`bounds` says the range)."""
     try:
-        rows = operator.index(block_rows)
+        v = operator.index(value)
     except TypeError:
-        raise ValueError(f"block_rows: must be an int, got {type(block_rows).__name__}") from None
-    if not 1 <= rows < 2**31:
-        raise ValueError(f"block_rows: must be >= 1 and < 2^31 (64 for q, 128 for k and v), got {rows}")
-    return rows
+        raise ValueError(f"{name}: must be an int, got {type(value).__name__}") from None
+    if not lo <= v < hi:
+        raise ValueError(f"{name}: must be {bounds}, got {v}")
+    return v
+
+
+def block_rows_arg(block_rows):
+    """block_rows as a positive int (the library's C ABI reads 0 as its default, so 0 is refused
+    here rather than quietly changed)."""
+    return _int_arg("block_rows", block_rows, 1, 2**31, ">= 1 and < 2^31 (64 for q, 128 for k and v)")
 
 
 def seed_arg(seed):
-    """seed as an int in [0, 2^63) (the operators carry it as a torch int64); ValueError naming
-    it otherwise."""
-    try:
-        value = operator.index(seed)
-    except TypeError:
-        raise ValueError(f"seed: must be an int, got {type(seed).__name__}") from None
-    if not 0 <= value < 2**63:
-        raise ValueError(f"seed: must be in [0, 2^63), got {value}")
-    return value
+    """seed as an int in [0, 2^63) (the operators carry it as a torch int64)."""
+    return _int_arg("seed", seed, 0, 2**63, "in [0, 2^63)")
 
 
 def check_fp8_qkv(q, k, v):
