@@ -26,7 +26,7 @@ log "build: $(( $(date +%s) - t0 )) s with $jobs jobs"
 grep -E "Used [0-9]+ registers|spill|stack frame" "$OUT/build.log" | sort | uniq -c | sort -rn | head -8 | tee -a "$OUT/summary.txt"
 grep -E "C75(08|1[0-9])" "$OUT/build.log" | sort | uniq -c | head -5 | tee -a "$OUT/summary.txt"
 cuobjdump --dump-sass build/libflash3.so > "$OUT/sass.txt" 2>/dev/null
-log "SASS: HGMMA $(grep -c HGMMA "$OUT/sass.txt"), local-memory LDL/STL $(grep -cE '\b(LDL|STL)\b' "$OUT/sass.txt")"
+log "SASS: HGMMA/QGMMA $(grep -cE "[HQ]GMMA" "$OUT/sass.txt"), local-memory LDL/STL $(grep -cE '\b(LDL|STL)\b' "$OUT/sass.txt")"
 python3 tools/check_overlap.py < "$OUT/sass.txt" | tee -a "$OUT/summary.txt"
 gzip -f "$OUT/sass.txt"
 

@@ -105,54 +105,105 @@ struct Fp8VPipeline {
 template <class Traits>
 struct FwdFp8Transpose {
   static constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
-  static constexpr int kWarps = Traits::kTransposeWarps;
-  // A work unit of one warp: 32 keys x 16 head-dim bytes, one ldmatrix.x4.trans and one
-  // stmatrix.x4 (512 bytes).
-  static constexpr int kUnits = (kBlockN / 32) * (kHeadDim / 16);
-  static_assert(kBlockN % 32 == 0 && kUnits % kWarps == 0);
+  static constexpr int kWarps = Traits::kTransposeWarps, kStages = Traits::kStagesV;
+  // A work unit of one warp: 32 keys (group g) x 16 head-dim bytes (chunk c), one
+  // ldmatrix.x4.trans and one stmatrix.x4 (512 bytes). Warp w takes the chunks c = w + kWarps j.
+  static constexpr int kGroups = kBlockN / 32, kChunks = kHeadDim / 16, kChunksPerWarp = kChunks / kWarps;
 
-  // Transposes V stage `stage` into Vt stage `stage`; warp: this warp's index among the
-  // transposers, lane its lane.
+  // Byte offsets in the V and Vt stages. Both are rows of whole swizzle atoms: V (key, col) at
+  // key * kRowV + col (+ kBlockN * 128 per 128 columns at head dim 256), Vt (row, k) at
+  // row * kRowVt + k, with CuTe's swizzle XOR-ing the 16-byte chunk index with bits 7.. of the
+  // offset (3 bits for 128-byte rows, 2 for 64-byte rows): the XOR depends only on the lane
+  // (key mod 8, or Vt row mod 16), so each thread keeps one source address per chunk of a
+  // swizzle row and one destination address per key group, and every unit is an immediate
+  // offset from one of them. tools/check_fp8_transpose_layout.cu checks these addresses against
+  // SmemLayoutV and SmemLayoutVt for every unit, lane and stage.
+  static constexpr int kRowV = kHeadDim >= 128 ? 128 : 64, kChunksV = kRowV / 16, kMaskV = kRowV == 128 ? 7 : 3;
+  static constexpr int kRowVt = kBlockN, kMaskVt = kRowVt == 128 ? 7 : 3;
+  static constexpr int kStageBytes = kBlockN * kHeadDim;
+  static constexpr int kSrcBases = kChunksV / kWarps;  // a warp's chunks within one swizzle row
+  static_assert(kBlockN % 32 == 0 && kChunks % kWarps == 0 && kChunksV % kWarps == 0);
+  static_assert(cosize_v<typename Traits::SmemLayoutV> == kStages * kStageBytes &&
+                cosize_v<typename Traits::SmemLayoutVt> == kStages * kStageBytes);
+
+  struct Addresses {
+    uint32_t src[kSrcBases];  // chunk warp + kWarps jj of key `lane` in the first row of atoms
+    uint32_t dst[kGroups];    // Vt row 16 warp + st_row, keys 32 g + st_col
+  };
+
+  // v, vt: the rings' shared addresses (0 on the host check).
+  FLASH3_HD static Addresses addresses(uint32_t v, uint32_t vt, int warp, int lane) {
+    // stmatrix.x4: lanes 0-7 address matrix 0 (Vt rows 2r, k 0-15), 8-15 matrix 1 (k 16-31),
+    // 16-23 matrix 2 (rows 2r + 1, k 0-15), 24-31 matrix 3.
+    const int st_row = 2 * (lane % 8) + lane / 16, st_col = 16 * ((lane / 8) % 2);
+    const int x_src = (((lane * kRowV) >> 7) & kMaskV) << 4;
+    const int x_dst = (((st_row * kRowVt) >> 7) & kMaskVt) << 4;
+    Addresses a;
+    for (int jj = 0; jj < kSrcBases; ++jj) a.src[jj] = v + lane * kRowV + ((16 * (warp + kWarps * jj)) ^ x_src);
+    for (int g = 0; g < kGroups; ++g) a.dst[g] = vt + (16 * warp + st_row) * kRowVt + ((32 * g + st_col) ^ x_dst);
+    return a;
+  }
+  // Unit (j, g) of stage `stage`: chunk c = warp + kWarps j, so c mod kChunksV = warp + kWarps
+  // (j mod kSrcBases) and c / kChunksV = j / kSrcBases.
+  FLASH3_HD static constexpr uint32_t src(const Addresses& a, int j, int g, int stage) {
+    return a.src[j % kSrcBases] + stage * kStageBytes + (j / kSrcBases) * (kBlockN * kRowV) + g * 32 * kRowV;
+  }
+  FLASH3_HD static constexpr uint32_t dst(const Addresses& a, int j, int g, int stage) {
+    return a.dst[g] + stage * kStageBytes + 16 * kWarps * j * kRowVt;
+  }
+
+  // Transposes V stage kStage into Vt stage kStage.
   // ldmatrix.trans of 8 keys x 8 b16 columns (16 head-dim bytes) gives lane 4r + q the bytes
   // (V[2q][2r], V[2q][2r+1], V[2q+1][2r], V[2q+1][2r+1]) of its matrix; the four matrices are
   // keys 0-7, 8-15, 16-23, 24-31 of a 32-key group (lane l addresses key l). Byte permutes
   // then give Vt row 2r (and 2r + 1) at k = 4q..4q+3 the keys 2q, 2q+1, 2q+8, 2q+9, which is
   // fp8_key_of_k's order (and at k = 16 + 4q.. the keys 16 more), and one stmatrix.x4 writes
   // the four words: its matrices are Vt rows 2r at k 0-15, at k 16-31, rows 2r + 1 likewise.
-  // NOTES: the addresses come from the CuTe layouts, about 25 instructions each; the
-  // transposers bound the kernel (measured: 1.7-2.2x faster with the transpose skipped).
-  template <class TensorV, class TensorVt>
-  __device__ __forceinline__ static void tile(TensorV& sV, TensorVt& sVt, int stage, int warp, int lane) {
-    const int st_row = 2 * (lane % 8) + lane / 16, st_col = 16 * ((lane / 8) % 2);
-#pragma unroll 2
-    for (int u = warp; u < kUnits; u += kWarps) {
-      const int g = u / (kHeadDim / 16), c = u % (kHeadDim / 16);  // key group, head-dim chunk
-      const uint32_t src = cute::cast_smem_ptr_to_uint(&sV(32 * g + lane, 16 * c, stage));
-      const uint32_t dst = cute::cast_smem_ptr_to_uint(&sVt(16 * c + st_row, 32 * g + st_col, stage));
-      uint32_t a, b, x, y;
-      asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                   : "=r"(a), "=r"(b), "=r"(x), "=r"(y)
-                   : "r"(src)
-                   : "memory");
-      asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(dst),
-                   "r"(__byte_perm(a, b, 0x6420)), "r"(__byte_perm(x, y, 0x6420)), "r"(__byte_perm(a, b, 0x7531)),
-                   "r"(__byte_perm(x, y, 0x7531))
-                   : "memory");
+  // kBatch units' ldmatrix go out before their stmatrix: their latencies overlap.
+  static constexpr int kBatch = kGroups < 2 ? kGroups : 2;
+  static_assert(kGroups % kBatch == 0);
+  template <int kStage>
+  __device__ __forceinline__ static void tile(const Addresses& ad) {
+#pragma unroll
+    for (int j = 0; j < kChunksPerWarp; ++j) {
+#pragma unroll
+      for (int g0 = 0; g0 < kGroups; g0 += kBatch) {
+        uint32_t r[kBatch][4];
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b)
+          asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                       : "=r"(r[b][0]), "=r"(r[b][1]), "=r"(r[b][2]), "=r"(r[b][3])
+                       : "r"(src(ad, j, g0 + b, kStage))
+                       : "memory");
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b)
+          asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(dst(ad, j, g0 + b, kStage)),
+                       "r"(__byte_perm(r[b][0], r[b][1], 0x6420)), "r"(__byte_perm(r[b][2], r[b][3], 0x6420)),
+                       "r"(__byte_perm(r[b][0], r[b][1], 0x7531)), "r"(__byte_perm(r[b][2], r[b][3], 0x7531))
+                       : "memory");
+      }
     }
+  }
+  // The stage as a template argument: every unit's offset is an immediate.
+  template <int kStage = 0>
+  __device__ __forceinline__ static void tile_at(const Addresses& ad, int stage) {
+    if constexpr (kStage + 1 < kStages) {
+      if (stage != kStage) return tile_at<kStage + 1>(ad, stage);
+    }
+    tile<kStage>(ad);
   }
 
   // The transposer warps' loop over V stages, in the order the TMA thread fills them, until its
   // stop. t: the thread's index among the transposers.
   __device__ static void run(typename Traits::SharedStorage& shared, typename Traits::PipelineV& pipeline_v, int t) {
-    Tensor sV = make_tensor(make_smem_ptr(shared.smem_v.data()), typename Traits::SmemLayoutV{});
-    Tensor sVt = make_tensor(make_smem_ptr(shared.smem_vt.data()), typename Traits::SmemLayoutVt{});
+    const Addresses ad = addresses(cute::cast_smem_ptr_to_uint(shared.smem_v.data()),
+                                   cute::cast_smem_ptr_to_uint(shared.smem_vt.data()), t / 32, t % 32);
     typename Traits::PipelineStateV st;
-    const int warp = t / 32, lane = t % 32;
     while (pipeline_v.transpose_wait(st)) {
-      tile(sV, sVt, st.index(), warp, lane);
+      tile_at(ad, st.index());
       cutlass::arch::fence_view_async_shared();  // st.shared -> WGMMA (async proxy)
       __syncwarp();
-      pipeline_v.transpose_done(st, lane == 0);
+      pipeline_v.transpose_done(st, t % 32 == 0);
       ++st;
     }
   }
