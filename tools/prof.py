@@ -1,9 +1,12 @@
 """Runs one attention call of flash3 and of cuDNN (PyTorch SDPA) inside a CUDA profiler range,
 for Nsight Compute: `ncu --profile-from-start off ... python3 tools/prof.py --pass bwd ...` profiles
 exactly the kernels of one flash3 call and one cuDNN call on the same inputs (warm-ups outside).
+--pass fp8: flash3's FP8 forward and FlashAttention-3's (--fa3, the prebuilt comparator) instead,
+e4m3 inputs with per-(batch, kv head) descales.
 
 usage: FLASH3_LIB=build/libflash3.so PYTHONPATH=python python3 tools/prof.py
-           [--pass fwd|bwd] [--hdim 128] [--seqlen 2048] [--causal 0|1] [--only flash3|cudnn]
+           [--pass fwd|bwd|fp8] [--hdim 128] [--seqlen 2048] [--causal 0|1] [--only flash3|cudnn]
+           [--fa3 /tmp/fa3_anchor.so]
 Shapes follow the paper's sweep: batch = 16384 / seqlen, heads = 2048 / hdim.
 """
 import argparse
@@ -34,23 +37,40 @@ def paper_problem(d, s, causal):
     return (q, k, v, dout), impls
 
 
+def fp8_impls(q, k, v, causal, fa3_path):
+    """flash3's and FlashAttention-3's FP8 forward on e4m3 copies of q, k, v (unit descales)."""
+    q8, k8, v8 = (t.detach().to(torch.float8_e4m3fn) for t in (q, k, v))
+    d = torch.ones(q.shape[0], k.shape[2], device="cuda", dtype=torch.float32)
+    torch.ops.load_library(fa3_path)
+    fa3 = torch.ops.flash_attn_3
+    return {
+        "flash3": lambda: flash3.flash_attn_func(q8, k8, v8, causal=causal, q_descale=d, k_descale=d, v_descale=d),
+        "fa3": lambda: fa3.fwd(q8, k8, v8, q_descale=d, k_descale=d, v_descale=d, is_causal=causal),
+    }
+
+
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--pass", dest="pss", choices=("fwd", "bwd"), default="fwd")
+    p.add_argument("--pass", dest="pss", choices=("fwd", "bwd", "fp8"), default="fwd")
     p.add_argument("--hdim", type=int, default=128)
     p.add_argument("--seqlen", type=int, default=2048)
     p.add_argument("--causal", type=int, default=0)
-    p.add_argument("--only", choices=("flash3", "cudnn"), default=None)
+    p.add_argument("--only", choices=("flash3", "cudnn", "fa3"), default=None)
+    p.add_argument("--fa3", default="/tmp/fa3_anchor.so")
     a = p.parse_args()
     s, d = a.seqlen, a.hdim
     causal = bool(a.causal)
     (q, k, v, dout), impls = paper_problem(d, s, causal)
     b, h = q.shape[0], q.shape[2]
+    if a.pss == "fp8":
+        impls = fp8_impls(q, k, v, causal, a.fa3)
     if a.only:
         impls = {a.only: impls[a.only]}
     calls = {}
     for name, fn in impls.items():
-        if a.pss == "fwd":
+        if a.pss == "fp8":
+            calls[name] = fn
+        elif a.pss == "fwd":
             calls[name] = lambda fn=fn: fn(q, k, v)
         else:
             out = fn(q, k, v)

@@ -86,8 +86,8 @@ struct FwdTileConfig;
 // 256: Q 32 + K 64 + V 64 + Vt 64 = 224 KB, so O leaves straight from registers there.
 template <int kHeadDim>
 struct FwdFp8TileConfig {
-  static constexpr int kBlockM = 128, kBlockN = kHeadDim == 256 ? 64 : 128, kStages = 2;
-  static constexpr bool kOStageWarp = kHeadDim <= 128;
+  static constexpr int kBlockM = kHeadDim == 64 ? 192 : 128, kBlockN = kHeadDim == 256 ? 64 : 128, kStages = 2;
+  static constexpr bool kOStageWarp = kHeadDim == 128;
 };
 
 template <bool kCausal> struct FwdTileConfig<64, kCausal> {

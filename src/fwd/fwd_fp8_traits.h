@@ -46,15 +46,17 @@ struct FwdFp8Traits {
   static constexpr int kNumConsumerThreads = 128 * kNumConsumerWG;
   static constexpr int kNumThreads = 128 + kNumConsumerThreads;
   static constexpr int kTransposeWarps = 2;
-  // NOTES: setmaxnreg moves registers within the block's launch allocation (168 x 384 = 64512
-  // with two consumer warpgroups): 40 x 128 + 232 x 256 fills it exactly. 240 for the consumers
-  // (the 16-bit kernel's, with 24 for the producer) would leave the transposers 24, and 40 + 240
-  // would wait forever for registers the block does not have. The transposers need their 40:
-  // with 32 they spilled their pipeline state.
-  static constexpr int kProducerRegs = 40;
-  static constexpr int kConsumerRegs = 232;
+  // NOTES: setmaxnreg moves registers within the block's launch allocation: 168 x 384 = 64512
+  // with two consumer warpgroups, 128 x 512 = 65536 with three. 40 x 128 + 232 x 256 and
+  // 56 x 128 + 152 x 384 fill them exactly. 240 for two consumer warpgroups (the 16-bit kernel's,
+  // with 24 for the producer) would leave the transposers 24, and 40 + 240 would wait forever
+  // for registers the block does not have. The transposers need their 40: with 32 they spilled
+  // their pipeline state.
+  static constexpr int kProducerRegs = kNumConsumerWG == 2 ? 40 : 56;
+  static constexpr int kConsumerRegs = kNumConsumerWG == 2 ? 232 : 152;
   static constexpr bool kLastPvOwnTurn = kNumConsumerWG != 2;
-  static_assert(kNumConsumerWG == 2, "the register split is for two consumer warpgroups");
+  static_assert(kNumConsumerWG == 2 || kNumConsumerWG == 3);
+  static_assert(kProducerRegs * 128 + kConsumerRegs * kNumConsumerThreads <= 65536);
 
   using AtomLayoutMNK = Layout<Shape<Int<kNumConsumerWG>, _1, _1>>;
   using TiledMmaQK = decltype(make_tiled_mma(
