@@ -11,7 +11,7 @@ Speed (the paper's sweep, timing.py: 16k tokens, hidden 2048, FLOPs 4 b h s^2 d,
 causal): q, k, v drawn N(0, 1) in bf16, quantized per (batch, kv head) (scale = amax / 448), the
 same e4m3 tensors and descales for both libraries:
     flash3      forward_into(q8, k8, v8, out, q_scale=, k_scale=, v_scale=)   (batch, nheads_kv)
-    flash3_blk  the same with block scales (q per 64 rows, k and v per 128)
+    flash3_blk  the same with block scales (q per 64 rows, k and v per block_kv(head dim))
     fa3         torch.ops.flash_attn_3.fwd(q8, k8, v8, q_descale=, k_descale=, v_descale=)
 Each call between CUDA events after a spin kernel; per run and point, --reps repetitions that time
 each implementation once in rotated order; --runs runs in one process; reported: the median over
@@ -96,7 +96,8 @@ def speed(torch, flash3, fa3, a):
         gen = torch.Generator(device=dev).manual_seed(1000 * d + s + causal)
         q, k, v = (torch.randn(b, s, h, d, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(3))
         (q8, qd), (k8, kd), (v8, vd) = (per_head_quant(torch, x, h) for x in (q, k, v))
-        (q8b, qs), (k8b, ks), (v8b, vs) = (block_quant(torch, x, blk) for x, blk in ((q, 64), (k, 128), (v, 128)))
+        bkv = flash3.fp8.block_kv(d)
+        (q8b, qs), (k8b, ks), (v8b, vs) = (block_quant(torch, x, blk) for x, blk in ((q, 64), (k, bkv), (v, bkv)))
         out = torch.empty(b, s, h, d, device=dev, dtype=torch.bfloat16)
         outb = torch.empty_like(out)
         calls = {
@@ -185,7 +186,7 @@ def accuracy(torch, flash3, kernels, fa3):
         res["per_tensor_fa3"] = rmse(fa3.fwd(q8, k8, v8, q_descale=qs, k_descale=ks, v_descale=vs)[0])
     qb, kb, vb = (x.to(torch.bfloat16) for x in (q, k, v))
     (q8, qs), (k8, ks), (v8, vs) = (kernels.quantize_fp8(x, block_rows=blk, hadamard=False)
-                                    for x, blk in ((qb, 64), (kb, 128), (vb, 128)))
+                                    for x, blk in ((qb, 64), (kb, flash3.fp8.block_kv(d)), (vb, flash3.fp8.block_kv(d))))
     flash3.forward_into(q8, k8, v8, out, None, q_scale=qs, k_scale=ks, v_scale=vs)
     res["block"] = rmse(out)
     m = rotation(torch, kernels, d, seed=0).float()
@@ -193,8 +194,8 @@ def accuracy(torch, flash3, kernels, fa3):
     flash3.forward_into(q8, k8, v8, out, None, q_scale=qs, k_scale=ks, v_scale=vs)
     res["incoherent_per_tensor"] = rmse(out)
     (q8, qs), (k8, ks) = (kernels.quantize_fp8(x, block_rows=blk, hadamard=True, seed=0)
-                          for x, blk in ((qb, 64), (kb, 128)))
-    v8, vs = kernels.quantize_fp8(vb, block_rows=128, hadamard=False)
+                          for x, blk in ((qb, 64), (kb, flash3.fp8.block_kv(d))))
+    v8, vs = kernels.quantize_fp8(vb, block_rows=flash3.fp8.block_kv(d), hadamard=False)
     flash3.forward_into(q8, k8, v8, out, None, q_scale=qs, k_scale=ks, v_scale=vs)
     res["block_and_incoherent"] = rmse(out)
     flash3.forward_into(qb, kb, vb, out, None)
@@ -231,8 +232,8 @@ def quant_and_e2e(torch, flash3, kernels):
 
         def fp8():
             (q8, qs), (k8, ks) = (kernels.quantize_fp8(t, block_rows=blk, hadamard=True, seed=0)
-                                  for t, blk in ((q, 64), (k, 128)))
-            v8, vs = kernels.quantize_fp8(v, block_rows=128, hadamard=False)
+                                  for t, blk in ((q, 64), (k, flash3.fp8.block_kv(d))))
+            v8, vs = kernels.quantize_fp8(v, block_rows=flash3.fp8.block_kv(d), hadamard=False)
             flash3.forward_into(q8, k8, v8, out, None, causal=bool(causal), q_scale=qs, k_scale=ks, v_scale=vs)
 
         bf16 = timed(torch, lambda: flash3.forward_into(q, k, v, out, None, causal=bool(causal)))

@@ -146,7 +146,7 @@ flash3::QuantizeArgs quantize_args(const flash3_quantize_fp8_args* c) {
   args.in = to_ref(&a.in);
   args.out = to_ref(&a.out);
   args.scale = to_ref(&a.scale);
-  args.block_rows = a.block_rows == 0 ? flash3::kFp8BlockKV : a.block_rows;  // 0: the default
+  args.block_rows = a.block_rows;
   args.hadamard = a.hadamard != 0;
   args.seed = a.seed;
   args.stream = static_cast<cudaStream_t>(a.stream);

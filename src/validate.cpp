@@ -393,10 +393,10 @@ FwdProblem validate_fwd(const FwdArgs& args, PointerInspector inspect) {
         c.fp8_scale(q_scale, batch, nheads_kv, nheads, args.q.shape[1], kFp8BlockQ, inspect);
       }
       if (args.k_scale.data || args.k_scale.rank) {
-        c.fp8_scale(k_scale, batch, nheads_kv, nheads_kv, args.k.shape[1], kFp8BlockKV, inspect);
+        c.fp8_scale(k_scale, batch, nheads_kv, nheads_kv, args.k.shape[1], fp8_block_kv(args.q.shape[3]), inspect);
       }
       if (args.v_scale.data || args.v_scale.rank) {
-        c.fp8_scale(v_scale, batch, nheads_kv, nheads_kv, args.k.shape[1], kFp8BlockKV, inspect);
+        c.fp8_scale(v_scale, batch, nheads_kv, nheads_kv, args.k.shape[1], fp8_block_kv(args.q.shape[3]), inspect);
       }
     }
   }

@@ -94,7 +94,7 @@ def test_cpu_fake_shapes(shape):
         k = torch.empty(b, sk, hk, d, dtype=E4M3, device="cuda")
         for scales in [(None, None, None),
                        tuple(torch.empty(b, hk, device="cuda") for _ in range(3)),
-                       (torch.empty(b, h, -(-sq // 64), device="cuda"), torch.empty(b, hk, -(-sk // 128), device="cuda"),
+                       (torch.empty(b, h, -(-sq // 64), device="cuda"), torch.empty(b, hk, -(-sk // flash3.fp8.block_kv(d)), device="cuda"),
                         None)]:
             out, lse = torch.ops.flash3.fwd_fp8(q, k, k, *scales, 0.5, True)
             assert out.shape == q.shape and out.dtype == torch.bfloat16 and out.is_contiguous()
@@ -199,13 +199,14 @@ def test_cpu_flash_attn_func_passes_descales_as_scales(calls):
 
 
 def test_cpu_flash_attn_fp8_func_quantizes_then_runs_fp8(calls):
-    """q in blocks of 64 rows and k in 128, both rotated with the same seed; v in 128 without
-    rotation; the forward gets the block scales. The rotation leaves the result unchanged."""
+    """q in blocks of 64 rows and k in 192 (block_kv(128)), both rotated with the same seed; v in
+    192 without rotation; the forward gets the block scales. The rotation leaves the result
+    unchanged."""
     q, k, v = _randn((2, 100, 4, 128), seed=5), _randn((2, 200, 2, 128), seed=6), _randn((2, 200, 2, 128), seed=7)
     out, lse = flash3.flash_attn_fp8_func(q, k, v, causal=True, seed=11, return_attn_probs=True)
     quant = [c for n, c in calls if n == "quantize"]
     assert [(c["x"] is t, c["block_rows"], c["hadamard"], c["seed"]) for c, t in zip(quant, (q, k, v))] == [
-        (True, 64, True, 11), (True, 128, True, 11), (True, 128, False, 0)]
+        (True, 64, True, 11), (True, 192, True, 11), (True, 192, False, 0)]
     (fwd,) = [c for n, c in calls if n == "fwd"]
     assert fwd["q"].dtype == E4M3 and fwd["q_scale"].shape == (2, 4, 2) and fwd["k_scale"].shape == (2, 2, 2)
     assert out.dtype == torch.bfloat16 and lse.shape == (2, 4, 100)
@@ -406,11 +407,12 @@ def test_quantize_hadamard_invariants(hdim):
 def _pipeline_emulated(q, k, v, causal, hadamard, seed=0):
     """flash_attn_fp8_func emulated in torch: stand_in.quantize (the kernel's block
     quantization), then _plain_fp8 on the dequantized (rotated) q, k and v."""
-    hk = k.shape[2]
+    hk, blk_kv = k.shape[2], flash3.fp8.block_kv(k.shape[3])
     qf, qs = stand_in.quantize(q.cpu(), 64, hadamard, seed)
-    kf, ks = stand_in.quantize(k.cpu(), 128, hadamard, seed)
-    vf, vs = stand_in.quantize(v.cpu(), 128, False, 0)
-    parts = [stand_in.dequantize(t, s, blk, hk).to(q.device) for t, s, blk in ((qf, qs, 64), (kf, ks, 128), (vf, vs, 128))]
+    kf, ks = stand_in.quantize(k.cpu(), blk_kv, hadamard, seed)
+    vf, vs = stand_in.quantize(v.cpu(), blk_kv, False, 0)
+    parts = [stand_in.dequantize(t, s, blk, hk).to(q.device)
+             for t, s, blk in ((qf, qs, 64), (kf, ks, blk_kv), (vf, vs, blk_kv))]
     return _plain_fp8(*parts, q.shape[-1] ** -0.5, causal)
 
 

@@ -5,7 +5,7 @@
 // same computation done plainly from the same FP8 inputs in float32 with P rounded to e4m3 before
 // P V (reference.h, attention_fwd_fp8_plain). Inputs are fresh N(0, 1) values (optionally with
 // the paper's outliers, N(0, 100) x Bernoulli(0.001)), quantized on the host per (batch, kv head)
-// (FlashAttention-3's descales), per block (kFp8BlockQ / kFp8BlockKV rows), or not scaled; the
+// (FlashAttention-3's descales), per block (kFp8BlockQ / fp8_block_kv(head_dim) rows), or not scaled; the
 // output is poisoned before each run and every element is checked to have been written.
 // With outliers, the score GEMM's own rounding enters: FP8 WGMMA keeps about 14 bits of its
 // running sum (DeepSeek-V3 technical report, §3.3.2), not float32's 24, and the plain reference
@@ -99,8 +99,8 @@ void run_fp8_case(const Fp8Case& c, uint64_t seed) {
   const int b = c.batch, sq = c.seqlen_q, sk = c.seqlen_k, h = c.nheads, hk = c.nheads_kv, d = c.head_dim;
   const size_t nq = size_t(b) * sq * h * d, nkv = size_t(b) * sk * hk * d;
   const Quantized q = quantize(random_values(nq, c.outliers, rng), b, sq, h, d, c.scales, kFp8BlockQ, h / hk);
-  const Quantized k = quantize(random_values(nkv, c.outliers, rng), b, sk, hk, d, c.scales, kFp8BlockKV, 1);
-  const Quantized v = quantize(random_values(nkv, c.outliers, rng), b, sk, hk, d, c.scales, kFp8BlockKV, 1);
+  const Quantized k = quantize(random_values(nkv, c.outliers, rng), b, sk, hk, d, c.scales, fp8_block_kv(d), 1);
+  const Quantized v = quantize(random_values(nkv, c.outliers, rng), b, sk, hk, d, c.scales, fp8_block_kv(d), 1);
 
   DeviceBuffer dq(nq), dk(nkv), dv(nkv), dout(nq * 2), dlse(size_t(b) * h * sq * 4);
   DeviceBuffer dqs(q.scale.size() * 4), dks(k.scale.size() * 4), dvs(v.scale.size() * 4);
@@ -125,8 +125,8 @@ void run_fp8_case(const Fp8Case& c, uint64_t seed) {
       args.v_scale = TensorRef::contiguous(dvs.ptr, DType::kFloat32, {b, hk});
     } else {
       args.q_scale = TensorRef::contiguous(dqs.ptr, DType::kFloat32, {b, h, (sq + kFp8BlockQ - 1) / kFp8BlockQ});
-      args.k_scale = TensorRef::contiguous(dks.ptr, DType::kFloat32, {b, hk, (sk + kFp8BlockKV - 1) / kFp8BlockKV});
-      args.v_scale = TensorRef::contiguous(dvs.ptr, DType::kFloat32, {b, hk, (sk + kFp8BlockKV - 1) / kFp8BlockKV});
+      args.k_scale = TensorRef::contiguous(dks.ptr, DType::kFloat32, {b, hk, (sk + fp8_block_kv(d) - 1) / fp8_block_kv(d)});
+      args.v_scale = TensorRef::contiguous(dvs.ptr, DType::kFloat32, {b, hk, (sk + fp8_block_kv(d) - 1) / fp8_block_kv(d)});
     }
   }
 

@@ -222,7 +222,7 @@ PointerKind fake_inspect(const void* p) {
 void* fake_ptr(uintptr_t address) { return reinterpret_cast<void*>(address); }
 
 // Contiguous in (bfloat16), out (e4m3) and scale at distinct aligned fake addresses.
-QuantizeArgs make_args(int64_t b, int64_t s, int64_t h, int64_t d, int block_rows = kFp8BlockKV) {
+QuantizeArgs make_args(int64_t b, int64_t s, int64_t h, int64_t d, int block_rows = 128) {
   QuantizeArgs a;
   a.in = TensorRef::contiguous(fake_ptr(0x100000), DType::kBFloat16, {b, s, h, d});
   a.out = TensorRef::contiguous(fake_ptr(0x200000), DType::kFloat8E4M3, {b, s, h, d});
@@ -237,7 +237,7 @@ QuantizeArgs make_args(int64_t b, int64_t s, int64_t h, int64_t d, int block_row
 
 TEST(QuantizeValidate, AcceptsValidArguments) {
   for (int d : kHeadDims) {
-    for (int rows : {1, 7, kFp8BlockQ, kFp8BlockKV, 1 << 20}) {
+    for (int rows : {1, 7, kFp8BlockQ, fp8_block_kv(d), 1 << 20}) {
       QuantizeArgs a = make_args(2, 300, 3, d, rows);
       a.hadamard = true;
       a.seed = 9;
@@ -295,11 +295,20 @@ TEST(QuantizeValidate, Sizes) {
 }
 
 TEST(QuantizeValidate, BlockRows) {
-  for (int rows : {0, -64}) {
+  for (int rows : {-1, -64}) {
     QuantizeArgs a = make_args(2, 100, 3, 64);
     a.block_rows = rows;
-    EXPECT_TRUE(fails_with(a, {"block_rows is " + std::to_string(rows), ">= 1"}));
+    EXPECT_TRUE(fails_with(a, {"block_rows is " + std::to_string(rows), ">= 1", "fp8_block_kv(64) = 128"}));
   }
+  // 0: fp8_block_kv(head_dim) rows, the FP8 forward's k/v blocks (192 at head dim 128)
+  for (int d : kHeadDims) {
+    QuantizeArgs a = make_args(2, 300, 3, d, fp8_block_kv(d));
+    a.block_rows = 0;
+    EXPECT_EQ(validate_quantize(a, &fake_inspect).block_rows, fp8_block_kv(d)) << "d " << d;
+  }
+  QuantizeArgs a = make_args(2, 300, 3, 128, 128);
+  a.block_rows = 0;
+  EXPECT_TRUE(fails_with(a, {"scale.shape[2] (num_blocks) is 3", "ceil(seqlen / block_rows) is 2", "block_rows 192"}));
 }
 
 TEST(QuantizeValidate, OutShape) {
@@ -573,7 +582,7 @@ TEST_P(QuantizeGpu, BlockSizes) {
   // block_rows 64 and 128 with a partial last block, one block per (batch, head), and blocks
   // larger than the CTA's registers (the two-pass path: 513+ rows at d 64, 257+ at 128, 129+ at 256).
   run_case({dtype, d, hadamard, 2, 200, 3, kFp8BlockQ});
-  run_case({dtype, d, hadamard, 2, 300, 3, kFp8BlockKV});
+  run_case({dtype, d, hadamard, 2, 300, 3, fp8_block_kv(d)});
   run_case({dtype, d, hadamard, 2, 333, 2, 1 << 20});
   run_case({dtype, d, hadamard, 1, 1100, 2, 1100});
   run_case({dtype, d, hadamard, 1, 700, 2, 600});
@@ -587,7 +596,7 @@ TEST_P(QuantizeGpu, StridedInput) {
   const auto [dtype, d, hadamard] = GetParam();
   // Padded heads and rows, 16-byte aligned (vector path) and not (scalar path).
   run_case({dtype, d, hadamard, 2, 150, 3, kFp8BlockQ, 8, 16});
-  run_case({dtype, d, hadamard, 2, 150, 3, kFp8BlockKV, 3, 5});
+  run_case({dtype, d, hadamard, 2, 150, 3, fp8_block_kv(d), 3, 5});
   run_case({dtype, d, hadamard, 1, 300, 2, 300, 1, 0, 123});
 }
 

@@ -868,7 +868,7 @@ TEST(CApi, QuantizeInitSetsTheSizeAndZeroDefaults) {
   EXPECT_EQ(q.in.data, nullptr);
   EXPECT_EQ(q.in.rank, 0);
   EXPECT_EQ(q.scale.data, nullptr);
-  EXPECT_EQ(q.block_rows, 0);  // the default: 128 (kFp8BlockKV)
+  EXPECT_EQ(q.block_rows, 0);  // the default: fp8_block_kv(head_dim)
   EXPECT_EQ(q.hadamard, 0);
   EXPECT_EQ(q.seed, 0u);
   EXPECT_EQ(q.stream, nullptr);
@@ -887,11 +887,11 @@ TEST(CApi, QuantizeReportsInvalidArguments) {
   c.block_rows = -3;
   EXPECT_EQ(flash3_quantize_fp8(&c, err, sizeof err), FLASH3_INVALID_ARGUMENT);
   EXPECT_EQ(std::string(err).rfind("flash3::quantize_fp8: block_rows is -3; it must be >= 1", 0), 0u) << err;
-  // block_rows 0 is the default 128: a scale shaped for 64-row blocks no longer fits
+  // block_rows 0 is the default fp8_block_kv(128) = 192: a scale shaped for 64-row blocks no longer fits
   c = c_quantize_args(2, 300, 4, 128, /*block_rows=*/64);
   EXPECT_EQ(flash3_quantize_fp8(&c, err, sizeof err), FLASH3_INVALID_ARGUMENT);
   EXPECT_EQ(std::string(err).rfind("flash3::quantize_fp8: scale.shape[2] (num_blocks) is 5 but "
-                                   "ceil(seqlen / block_rows) is 3 (seqlen 300, block_rows 128)",
+                                   "ceil(seqlen / block_rows) is 2 (seqlen 300, block_rows 192)",
                                    0),
             0u)
       << err;

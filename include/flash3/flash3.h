@@ -58,9 +58,11 @@ class CudaError : public Error {
 };
 
 // FP8 forward (q, k, v float8_e4m3, out bfloat16): the rows of one scale block. A block of q is
-// kFp8BlockQ query rows, one of k or v kFp8BlockKV keys, each the full head_dim wide.
+// kFp8BlockQ query rows (a consumer warpgroup's rows), one of k or v fp8_block_kv(head_dim) keys
+// (the FP8 kernel's key tile at head dim 128, 192 keys; 128 keys at 64 and 256), each the full
+// head_dim wide.
 constexpr int kFp8BlockQ = 64;
-constexpr int kFp8BlockKV = 128;
+constexpr int fp8_block_kv(int64_t head_dim) { return head_dim == 128 ? 192 : 128; }
 
 struct FwdArgs {
   TensorRef q, k, v;
@@ -71,7 +73,8 @@ struct FwdArgs {
   //   (batch, nheads_kv)                                   one scale per (batch, kv head), as
   //                                                        FlashAttention-3's q/k/v_descale
   //   q_scale (batch, nheads, ceil(seqlen_q / kFp8BlockQ))   block scales: one per block of
-  //   k_scale, v_scale (batch, nheads_kv, ceil(seqlen_k / kFp8BlockKV))  rows (quantize_fp8)
+  //   k_scale, v_scale (batch, nheads_kv, ceil(seqlen_k / fp8_block_kv(head_dim)))  rows
+  //                                                        (quantize_fp8)
   // with any strides.
   TensorRef q_scale, k_scale, v_scale;
   // <= 0 (or NaN) means the default 1/sqrt(head_dim). Any finite scale up to FLT_MAX / log2(e);
@@ -134,7 +137,7 @@ struct QuantizeArgs {
   TensorRef in;
   TensorRef out;
   TensorRef scale;
-  int block_rows = kFp8BlockKV;  // kFp8BlockQ for q, kFp8BlockKV for k and v
+  int block_rows = 0;  // kFp8BlockQ for q, fp8_block_kv(head_dim) for k and v; 0: the latter
   bool hadamard = false;
   uint64_t seed = 0;
   cudaStream_t stream = nullptr;

@@ -79,7 +79,7 @@ typedef struct flash3_quantize_fp8_args {
   uint32_t struct_size; /* bytes: sizeof(flash3_quantize_fp8_args) of the caller's header */
   uint32_t reserved;    /* 0 (keeps the tensors 8-byte aligned without padding) */
   flash3_tensor in, out, scale;
-  int32_t block_rows;   /* rows per scale block; 0: the default 128 (kFp8BlockKV; 64 for q) */
+  int32_t block_rows;   /* rows per scale block; 0: fp8_block_kv(head_dim) (k, v; 64 for q) */
   int32_t hadamard;     /* nonzero: rotate each row by the seeded Hadamard transform first */
   uint64_t seed;        /* the rotation's random signs (the same seed for q and k) */
   void* stream;         /* a cudaStream_t; NULL: the default stream */

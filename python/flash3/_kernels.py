@@ -156,7 +156,8 @@ def _int_arg(name, value, lo, hi, bounds):
 def block_rows_arg(block_rows):
     """block_rows as a positive int (the library's C ABI reads 0 as its default, so 0 is refused
     here rather than quietly changed)."""
-    return _int_arg("block_rows", block_rows, 1, 2**31, ">= 1 and < 2^31 (64 for q, 128 for k and v)")
+    return _int_arg("block_rows", block_rows, 1, 2**31,
+                    ">= 1 and < 2^31 (64 for q, flash3.fp8.block_kv(head_dim) for k and v)")
 
 
 def seed_arg(seed):

@@ -14,7 +14,7 @@ import torch
 
 from . import _kernels, _ops
 
-__all__ = ["flash_attn_fp8_func", "quantize_fp8"]
+__all__ = ["flash_attn_fp8_func", "quantize_fp8", "block_kv"]
 
 _direct = _ops.direct
 _grad_enabled = torch.is_grad_enabled
@@ -22,8 +22,13 @@ _INPUT_DTYPES = (torch.bfloat16, torch.float16)
 # The head dims of the quantizer and of the FP8 forward kernels (flash3.h); powers of two, as the
 # Hadamard transform needs.
 _HEAD_DIMS = (64, 128, 256)
-BLOCK_Q = 64    # rows per scale block of q (flash3::kFp8BlockQ)
-BLOCK_KV = 128  # rows per scale block of k and v (flash3::kFp8BlockKV)
+BLOCK_Q = 64  # rows per scale block of q (flash3::kFp8BlockQ)
+
+
+def block_kv(head_dim):
+    """Rows per scale block of k and v at this head dim (flash3::fp8_block_kv): the FP8 kernel's
+    key tile at head dim 128 (192 keys), 128 keys at 64 and 256."""
+    return 192 if head_dim == 128 else 128
 
 
 def _runs_directly(*tensors):
@@ -33,16 +38,19 @@ def _runs_directly(*tensors):
     return _direct(*tensors) and not (_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
-def quantize_fp8(x, block_rows=BLOCK_KV, hadamard=False, seed=0):
+def quantize_fp8(x, block_rows=None, hadamard=False, seed=0):
     """(out, scale): x (batch, seqlen, nheads, head_dim) bfloat16 or float16 on a CUDA device ->
     out float8_e4m3fn (same shape, contiguous) and scale float32 (batch, nheads, ceil(seqlen /
     block_rows)) with x ~= out * scale per block of block_rows rows of one head; with hadamard
     each row is first rotated by the orthogonal Hadamard transform with random signs from seed
     (an int in [0, 2^63)): quantize q and k with the same seed and q k^T is kept. Use
-    block_rows=64 for q and 128 for k and v (the FP8 forward's block scales)."""
+    block_rows=64 for q and the default (None: block_kv(head_dim)) for k and v, the FP8
+    forward's block scales."""
     seed = _kernels.seed_arg(seed)
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    if block_rows is None:
+        block_rows = block_kv(x.shape[-1])
     if _runs_directly(x):
         return _kernels.quantize_fp8(x, block_rows, hadamard, seed)
     return _ops.quantize_fp8(x, _kernels.block_rows_arg(block_rows), bool(hadamard), seed)
@@ -70,8 +78,8 @@ def _check_inputs(q, k, v, hadamard):
 
 def flash_attn_fp8_func(q, k, v, softmax_scale=None, causal=False, hadamard=True, seed=0, return_attn_probs=False):
     """softmax(softmax_scale * q k^T [causal mask]) v computed in FP8: q is quantized to e4m3 with
-    one scale per 64 rows of a head, k and v with one per 128 rows, then the FP8 forward runs
-    with those block scales.
+    one scale per 64 rows of a head, k and v with one per block_kv(headdim) rows, then the FP8
+    forward runs with those block scales.
 
     q (batch, seqlen_q, nheads, headdim), k and v (batch, seqlen_k, nheads_kv, headdim): CUDA
     tensors, bfloat16 or float16 (one dtype), headdim 64, 128 or 256, nheads a multiple of
@@ -84,14 +92,15 @@ def flash_attn_fp8_func(q, k, v, softmax_scale=None, causal=False, hadamard=True
     """
     _check_inputs(q, k, v, hadamard)
     seed, hadamard = _kernels.seed_arg(seed), bool(hadamard)
+    d = q.shape[3]
     if _runs_directly(q, k, v):
         qf, qs = _kernels.quantize_fp8(q, BLOCK_Q, hadamard, seed)
-        kf, ks = _kernels.quantize_fp8(k, BLOCK_KV, hadamard, seed)
-        vf, vs = _kernels.quantize_fp8(v, BLOCK_KV, False, 0)
+        kf, ks = _kernels.quantize_fp8(k, block_kv(d), hadamard, seed)
+        vf, vs = _kernels.quantize_fp8(v, block_kv(d), False, 0)
         out, lse = _kernels.fwd(qf, kf, vf, softmax_scale, bool(causal), return_attn_probs, qs, ks, vs)
     else:
         qf, qs = _ops.quantize_fp8(q, BLOCK_Q, hadamard, seed)
-        kf, ks = _ops.quantize_fp8(k, BLOCK_KV, hadamard, seed)
-        vf, vs = _ops.quantize_fp8(v, BLOCK_KV, False, 0)
+        kf, ks = _ops.quantize_fp8(k, block_kv(d), hadamard, seed)
+        vf, vs = _ops.quantize_fp8(v, block_kv(d), False, 0)
         out, lse = _ops.fwd_fp8(qf, kf, vf, qs, ks, vs, softmax_scale, bool(causal))
     return (out, lse) if return_attn_probs else out

@@ -81,12 +81,20 @@ struct FwdTailPieces : FwdDefaultVariant { static constexpr bool kTailPieces = t
 template <int kHeadDim, bool kCausal>
 struct FwdTileConfig;
 
-// The FP8 forward (fwd_fp8_traits.h): two consumer warpgroups, 128-key tiles (one k/v scale
-// block, kFp8BlockKV), K, V and the transposed V in two stages each. Shared memory at head dim
-// 256: Q 32 + K 64 + V 64 + Vt 64 = 224 KB, so O leaves straight from registers there.
+// The FP8 forward (fwd_fp8_traits.h): K, V and the transposed V in two stages each; a key tile
+// lies in one k/v scale block (fp8_block_kv in flash3.h), so that its scale is one number.
+//   head dim | kBlockM (WGs) | kBlockN | k/v scale block | smem: Q + (K, V, Vt) x 2 stages
+//        64  |   192 (3)     |   128   |       128       | 12 + 3 x 16 = 60 KB
+//       128  |   128 (2)     |   192   |       192       | 16 + 3 x 48 = 160 KB (+ 16 O staging)
+//       256  |   128 (2)     |    64   |       128       | 32 + 3 x 32 = 128 KB
+// NOTES: measured against FlashAttention-3's FP8 forward in one process (docs/perf-log.md F9-F11):
+// three consumer warpgroups at head dim 64 (+11-29%), and 192-key tiles at head dim 128 (+5-14%
+// non-causal) over 128; 224 keys (FA3's tile) was 2-4% slower than 192. At head dim 256, 128-key
+// tiles serialize the WGMMAs (C7512: O alone is 128 registers) and spill.
 template <int kHeadDim>
 struct FwdFp8TileConfig {
-  static constexpr int kBlockM = kHeadDim == 64 ? 192 : 128, kBlockN = kHeadDim == 256 ? 64 : 128, kStages = 2;
+  static constexpr int kBlockM = kHeadDim == 64 ? 192 : 128;
+  static constexpr int kBlockN = kHeadDim == 128 ? 192 : kHeadDim == 256 ? 64 : 128, kStages = 2;
   static constexpr bool kOStageWarp = kHeadDim == 128;
 };
 

@@ -127,7 +127,8 @@ struct FwdFp8Mainloop {
   using PipelineStateV = typename Traits::PipelineStateV;
   static constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   static constexpr int kRows = 2;
-  static_assert(kBlockN % 32 == 0 && kFp8BlockKV % kBlockN == 0, "a key block lies in one k/v scale block");
+  static constexpr int kBlockKV = fp8_block_kv(kHeadDim);
+  static_assert(kBlockN % 32 == 0 && kBlockKV % kBlockN == 0, "a key block lies in one k/v scale block");
 
   // The consumer thread's views (fwd_mainloop_views); V^T is the transposers' ring.
   __device__ __forceinline__ static auto make_views(typename Traits::SharedStorage& shared, int tidx) {
@@ -157,7 +158,7 @@ struct FwdFp8Mainloop {
     const int q_block = row0 / kFp8BlockQ + tidx / 128;
     const float q_scale = p.q.value(batch, p.q_per_kv_head ? head_kv : head, q_block);
     const float q_coef = p.scale_log2 * q_scale;
-    auto kv_block = [](int n_block) { return n_block * kBlockN / kFp8BlockKV; };
+    auto kv_block = [](int n_block) { return n_block * kBlockN / kBlockKV; };
     // NOTES: a zero (or NaN) scale would make masked scores -inf * 0 = NaN: the coefficient and
     // the v unit stay positive.
     auto k_coef = [&](int n_block) { return fmaxf(q_coef * p.k.value(batch, head_kv, kv_block(n_block)), FLT_MIN); };

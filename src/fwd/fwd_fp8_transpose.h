@@ -110,24 +110,26 @@ struct FwdFp8Transpose {
   // ldmatrix.x4.trans and one stmatrix.x4 (512 bytes). Warp w takes the chunks c = w + kWarps j.
   static constexpr int kGroups = kBlockN / 32, kChunks = kHeadDim / 16, kChunksPerWarp = kChunks / kWarps;
 
-  // Byte offsets in the V and Vt stages. Both are rows of whole swizzle atoms: V (key, col) at
-  // key * kRowV + col (+ kBlockN * 128 per 128 columns at head dim 256), Vt (row, k) at
-  // row * kRowVt + k, with CuTe's swizzle XOR-ing the 16-byte chunk index with bits 7.. of the
-  // offset (3 bits for 128-byte rows, 2 for 64-byte rows): the XOR depends only on the lane
-  // (key mod 8, or Vt row mod 16), so each thread keeps one source address per chunk of a
-  // swizzle row and one destination address per key group, and every unit is an immediate
-  // offset from one of them. tools/check_fp8_transpose_layout.cu checks these addresses against
-  // SmemLayoutV and SmemLayoutVt for every unit, lane and stage.
-  static constexpr int kRowV = kHeadDim >= 128 ? 128 : 64, kChunksV = kRowV / 16, kMaskV = kRowV == 128 ? 7 : 3;
-  static constexpr int kRowVt = kBlockN, kMaskVt = kRowVt == 128 ? 7 : 3;
+  // Byte offsets in the V and Vt stages. Both are CuTe's K-major swizzle atoms (8 rows of W
+  // bytes, W = 128, 64 or 32: the widest that divides the row) tiled rows first: V (key, col) at
+  // (col / Wv) * kBlockN * Wv + key * Wv + col % Wv, Vt (row, k) at (k / Wt) * kHeadDim * Wt +
+  // row * Wt + k % Wt, with the swizzle XOR-ing the 16-byte chunk index within the atom with
+  // bits 7.. of the offset (W / 16 - 1 of them). The XOR depends only on the lane (key mod 8,
+  // or Vt row mod 16), so each thread keeps one source address per chunk of an atom row and
+  // one destination address per key group, and every unit is an immediate offset from one of
+  // them. tools/check_fp8_transpose_layout.cu checks these addresses against SmemLayoutV and
+  // SmemLayoutVt for every unit, lane, warp and stage.
+  static constexpr int atom_width(int bytes) { return bytes % 128 == 0 ? 128 : bytes % 64 == 0 ? 64 : 32; }
+  static constexpr int kRowV = atom_width(kHeadDim), kChunksV = kRowV / 16, kMaskV = kChunksV - 1;
+  static constexpr int kRowVt = atom_width(kBlockN), kMaskVt = kRowVt / 16 - 1;
   static constexpr int kStageBytes = kBlockN * kHeadDim;
-  static constexpr int kSrcBases = kChunksV / kWarps;  // a warp's chunks within one swizzle row
+  static constexpr int kSrcBases = kChunksV / kWarps;  // a warp's chunks within one atom row
   static_assert(kBlockN % 32 == 0 && kChunks % kWarps == 0 && kChunksV % kWarps == 0);
   static_assert(cosize_v<typename Traits::SmemLayoutV> == kStages * kStageBytes &&
                 cosize_v<typename Traits::SmemLayoutVt> == kStages * kStageBytes);
 
   struct Addresses {
-    uint32_t src[kSrcBases];  // chunk warp + kWarps jj of key `lane` in the first row of atoms
+    uint32_t src[kSrcBases];  // chunk warp + kWarps jj of key `lane` in the first column of atoms
     uint32_t dst[kGroups];    // Vt row 16 warp + st_row, keys 32 g + st_col
   };
 
@@ -140,7 +142,9 @@ struct FwdFp8Transpose {
     const int x_dst = (((st_row * kRowVt) >> 7) & kMaskVt) << 4;
     Addresses a;
     for (int jj = 0; jj < kSrcBases; ++jj) a.src[jj] = v + lane * kRowV + ((16 * (warp + kWarps * jj)) ^ x_src);
-    for (int g = 0; g < kGroups; ++g) a.dst[g] = vt + (16 * warp + st_row) * kRowVt + ((32 * g + st_col) ^ x_dst);
+    for (int g = 0; g < kGroups; ++g)
+      a.dst[g] = vt + (16 * warp + st_row) * kRowVt + (32 * g / kRowVt) * (kHeadDim * kRowVt) +
+                 (((32 * g) % kRowVt + st_col) ^ x_dst);
     return a;
   }
   // Unit (j, g) of stage `stage`: chunk c = warp + kWarps j, so c mod kChunksV = warp + kWarps
@@ -160,8 +164,7 @@ struct FwdFp8Transpose {
   // fp8_key_of_k's order (and at k = 16 + 4q.. the keys 16 more), and one stmatrix.x4 writes
   // the four words: its matrices are Vt rows 2r at k 0-15, at k 16-31, rows 2r + 1 likewise.
   // kBatch units' ldmatrix go out before their stmatrix: their latencies overlap.
-  static constexpr int kBatch = kGroups < 2 ? kGroups : 2;
-  static_assert(kGroups % kBatch == 0);
+  static constexpr int kBatch = 2;
   template <int kStage>
   __device__ __forceinline__ static void tile(const Addresses& ad) {
 #pragma unroll
@@ -170,13 +173,13 @@ struct FwdFp8Transpose {
       for (int g0 = 0; g0 < kGroups; g0 += kBatch) {
         uint32_t r[kBatch][4];
 #pragma unroll
-        for (int b = 0; b < kBatch; ++b)
+        for (int b = 0; b < kBatch && g0 + b < kGroups; ++b)
           asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                        : "=r"(r[b][0]), "=r"(r[b][1]), "=r"(r[b][2]), "=r"(r[b][3])
                        : "r"(src(ad, j, g0 + b, kStage))
                        : "memory");
 #pragma unroll
-        for (int b = 0; b < kBatch; ++b)
+        for (int b = 0; b < kBatch && g0 + b < kGroups; ++b)
           asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(dst(ad, j, g0 + b, kStage)),
                        "r"(__byte_perm(r[b][0], r[b][1], 0x6420)), "r"(__byte_perm(r[b][2], r[b][3], 0x6420)),
                        "r"(__byte_perm(r[b][0], r[b][1], 0x7531)), "r"(__byte_perm(r[b][2], r[b][3], 0x7531))

@@ -141,9 +141,10 @@ QuantizeProblem validate_quantize(const QuantizeArgs& args, PointerInspector ins
     fail("scale.dtype is ", text(args.scale.dtype), "; scale must be float32");
   }
   for (const Arg* a : {&in, &out, &scale}) check_sizes(*a);
-  if (args.block_rows < 1) {
-    fail("block_rows is ", args.block_rows, "; it must be >= 1 (kFp8BlockQ = ", kFp8BlockQ,
-         " for q, kFp8BlockKV = ", kFp8BlockKV, " for k and v)");
+  if (args.block_rows < 0) {
+    fail("block_rows is ", args.block_rows, "; it must be >= 1, or 0 for fp8_block_kv(head_dim) (kFp8BlockQ = ",
+         kFp8BlockQ, " for q, fp8_block_kv(", (long long)args.in.shape[3], ") = ", fp8_block_kv(args.in.shape[3]),
+         " for k and v)");
   }
   for (int d = 0; d < 4; ++d) {
     if (args.out.shape[d] != args.in.shape[d]) {
@@ -153,14 +154,15 @@ QuantizeProblem validate_quantize(const QuantizeArgs& args, PointerInspector ins
   }
   const int64_t batch = args.in.shape[0], seqlen = args.in.shape[1], nheads = args.in.shape[2],
                 head_dim = args.in.shape[3];
-  const int64_t num_blocks = (seqlen + args.block_rows - 1) / args.block_rows;
+  const int block_rows = args.block_rows == 0 ? fp8_block_kv(head_dim) : args.block_rows;
+  const int64_t num_blocks = (seqlen + block_rows - 1) / block_rows;
   const int64_t want[3] = {batch, nheads, num_blocks};
   const char* const from[3] = {"in.shape[0] (batch)", "in.shape[2] (nheads)",
                                "ceil(seqlen / block_rows)"};
   for (int d = 0; d < 3; ++d) {
     if (args.scale.shape[d] != want[d]) {
       fail(dim(scale, d), " is ", (long long)args.scale.shape[d], " but ", from[d], " is ",
-           (long long)want[d], " (seqlen ", (long long)seqlen, ", block_rows ", args.block_rows,
+           (long long)want[d], " (seqlen ", (long long)seqlen, ", block_rows ", block_rows,
            "); scale must be (batch, nheads, ceil(seqlen / block_rows))");
     }
   }
@@ -177,7 +179,7 @@ QuantizeProblem validate_quantize(const QuantizeArgs& args, PointerInspector ins
   p.seqlen = static_cast<int>(seqlen);
   p.nheads = static_cast<int>(nheads);
   p.head_dim = static_cast<int>(head_dim);
-  p.block_rows = args.block_rows;
+  p.block_rows = block_rows;
   p.num_blocks = static_cast<int>(num_blocks);
   p.units = batch * nheads * num_blocks;  // each factor < 2^31: fits in int64
   p.hadamard = args.hadamard;
