@@ -134,8 +134,8 @@ def install(monkeypatch):
         calls.append(("fwd", dict(q=q, k=k, v=v, out=out, lse=lse, softmax_scale=softmax_scale, causal=causal,
                                   q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)))
         if q.dtype == torch.float8_e4m3fn:
-            hk = k.shape[2]
-            q, k, v = dequantize(q, q_scale, 64, hk), dequantize(k, k_scale, 128, hk), dequantize(v, v_scale, 128, hk)
+            hk, blk = k.shape[2], flash3.fp8.block_kv(k.shape[3])
+            q, k, v = dequantize(q, q_scale, 64, hk), dequantize(k, k_scale, blk, hk), dequantize(v, v_scale, blk, hk)
         o, l = attention(q, k, v, softmax_scale, causal)
         out.copy_(o)
         if lse is not None:

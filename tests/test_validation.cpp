@@ -847,14 +847,15 @@ TEST(CApi, BwdOfAnEmptyBatchIsANoOp) {  // validation passes with no pointer to 
 }
 
 // flash3_quantize_fp8: contiguous in (b, s, h, d) bfloat16, out float8_e4m3, scale (b, h,
-// ceil(s / block_rows)) float32, all with null data (every failure below is found before the
+// ceil(s / block_rows), block_rows 0: fp8_block_kv(d)) float32, all with null data (every failure below is found before the
 // pointers are looked at, and an empty in never looks at them).
-flash3_quantize_fp8_args c_quantize_args(int64_t b, int64_t s, int64_t h, int64_t d, int block_rows = 128) {
+flash3_quantize_fp8_args c_quantize_args(int64_t b, int64_t s, int64_t h, int64_t d, int block_rows = 0) {
   flash3_quantize_fp8_args c;
   flash3_quantize_fp8_args_init(&c);
+  const int64_t rows = block_rows ? block_rows : flash3::fp8_block_kv(d);  // scale's shape; c.block_rows stays 0
   c.in = c_tensor(TensorRef::contiguous(nullptr, DType::kBFloat16, {b, s, h, d}));
   c.out = c_tensor(TensorRef::contiguous(nullptr, DType::kFloat8E4M3, {b, s, h, d}));
-  c.scale = c_tensor(TensorRef::contiguous(nullptr, DType::kFloat32, {b, h, (s + block_rows - 1) / block_rows}));
+  c.scale = c_tensor(TensorRef::contiguous(nullptr, DType::kFloat32, {b, h, (s + rows - 1) / rows}));
   return c;
 }
 
@@ -947,8 +948,8 @@ FwdArgs make_fp8_args(bool block) {
   }
   if (block) {
     a.q_scale = TensorRef::contiguous(fake_ptr(0x600000), DType::kFloat32, {2, 8, 4});  // ceil(200 / 64)
-    a.k_scale = TensorRef::contiguous(fake_ptr(0x610000), DType::kFloat32, {2, 2, 3});  // ceil(300 / 128)
-    a.v_scale = TensorRef::contiguous(fake_ptr(0x620000), DType::kFloat32, {2, 2, 3});
+    a.k_scale = TensorRef::contiguous(fake_ptr(0x610000), DType::kFloat32, {2, 2, 2});  // ceil(300 / 192)
+    a.v_scale = TensorRef::contiguous(fake_ptr(0x620000), DType::kFloat32, {2, 2, 2});
   } else {
     a.q_scale = TensorRef::contiguous(fake_ptr(0x600000), DType::kFloat32, {2, 2});
     a.k_scale = TensorRef::contiguous(fake_ptr(0x610000), DType::kFloat32, {2, 2});
@@ -990,6 +991,9 @@ TEST(FwdFp8Validation, RejectsScalesOfTheWrongShapeDtypeOrMemory) {
   FwdArgs a = make_fp8_args(true);
   a.q_scale.shape[2] = 3;  // ceil(200 / 64) is 4
   EXPECT_TRUE(fails_with(a, {"q_scale.shape[2] is 3", "(batch, nheads, ceil(seqlen_q / 64)) = (2, 8, 4)"}));
+  a = make_fp8_args(true);
+  a.k_scale.shape[2] = 3;  // 128-key blocks; at head dim 128 they are fp8_block_kv(128) = 192 keys
+  EXPECT_TRUE(fails_with(a, {"k_scale.shape[2] is 3", "(batch, nheads_kv, ceil(seqlen_k / 192)) = (2, 2, 2)"}));
   a = make_fp8_args(true);
   a.k_scale.shape[1] = 8;
   EXPECT_TRUE(fails_with(a, {"k_scale.shape[1] is 8", "(batch, nheads_kv) = (2, 2)"}));
