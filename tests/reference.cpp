@@ -53,10 +53,20 @@ void parallel_for(int64_t n, Fn fn) {
   for (auto& t : threads) t.join();
 }
 
-// The last key query row i sees (-1: none); the causal mask is aligned bottom-right.
+// Query row i sees keys [first_key, last_key] (Problem's mask: causal, aligned bottom-right,
+// and the window); none where first_key > last_key.
 int64_t last_key(const Problem& p, int64_t i) {
-  const int64_t sk = p.seqlen_k;
-  return p.causal ? std::max<int64_t>(-1, std::min(sk - 1, i + sk - p.seqlen_q)) : sk - 1;
+  const int64_t sk = p.seqlen_k, right = p.causal ? 0 : p.window_right;
+  return right < 0 ? sk - 1 : std::max<int64_t>(-1, std::min(sk - 1, i + sk - p.seqlen_q + right));
+}
+int64_t first_key(const Problem& p, int64_t i) {
+  return p.window_left < 0 ? 0 : std::max<int64_t>(0, i + p.seqlen_k - p.seqlen_q - p.window_left);
+}
+// [first, last] of row i, or [0, -1] when it sees no key.
+void key_range(const Problem& p, int64_t i, int64_t& first, int64_t& last) {
+  first = first_key(p, i);
+  last = last_key(p, i);
+  if (first > last) first = 0, last = -1;
 }
 
 // Query rows are processed in blocks of kRows (per batch and head): each K and V row is loaded
@@ -84,6 +94,8 @@ void attention(const Problem& p, const double* q, const double* k, const double*
   const int64_t group = p.nheads / p.nheads_kv, nblocks = (nrows + kRows - 1) / kRows;
   const int64_t ntasks = int64_t{p.batch} * p.nheads * nblocks;
   const T scale = static_cast<T>(p.scale);
+  const T softcap = static_cast<T>(p.softcap);
+  auto cap = [&](T x) { return p.softcap > 0 ? softcap * std::tanh(x / softcap) : x; };
 
   parallel_for(ntasks, [&](int64_t task) {
     std::vector<T> qt(d * kRows), s(sk * kRows), o(d * kRows);  // qt is [d][kRows]; s, o by row
@@ -93,11 +105,12 @@ void attention(const Problem& p, const double* q, const double* k, const double*
     const double* kbase = k + (b * sk * p.nheads_kv + h / group) * d;
     const double* vbase = v + (b * sk * p.nheads_kv + h / group) * d;
     const int64_t kv_row = p.nheads_kv * d;
-    int64_t last[kRows];  // row r of the block sees keys [0, last[r]]
+    int64_t first[kRows], last[kRows];  // row r of the block sees keys [first[r], last[r]]
     int64_t max_last = -1;
     for (int r = 0; r < kRows; ++r) {
       const int64_t i = r < nr ? (*rows)[r0 + r] : 0;
-      last[r] = r < nr ? last_key(p, i) : -1;
+      first[r] = 0, last[r] = -1;
+      if (r < nr) key_range(p, i, first[r], last[r]);
       max_last = std::max(max_last, last[r]);
       for (int64_t c = 0; c < d; ++c) {
         const T qc = r < nr ? static_cast<T>(q[((b * sq + i) * p.nheads + h) * d + c]) : T(0);
@@ -110,23 +123,23 @@ void attention(const Problem& p, const double* q, const double* k, const double*
         const T kc = static_cast<T>(kbase[j * kv_row + c]);
         for (int r = 0; r < kRows; ++r) acc[r] += qt[c * kRows + r] * kc;
       }
-      for (int r = 0; r < kRows; ++r) s[r * sk + j] = kFp8 ? acc[r] * scale : rnd(acc[r]);
+      for (int r = 0; r < kRows; ++r) s[r * sk + j] = kFp8 ? cap(acc[r] * scale) : rnd(cap(rnd(acc[r])));
     }
     std::fill(o.begin(), o.end(), T(0));
     T row_lse[kRows], row_sum[kRows];
     for (int r = 0; r < nr; ++r) {
       T* sr = s.data() + r * sk;
       T m = -std::numeric_limits<T>::infinity(), sum = 0;
-      for (int64_t j = 0; j <= last[r]; ++j) m = std::max(m, sr[j]);
-      for (int64_t j = 0; j <= last[r]; ++j) sum += (sr[j] = std::exp(sr[j] - m));
-      for (int64_t j = 0; j <= last[r]; ++j) sr[j] = kFp8 ? static_cast<T>(round_e4m3(sr[j])) : rnd(sr[j] / sum);
+      for (int64_t j = first[r]; j <= last[r]; ++j) m = std::max(m, sr[j]);
+      for (int64_t j = first[r]; j <= last[r]; ++j) sum += (sr[j] = std::exp(sr[j] - m));
+      for (int64_t j = first[r]; j <= last[r]; ++j) sr[j] = kFp8 ? static_cast<T>(round_e4m3(sr[j])) : rnd(sr[j] / sum);
       row_lse[r] = last[r] < 0 ? std::numeric_limits<T>::infinity() : m + std::log(sum);
       row_sum[r] = sum;
     }
     for (int64_t j = 0; j <= max_last; ++j) {
       const double* vj = vbase + j * kv_row;
       for (int r = 0; r < nr; ++r) {
-        if (j > last[r]) continue;
+        if (j < first[r] || j > last[r]) continue;
         const T pj = s[r * sk + j];
         T* orow = o.data() + r * d;
         for (int64_t c = 0; c < d; ++c) orow[c] += pj * static_cast<T>(vj[c]);
@@ -157,6 +170,7 @@ void attention_backward(const Problem& p, const double* q, const double* k, cons
   const T scale = static_cast<T>(p.scale);
   std::vector<T> dk_sum(size_t(p.batch) * sk * kv_row, T(0)), dv_sum(dk_sum.size(), T(0));
   std::vector<T> qs(size_t(sq) * d), P(size_t(sq) * sk), dS(size_t(sq) * sk);  // of one head
+  std::vector<T> tanh_s(p.softcap > 0 ? size_t(sq) * sk : 0);  // softcap: tanh(S / softcap)
 
   for (int64_t b = 0; b < p.batch; ++b) {
     for (int64_t h = 0; h < p.nheads; ++h) {
@@ -169,10 +183,11 @@ void attention_backward(const Problem& p, const double* q, const double* k, cons
       parallel_for(qblocks, [&](int64_t blk) {
         const int64_t i0 = blk * kRows, nr = std::min<int64_t>(kRows, sq - i0);
         std::vector<T> qt(d * kRows, T(0)), dot(d * kRows, T(0));  // qs and dO of the block, [d][kRows]
-        int64_t last[kRows];  // row i0 + r sees keys [0, last[r]]
+        int64_t first[kRows], last[kRows];  // row i0 + r sees keys [first[r], last[r]]
         int64_t max_last = -1;
         for (int64_t r = 0; r < kRows; ++r) {
-          last[r] = r < nr ? last_key(p, i0 + r) : -1;
+          first[r] = 0, last[r] = -1;
+          if (r < nr) key_range(p, i0 + r, first[r], last[r]);
           max_last = std::max(max_last, last[r]);
           for (int64_t c = 0; c < d && r < nr; ++c) {
             const int64_t i = i0 + r;
@@ -191,28 +206,42 @@ void attention_backward(const Problem& p, const double* q, const double* k, cons
             }
           }
           for (int64_t r = 0; r < nr; ++r) {
-            P[(i0 + r) * sk + j] = rnd(s_acc[r]);
+            T sv = rnd(s_acc[r]);
+            if (p.softcap > 0) {
+              const T t = std::tanh(sv / static_cast<T>(p.softcap));
+              tanh_s[(i0 + r) * sk + j] = t;
+              sv = rnd(static_cast<T>(p.softcap) * t);
+            }
+            P[(i0 + r) * sk + j] = sv;
             dS[(i0 + r) * sk + j] = rnd(dp_acc[r]);
           }
         }
-        // P = softmax(S) as attention_fwd_lowp computes it, D, dS; 0 where masked.
+        // P = softmax(S) as attention_fwd_lowp computes it, D, dS; 0 where masked. Softcap: dS
+        // of the capped scores times the derivative of the cap, 1 - tanh^2.
         for (int64_t r = 0; r < nr; ++r) {
           T *pr = P.data() + (i0 + r) * sk, *dsr = dS.data() + (i0 + r) * sk;
+          const int64_t lo = first[r], hi = last[r];
           T m = -std::numeric_limits<T>::infinity(), sum = 0, dsum = 0;
-          for (int64_t j = 0; j <= last[r]; ++j) m = std::max(m, pr[j]);
-          for (int64_t j = 0; j <= last[r]; ++j) sum += (pr[j] = std::exp(pr[j] - m));
-          for (int64_t j = 0; j <= last[r]; ++j) pr[j] = rnd(pr[j] / sum);
-          for (int64_t j = 0; j <= last[r]; ++j) dsum += pr[j] * dsr[j];
-          for (int64_t j = 0; j <= last[r]; ++j) dsr[j] = rnd(pr[j] * (dsr[j] - dsum));
-          std::fill(pr + last[r] + 1, pr + sk, T(0));
-          std::fill(dsr + last[r] + 1, dsr + sk, T(0));
+          for (int64_t j = lo; j <= hi; ++j) m = std::max(m, pr[j]);
+          for (int64_t j = lo; j <= hi; ++j) sum += (pr[j] = std::exp(pr[j] - m));
+          for (int64_t j = lo; j <= hi; ++j) pr[j] = rnd(pr[j] / sum);
+          for (int64_t j = lo; j <= hi; ++j) dsum += pr[j] * dsr[j];
+          for (int64_t j = lo; j <= hi; ++j) dsr[j] = rnd(pr[j] * (dsr[j] - dsum));
+          if (p.softcap > 0) {
+            const T* tr = tanh_s.data() + (i0 + r) * sk;
+            for (int64_t j = lo; j <= hi; ++j) dsr[j] = rnd(dsr[j] * (T(1) - tr[j] * tr[j]));
+          }
+          std::fill(pr, pr + lo, T(0));
+          std::fill(dsr, dsr + lo, T(0));
+          std::fill(pr + hi + 1, pr + sk, T(0));
+          std::fill(dsr + hi + 1, dsr + sk, T(0));
         }
         // dq = scale * (dS k).
         std::vector<T> acc(nr * d, T(0)), kj(d);
         for (int64_t j = 0; j <= max_last; ++j) {
           for (int64_t c = 0; c < d; ++c) kj[c] = static_cast<T>(kh[j * kv_row + c]);
           for (int64_t r = 0; r < nr; ++r) {
-            if (j > last[r]) continue;
+            if (j < first[r] || j > last[r]) continue;
             const T ds = dS[(i0 + r) * sk + j];
             T* ar = acc.data() + r * d;
             for (int64_t c = 0; c < d; ++c) ar[c] += ds * kj[c];
@@ -227,11 +256,12 @@ void attention_backward(const Problem& p, const double* q, const double* k, cons
         const int64_t j0 = blk * kRows, nk = std::min<int64_t>(kRows, sk - j0);
         std::vector<T> dk_acc(nk * d, T(0)), dv_acc(nk * d, T(0)), doi(d);
         for (int64_t i = 0; i < sq; ++i) {
-          const int64_t li = last_key(p, i);
-          if (li < j0) continue;  // row i sees no key of this block
+          int64_t fi, li;
+          key_range(p, i, fi, li);
+          if (li < j0 || fi >= j0 + nk) continue;  // row i sees no key of this block
           for (int64_t c = 0; c < d; ++c) doi[c] = static_cast<T>(doh[i * q_row + c]);
           const T* qsi = qs.data() + i * d;
-          for (int64_t r = 0; r < nk && j0 + r <= li; ++r) {
+          for (int64_t r = std::max<int64_t>(0, fi - j0); r < nk && j0 + r <= li; ++r) {
             const T pij = P[i * sk + j0 + r], dsij = dS[i * sk + j0 + r];
             T *dkr = dk_acc.data() + r * d, *dvr = dv_acc.data() + r * d;
             for (int64_t c = 0; c < d; ++c) {

@@ -15,7 +15,14 @@ struct Problem {
   int batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim;
   double scale;
   bool causal;  // bottom-right aligned: key j is visible to query i iff j <= i + seqlen_k - seqlen_q
+  // Sliding window (FlashAttention-3's window_size): query i sees key j iff
+  //   i + seqlen_k - seqlen_q - window_left <= j <= i + seqlen_k - seqlen_q + window_right,
+  // -1 leaving that side unbounded; causal makes window_right 0.
+  int window_left = -1, window_right = -1;
+  // > 0: the scores S (scale included) become softcap * tanh(S / softcap) before the softmax.
+  double softcap = 0;
 };
+// Variable-length batches are the fixed-length reference run per sequence, on its slices.
 
 // q: [b][sq][h][d], k, v: [b][sk][hk][d], contiguous; out: [b][sq][h][d]; lse: [b][h][sq] (may be
 // null). Query head h reads kv head h / (nheads / nheads_kv). A row that sees no key gets
@@ -28,6 +35,7 @@ void attention_fwd_fp64(const Problem& p, const double* q, const double* k, cons
 // "Plain same-precision attention", as a framework computes it in the input dtype (used to size
 // test tolerances), with rnd() rounding to dtype (float16 or bfloat16):
 //   qs = rnd(q * scale); S = rnd(qs k^T accumulated in float32);
+//   softcap: S = rnd(softcap * tanh(S / softcap)) in float32;
 //   P = rnd(softmax(S) in float32); out = rnd(P v accumulated in float32);
 //   lse = log-sum-exp of the rounded S, in float32.
 void attention_fwd_lowp(const Problem& p, DType dtype, const double* q, const double* k,
@@ -48,8 +56,9 @@ uint8_t double_to_e4m3_bits(double x);
 double e4m3_bits_to_double(uint8_t b);
 
 // Backward of attention_fwd_fp64 for the loss sum(dout * out), in double:
-//   P = softmax(scale q k^T, masked), dV = P^T dO, dP = dO V^T, D = rowsum(dO o O) (computed as
-//   rowsum(P o dP), the same number in exact arithmetic), dS = P o (dP - D),
+//   P = softmax(scale q k^T, capped, masked), dV = P^T dO, dP = dO V^T, D = rowsum(dO o O)
+//   (computed as rowsum(P o dP), the same number in exact arithmetic), dS = P o (dP - D) (times
+//   1 - tanh^2(S / softcap) with softcap),
 //   dQ = scale dS K, dK = scale dS^T Q.
 // q, dout, dq: [b][sq][h][d]; k, v, dk, dv: [b][sk][hk][d], contiguous. GQA/MQA: dk, dv of a
 // kv head are summed over the query heads that read it. Rows that see no key contribute
@@ -68,6 +77,7 @@ void attention_bwd_fp64(const Problem& p, const double* q, const double* k, cons
 //   dP    = rnd(dO V^T)
 //   D     = rowsum(P o dP) in float32          (softmax backward, not rounded)
 //   dS    = rnd(P o (dP - D)) in float32       (masked entries: 0)
+//   softcap: dS = rnd(dS o (1 - t^2)), t = tanh(S / softcap) in float32 of the uncapped S
 //   dqs   = rnd(dS K);  dq = rnd(dqs * scale)  (backward of qs = q * scale)
 //   dK_h  = rnd(dS^T qs)
 //   dk, dv = rnd(sum over the query heads h of a kv head of dK_h, dV_h), the sum in float32 in

@@ -18,14 +18,31 @@ def _scale(q, softmax_scale):
     return 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
 
 
-def _probs(q, k, scale, causal):
-    """P (b, h, sq, sk) and lse (b, h, sq) in float64; q (b, sq, h, d), k with q's heads."""
+def _scores(q, k, scale, causal, window, softcap):
+    """S (b, h, sq, sk) in float64, capped (softcap > 0: softcap * tanh(S / softcap)) and masked
+    (-inf), and tanh(S / softcap) (None without softcap); q (b, sq, h, d), k with q's heads.
+    Mask: bottom-right causal, and FlashAttention-3's window (left, right): query i sees key j
+    iff i + sk - sq - left <= j <= i + sk - sq + right, -1 unbounded; causal makes right 0."""
     s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    if causal:
-        sq, sk = q.shape[1], k.shape[1]
-        i = torch.arange(sq, device=q.device)[:, None]
-        j = torch.arange(sk, device=q.device)[None, :]
-        s = s.masked_fill(j > i + sk - sq, float("-inf"))
+    t = None
+    if softcap > 0:
+        t = torch.tanh(s / softcap)
+        s = softcap * t
+    sq, sk = q.shape[1], k.shape[1]
+    i = torch.arange(sq, device=q.device)[:, None]
+    j = torch.arange(sk, device=q.device)[None, :]
+    left, right = window
+    right = 0 if causal else right
+    hidden = torch.zeros(sq, sk, dtype=torch.bool, device=q.device)
+    if right >= 0:
+        hidden |= j > i + sk - sq + right
+    if left >= 0:
+        hidden |= j < i + sk - sq - left
+    return s.masked_fill(hidden, float("-inf")), t
+
+
+def _probs(s):
+    """P and lse (b, h, sq) in float64 of masked scores s; rows that see no key: P 0, lse +inf."""
     lse = torch.logsumexp(s, dim=-1)
     empty = torch.isneginf(lse)  # a row that sees no key
     p = torch.exp(s - lse.masked_fill(empty, 0.0)[..., None]).masked_fill(empty[..., None], 0.0)
@@ -37,27 +54,54 @@ def _wide(q, k, v):
     return q.double(), k.double().repeat_interleave(rep, dim=2), v.double().repeat_interleave(rep, dim=2)
 
 
-def attention(q, k, v, softmax_scale=None, causal=False):
+def attention(q, k, v, softmax_scale=None, causal=False, window=(-1, -1), softcap=0.0):
     """(out, lse) in float64."""
     q64, k64, v64 = _wide(q, k, v)
-    p, lse = _probs(q64, k64, _scale(q, softmax_scale), causal)
+    p, lse = _probs(_scores(q64, k64, _scale(q, softmax_scale), causal, window, softcap)[0])
     return torch.einsum("bhqk,bkhd->bqhd", p, v64), lse
 
 
-def attention_grads(dout, q, k, v, softmax_scale=None, causal=False):
+def attention_grads(dout, q, k, v, softmax_scale=None, causal=False, window=(-1, -1), softcap=0.0):
     """(dq, dk, dv) in float64, dk and dv summed over the query heads that share a kv head."""
     scale = _scale(q, softmax_scale)
     q64, k64, v64 = _wide(q, k, v)
     do = dout.double()
-    p, _ = _probs(q64, k64, scale, causal)
+    s, t = _scores(q64, k64, scale, causal, window, softcap)
+    p, _ = _probs(s)
     dv = torch.einsum("bhqk,bqhd->bkhd", p, do)
     dp = torch.einsum("bqhd,bkhd->bhqk", do, v64)
     ds = p * (dp - (dp * p).sum(-1, keepdim=True))
+    if t is not None:
+        ds = ds * (1 - t * t)  # the derivative of softcap * tanh(S / softcap)
     dq = torch.einsum("bhqk,bkhd->bqhd", ds, k64) * scale
     dk = torch.einsum("bhqk,bqhd->bkhd", ds, q64) * scale
     b, sk, hk, d = k.shape
     rep = q.shape[2] // hk
     return dq, dk.reshape(b, sk, hk, rep, d).sum(3), dv.reshape(b, sk, hk, rep, d).sum(3)
+
+
+def _sequences(cu_seqlens_q, cu_seqlens_k):
+    cq, ck = [int(x) for x in cu_seqlens_q], [int(x) for x in cu_seqlens_k]
+    return [(slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])) for i in range(len(cq) - 1)]
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **kwargs):
+    """attention over a packed batch (FlashAttention-3's varlen layout), one sequence at a time:
+    q (total_q, h, d), k and v (total_k, hk, d) split by the int32 offsets cu_seqlens_q/k (batch
+    + 1 each); out (total_q, h, d) and lse (h, total_q) in float64."""
+    outs, lses = [], []
+    for sq, sk in _sequences(cu_seqlens_q, cu_seqlens_k):
+        o, lse = attention(q[sq][None], k[sk][None], v[sk][None], **kwargs)
+        outs.append(o[0])
+        lses.append(lse[0])
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+def attention_grads_varlen(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, **kwargs):
+    """attention_grads over a packed batch, as attention_varlen: (dq, dk, dv) in float64."""
+    grads = [attention_grads(dout[sq][None], q[sq][None], k[sk][None], v[sk][None], **kwargs)
+             for sq, sk in _sequences(cu_seqlens_q, cu_seqlens_k)]
+    return tuple(torch.cat([g[n][0] for g in grads]) for n in range(3))
 
 
 # ---- FP8 -----------------------------------------------------------------------------------------

@@ -41,6 +41,14 @@ Data random_data(const Problem& p, unsigned seed, DType dtype = DType::kFloat32)
   return x;
 }
 
+// Problem's mask written out: causal (bottom-right) and the sliding window.
+bool visible(const Problem& p, int i, int j) {
+  const int diag = p.seqlen_k - p.seqlen_q, right = p.causal ? 0 : p.window_right;
+  return (right < 0 || j <= i + diag + right) && (p.window_left < 0 || j >= i + diag - p.window_left);
+}
+// The score after the softcap, if any.
+double capped(const Problem& p, double s) { return p.softcap > 0 ? p.softcap * std::tanh(s / p.softcap) : s; }
+
 // The textbook formula, straight from the definition: exp of the masked scores, no max trick.
 void textbook(const Problem& p, const Data& x, std::vector<double>& out, std::vector<double>& lse) {
   const int d = p.head_dim;
@@ -53,13 +61,13 @@ void textbook(const Problem& p, const Data& x, std::vector<double>& out, std::ve
         std::vector<double> w(p.seqlen_k, 0.0);
         double sum = 0;
         for (int j = 0; j < p.seqlen_k; ++j) {
-          if (p.causal && j > i + p.seqlen_k - p.seqlen_q) continue;
+          if (!visible(p, i, j)) continue;
           double dot = 0;
           for (int c = 0; c < d; ++c) {
             dot += x.q[((size_t(b) * p.seqlen_q + i) * p.nheads + h) * d + c] *
                    x.k[((size_t(b) * p.seqlen_k + j) * p.nheads_kv + hk) * d + c];
           }
-          sum += (w[j] = std::exp(p.scale * dot));
+          sum += (w[j] = std::exp(capped(p, p.scale * dot)));
         }
         for (int j = 0; j < p.seqlen_k; ++j)
           for (int c = 0; c < d; ++c) {
@@ -103,7 +111,35 @@ INSTANTIATE_TEST_SUITE_P(Shapes, Fp64VsTextbook,
                                            Problem{1, 9, 4, 2, 1, 4, 0.5, true},    // sq > sk: empty rows
                                            Problem{1, 6, 6, 6, 2, 16, 0.25, true},  // GQA
                                            Problem{3, 20, 33, 4, 1, 8, 0.3, false},
-                                           Problem{1, 3, 0, 2, 2, 4, 1.0, false}));  // no keys at all
+                                           Problem{1, 3, 0, 2, 2, 4, 1.0, false},   // no keys at all
+                                           // window_left, window_right, softcap
+                                           Problem{2, 5, 7, 2, 2, 8, 0.35, false, 2, 1},
+                                           Problem{2, 5, 7, 2, 2, 8, 0.35, true, 1},   // causal + left
+                                           Problem{1, 9, 4, 2, 1, 4, 0.5, false, 0, 0},  // the diagonal; empty rows
+                                           Problem{1, 6, 9, 3, 1, 8, 0.4, false, -1, 0},  // causal as a window
+                                           Problem{2, 5, 7, 2, 2, 8, 0.35, true, -1, -1, 1.0},
+                                           Problem{3, 20, 33, 4, 1, 8, 0.3, false, 5, 3, 30.0}));
+
+TEST(Fp64Reference, WindowAndSoftcapLimits) {
+  auto run = [](const Problem& p, const Data& x) {
+    std::vector<double> out(x.q.size(), -1.0), lse(size_t(p.batch) * p.nheads * p.seqlen_q, -1.0);
+    flash3::ref::attention_fwd_fp64(p, x.q.data(), x.k.data(), x.v.data(), out.data(), lse.data());
+    out.insert(out.end(), lse.begin(), lse.end());
+    return out;
+  };
+  const Problem causal{2, 7, 11, 2, 1, 8, 0.3, true};
+  const Data x = random_data(causal, 4);
+  const std::vector<double> want = run(causal, x);
+  Problem p = causal;
+  p.causal = false, p.window_right = 0;  // (-1, 0) is causal
+  EXPECT_EQ(run(p, x), want);
+  p.causal = true, p.window_right = 3;  // causal makes window_right 0
+  EXPECT_EQ(run(p, x), want);
+  p.window_right = -1, p.window_left = 100;  // a window wider than the sequence
+  EXPECT_EQ(run(p, x), want);
+  p.window_left = -1, p.softcap = 1e9;  // a huge cap changes the scores by < 1e-18 relative
+  expect_near_all(run(p, x), want, 1e-12);
+}
 
 TEST(Fp64Reference, RowsWithoutVisibleKeysGetZeroAndInfinity) {
   const Problem p{1, 6, 2, 1, 1, 4, 1.0, true};  // row i sees keys j <= i - 4
@@ -247,7 +283,12 @@ INSTANTIATE_TEST_SUITE_P(Shapes, Fp64Backward,
                                            Problem{1, 7, 3, 1, 1, 4, 0.6, true},    // sq > sk: empty rows
                                            Problem{2, 6, 6, 4, 2, 4, 0.4, true},    // GQA
                                            Problem{1, 4, 19, 3, 1, 8, 0.3, false},  // MQA, > 1 key block
-                                           Problem{1, 18, 5, 2, 1, 4, 0.5, true})); // > 1 row block
+                                           Problem{1, 18, 5, 2, 1, 4, 0.5, true},   // > 1 row block
+                                           // window_left, window_right, softcap
+                                           Problem{1, 5, 7, 2, 2, 4, 0.5, false, 2, 1},
+                                           Problem{1, 5, 7, 2, 2, 4, 0.5, true, -1, -1, 0.7},
+                                           Problem{2, 6, 6, 4, 2, 4, 0.4, false, 1, 0, 5.0},
+                                           Problem{1, 18, 5, 2, 1, 4, 0.5, false, 3, -1}));
 
 TEST(Fp64Backward, NoKeysGivesZeroDq) {
   const Problem p{2, 3, 0, 2, 1, 4, 0.5, false};
@@ -334,27 +375,35 @@ Grads textbook_lowp_backward(const Problem& p, const Data& x, DType dtype) {
       const int kvh = hh / (h / hk);
       std::vector<std::vector<float>> qs(sq, std::vector<float>(d)), P(sq, std::vector<float>(sk, 0.0f)),
           dS(sq, std::vector<float>(sk, 0.0f));
-      std::vector<int> last(sq);
+      const float cap = static_cast<float>(p.softcap);
       for (int i = 0; i < sq; ++i) {
-        last[i] = p.causal ? std::min(sk - 1, i + sk - sq) : sk - 1;
         for (int c = 0; c < d; ++c) qs[i][c] = rnd(float(x.q[qi(b, i, hh) + c]) * scale);
-        std::vector<float> S(sk), dP(sk);
+        std::vector<float> S(sk), dP(sk), t(sk);
         float m = -INFINITY, sum = 0, D = 0;
-        for (int j = 0; j <= last[i]; ++j) {
+        for (int j = 0; j < sk; ++j) {
+          if (!visible(p, i, j)) continue;
           float s = 0, dp = 0;
           for (int c = 0; c < d; ++c) s += qs[i][c] * float(x.k[kj(b, j, kvh) + c]);
           for (int c = 0; c < d; ++c) dp += float(x.dout[qi(b, i, hh) + c]) * float(x.v[kj(b, j, kvh) + c]);
           S[j] = rnd(s);
+          if (cap > 0) {
+            t[j] = std::tanh(S[j] / cap);
+            S[j] = rnd(cap * t[j]);
+          }
           dP[j] = rnd(dp);
           m = std::max(m, S[j]);
         }
-        for (int j = 0; j <= last[i]; ++j) sum += (S[j] = std::exp(S[j] - m));
-        for (int j = 0; j <= last[i]; ++j) P[i][j] = rnd(S[j] / sum);
-        for (int j = 0; j <= last[i]; ++j) D += P[i][j] * dP[j];
-        for (int j = 0; j <= last[i]; ++j) dS[i][j] = rnd(P[i][j] * (dP[j] - D));
+        for (int j = 0; j < sk; ++j) sum += visible(p, i, j) ? (S[j] = std::exp(S[j] - m)) : 0.0f;
+        for (int j = 0; j < sk; ++j) P[i][j] = visible(p, i, j) ? rnd(S[j] / sum) : 0.0f;
+        for (int j = 0; j < sk; ++j) D += visible(p, i, j) ? P[i][j] * dP[j] : 0.0f;
+        for (int j = 0; j < sk; ++j) {
+          if (!visible(p, i, j)) continue;
+          dS[i][j] = rnd(P[i][j] * (dP[j] - D));
+          if (cap > 0) dS[i][j] = rnd(dS[i][j] * (1.0f - t[j] * t[j]));
+        }
         for (int c = 0; c < d; ++c) {
           float dqs = 0;
-          for (int j = 0; j <= last[i]; ++j) dqs += dS[i][j] * float(x.k[kj(b, j, kvh) + c]);
+          for (int j = 0; j < sk; ++j) dqs += visible(p, i, j) ? dS[i][j] * float(x.k[kj(b, j, kvh) + c]) : 0.0f;
           g.dq[qi(b, i, hh) + c] = rnd(rnd(dqs) * scale);
         }
       }
@@ -362,7 +411,7 @@ Grads textbook_lowp_backward(const Problem& p, const Data& x, DType dtype) {
         for (int c = 0; c < d; ++c) {
           float dk = 0, dv = 0;
           for (int i = 0; i < sq; ++i) {
-            if (j > last[i]) continue;
+            if (!visible(p, i, j)) continue;
             dk += dS[i][j] * qs[i][c];
             dv += P[i][j] * float(x.dout[qi(b, i, hh) + c]);
           }
@@ -379,7 +428,8 @@ Grads textbook_lowp_backward(const Problem& p, const Data& x, DType dtype) {
 
 TEST(LowpBackward, RoundsWhereTheHeaderSays) {
   for (const Problem& p : {Problem{2, 5, 7, 4, 2, 8, 0.35, true}, Problem{1, 21, 18, 3, 1, 16, 0.25, false},
-                           Problem{1, 9, 4, 2, 2, 8, 0.5, true}}) {
+                           Problem{1, 9, 4, 2, 2, 8, 0.5, true}, Problem{2, 5, 7, 4, 2, 8, 0.35, false, 2, 1, 3.0},
+                           Problem{1, 21, 18, 3, 1, 16, 0.25, true, 4, -1, 20.0}}) {
     for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
       const Data x = random_data(p, 13, dtype);
       const Grads g = backward(p, x, dtype), want = textbook_lowp_backward(p, x, dtype);
