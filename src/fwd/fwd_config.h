@@ -87,10 +87,11 @@ struct FwdTileConfig;
 //        64  |   192 (3)     |   128   |       128       | 12 + 3 x 16 = 60 KB
 //       128  |   128 (2)     |   192   |       192       | 16 + 3 x 48 = 160 KB (+ 16 O staging)
 //       256  |   128 (2)     |    64   |       128       | 32 + 3 x 32 = 128 KB
-// NOTES: measured against FlashAttention-3's FP8 forward in one process (docs/perf-log.md F9-F11):
-// three consumer warpgroups at head dim 64 (+11-29%), and 192-key tiles at head dim 128 (+5-14%
-// non-causal) over 128; 224 keys (FA3's tile) was 2-4% slower than 192. At head dim 256, 128-key
-// tiles serialize the WGMMAs (C7512: O alone is 128 registers) and spill.
+// NOTES: measured against FlashAttention-3's FP8 forward in one process (docs/perf-log.md F10-F12):
+// three consumer warpgroups at head dim 64 (+9-29%, but 7% slower causal at 1k), and 192-key tiles
+// at head dim 128 (+1-14% non-causal) over 128; 224 keys (FA3's tile) was within 2% of 192, and
+// 3-4% slower non-causal at 4k-16k. At head dim 256, 128-key tiles serialize the WGMMAs (C7512: O
+// alone is 128 registers) or spill.
 template <int kHeadDim>
 struct FwdFp8TileConfig {
   static constexpr int kBlockM = kHeadDim == 64 ? 192 : 128;
