@@ -185,8 +185,9 @@ def accuracy(torch, flash3, kernels, fa3):
     if fa3 is not None:
         res["per_tensor_fa3"] = rmse(fa3.fwd(q8, k8, v8, q_descale=qs, k_descale=ks, v_descale=vs)[0])
     qb, kb, vb = (x.to(torch.bfloat16) for x in (q, k, v))
+    bkv = flash3.fp8.block_kv(d)
     (q8, qs), (k8, ks), (v8, vs) = (kernels.quantize_fp8(x, block_rows=blk, hadamard=False)
-                                    for x, blk in ((qb, 64), (kb, flash3.fp8.block_kv(d)), (vb, flash3.fp8.block_kv(d))))
+                                    for x, blk in ((qb, 64), (kb, bkv), (vb, bkv)))
     flash3.forward_into(q8, k8, v8, out, None, q_scale=qs, k_scale=ks, v_scale=vs)
     res["block"] = rmse(out)
     m = rotation(torch, kernels, d, seed=0).float()
@@ -194,8 +195,8 @@ def accuracy(torch, flash3, kernels, fa3):
     flash3.forward_into(q8, k8, v8, out, None, q_scale=qs, k_scale=ks, v_scale=vs)
     res["incoherent_per_tensor"] = rmse(out)
     (q8, qs), (k8, ks) = (kernels.quantize_fp8(x, block_rows=blk, hadamard=True, seed=0)
-                          for x, blk in ((qb, 64), (kb, flash3.fp8.block_kv(d))))
-    v8, vs = kernels.quantize_fp8(vb, block_rows=flash3.fp8.block_kv(d), hadamard=False)
+                          for x, blk in ((qb, 64), (kb, bkv)))
+    v8, vs = kernels.quantize_fp8(vb, block_rows=bkv, hadamard=False)
     flash3.forward_into(q8, k8, v8, out, None, q_scale=qs, k_scale=ks, v_scale=vs)
     res["block_and_incoherent"] = rmse(out)
     flash3.forward_into(qb, kb, vb, out, None)
@@ -230,10 +231,12 @@ def quant_and_e2e(torch, flash3, kernels):
         q, k, v = (torch.randn(b, s, h, d, device=dev, dtype=torch.bfloat16) for _ in range(3))
         out = torch.empty_like(q)
 
+        bkv = flash3.fp8.block_kv(d)
+
         def fp8():
             (q8, qs), (k8, ks) = (kernels.quantize_fp8(t, block_rows=blk, hadamard=True, seed=0)
-                                  for t, blk in ((q, 64), (k, flash3.fp8.block_kv(d))))
-            v8, vs = kernels.quantize_fp8(v, block_rows=flash3.fp8.block_kv(d), hadamard=False)
+                                  for t, blk in ((q, 64), (k, bkv)))
+            v8, vs = kernels.quantize_fp8(v, block_rows=bkv, hadamard=False)
             flash3.forward_into(q8, k8, v8, out, None, causal=bool(causal), q_scale=qs, k_scale=ks, v_scale=vs)
 
         bf16 = timed(torch, lambda: flash3.forward_into(q, k, v, out, None, causal=bool(causal)))

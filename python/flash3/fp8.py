@@ -49,8 +49,8 @@ def quantize_fp8(x, block_rows=None, hadamard=False, seed=0):
     seed = _kernels.seed_arg(seed)
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"x: expected a torch.Tensor, got {type(x).__name__}")
-    if block_rows is None:
-        block_rows = block_kv(x.shape[-1])
+    if block_rows is None:  # a tensor of the wrong rank gets the shape error below
+        block_rows = block_kv(x.shape[-1] if x.dim() else 0)
     if _runs_directly(x):
         return _kernels.quantize_fp8(x, block_rows, hadamard, seed)
     return _ops.quantize_fp8(x, _kernels.block_rows_arg(block_rows), bool(hadamard), seed)
