@@ -4,9 +4,10 @@
 # and the benchmarks. Logs and JSON go to $OUT (default ./out). The CUTLASS headers and the
 # GoogleTest sources must already be in third_party/ (run scripts/setup.sh here, then carry
 # third_party: the GPU machine has no network).
-#   usage: bash scripts/device_run.sh [all|build|bwdcheck|test|sanitize|profile|prof|causal|bench|bwdbench|power|fp8|quick]...
+#   usage: bash scripts/device_run.sh [all|build|bwdcheck|test|sanitize|profile|prof|causal|bench|bwdbench|power|fp8|mask|quick]...
 # fp8: bench/bench_fp8.py (the FP8 forward beside FlashAttention-3's, Table 3, the quantizer);
 # it needs .anchors/fa3_anchor.so.xz carried (../shared/anchors/fa3/), else runs without FA3.
+# mask: bench/bench_mask.py (sliding window and softcap beside FlashAttention-3; the same anchor).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -109,6 +110,15 @@ if has fp8; then
   FLASH3_LIB="$root/build/libflash3.so" PYTHONPATH="$root/python" PYTHONUNBUFFERED=1 \
     timeout ${FP8_TIMEOUT:-300} python3 bench/bench_fp8.py --fa3 "$fa3" ${FP8_ARGS:-} --json "$OUT/fp8.json" 2>&1 | tee "$OUT/bench_fp8.log"
   grep -E "^\||geomean|Table 3|quantizer|end to end" "$OUT/bench_fp8.log" >> "$OUT/summary.txt"
+fi
+if has mask; then
+  if [ -f .anchors/fa3_anchor.so.xz ]; then
+    python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" \
+      .anchors/fa3_anchor.so.xz /tmp/fa3_anchor.so
+  fi
+  FLASH3_LIB="$root/build/libflash3.so" PYTHONPATH="$root/python" PYTHONUNBUFFERED=1 \
+    timeout ${MASK_TIMEOUT:-300} python3 bench/bench_mask.py --fa3 /tmp/fa3_anchor.so --json "$OUT/mask.json" ${MASK_ARGS:-} > "$OUT/mask.log" 2>&1
+  log "mask rc=$?: $(grep -E '^summary:' "$OUT/mask.log" | tail -1)"
 fi
 if has power; then
   # Backward under sustained load beside cuDNN, with the SM clock and power draw (tools/bwd_power.py;

@@ -24,7 +24,8 @@ static_assert(FLASH3_FWD_ARGS_SIZE_V1 == 16 + 5 * sizeof(flash3_tensor) + 8, "fl
 static_assert(FLASH3_BWD_ARGS_SIZE_V1 == 16 + 9 * sizeof(flash3_tensor) + 24, "flash3_bwd_args v1 layout");
 static_assert(offsetof(flash3_fwd_args, q) == 16 && offsetof(flash3_bwd_args, q) == 16, "args header");
 static_assert(FLASH3_FWD_ARGS_SIZE_V2 == FLASH3_FWD_ARGS_SIZE_V1 + 3 * sizeof(flash3_tensor), "flash3_fwd_args v2 layout");
-static_assert(sizeof(flash3_bwd_args) == FLASH3_BWD_ARGS_SIZE_V1, "flash3_bwd_args is v1 (update when appending)");
+static_assert(FLASH3_FWD_ARGS_SIZE_V3 == FLASH3_FWD_ARGS_SIZE_V2 + 16, "flash3_fwd_args v3 layout");
+static_assert(FLASH3_BWD_ARGS_SIZE_V2 == FLASH3_BWD_ARGS_SIZE_V1 + 16, "flash3_bwd_args v2 layout");
 static_assert(FLASH3_QUANTIZE_FP8_ARGS_SIZE_V1 == 8 + 3 * sizeof(flash3_tensor) + 24,
               "flash3_quantize_fp8_args v1 layout");
 static_assert(offsetof(flash3_quantize_fp8_args, in) == 8, "flash3_quantize_fp8_args header");
@@ -95,6 +96,16 @@ T read_args(const T* args, uint32_t v1_size, const char* op, const char* type) {
   return a;
 }
 
+// The window and softcap fields (fwd v3, bwd v2; zero in an older struct: none).
+template <class C, class Args>
+void set_mask(const C& a, Args& args) {
+  if (a.window != 0) {
+    args.window_left = a.window_left;
+    args.window_right = a.window_right;
+  }
+  args.softcap = a.softcap;
+}
+
 flash3::FwdArgs fwd_args(const flash3_fwd_args* c) {
   const flash3_fwd_args a = read_args(c, FLASH3_FWD_ARGS_SIZE_V1, "flash3::fwd: ", "flash3_fwd_args");
   if (a.reserved != 0) {
@@ -112,6 +123,7 @@ flash3::FwdArgs fwd_args(const flash3_fwd_args* c) {
   args.softmax_scale = a.softmax_scale;
   args.causal = a.causal != 0;
   args.stream = static_cast<cudaStream_t>(a.stream);
+  set_mask(a, args);
   return args;
 }
 
@@ -133,6 +145,7 @@ flash3::BwdArgs bwd_args(const flash3_bwd_args* c) {
   args.workspace = a.workspace;
   args.workspace_bytes = static_cast<size_t>(a.workspace_bytes);
   args.stream = static_cast<cudaStream_t>(a.stream);
+  set_mask(a, args);
   return args;
 }
 

@@ -272,6 +272,26 @@ class Checker {
     return s > 0.0f ? s : static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
   }
 
+  // The sliding window and softcap, normalized into p: a bound that excludes nothing becomes -1
+  // (left >= seqlen_k - 1, right >= seqlen_q - 1), causal sets right = 0, and a window (-1, 0) is
+  // causal.
+  template <class Problem>
+  void mask(int left, int right, float softcap, Problem& p) const {
+    if (left < -1) fail("window_left is ", left, "; it must be >= 0, or -1 for no bound on the left");
+    if (right < -1) fail("window_right is ", right, "; it must be >= 0, or -1 for no bound on the right");
+    if (!(softcap >= 0.0f) || std::isinf(softcap) || softcap > kMaxSoftmaxScale) {
+      fail("softcap is ", softcap, "; it must be finite and in [0, ", double(kMaxSoftmaxScale),
+           "] (0: no softcap; the bound as softmax_scale's)");
+    }
+    if (p.causal) right = 0;
+    if (left >= p.seqlen_k - 1) left = -1;
+    if (right >= p.seqlen_q - 1) right = -1;
+    if (left < 0 && right == 0) p.causal = true;
+    p.window_left = left;
+    p.window_right = right;
+    p.softcap = softcap;
+  }
+
   // seqlen_q and seqlen_k at most kMaxSeqlen (32-bit row arithmetic in the kernels).
   void seqlens(const Arg& q, const Arg& k) const {
     for (const Dim& x : {Dim{q, 1}, Dim{k, 1}}) {
@@ -403,6 +423,10 @@ FwdProblem validate_fwd(const FwdArgs& args, PointerInspector inspect) {
 
   FwdProblem p = problem<FwdProblem>(dtype, args.q, args.k, scale, args.causal);
   p.write_lse = write_lse;
+  c.mask(args.window_left, args.window_right, args.softcap, p);
+  if (fp8 && p.softcap > 0.0f) {
+    c.fail("softcap is ", p.softcap, " but q.dtype is float8_e4m3; softcap is built for float16 and bfloat16");
+  }
   return p;
 }
 
@@ -455,6 +479,7 @@ BwdProblem validate_bwd(const BwdArgs& args, PointerInspector inspect) {
 
   BwdProblem p = problem<BwdProblem>(dtype, args.q, args.k, scale, args.causal);
   p.deterministic = args.deterministic;
+  c.mask(args.window_left, args.window_right, args.softcap, p);
   return p;
 }
 

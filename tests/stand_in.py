@@ -174,23 +174,26 @@ def install(monkeypatch):
     calls = []
 
     def forward_into(q, k, v, out, lse=None, softmax_scale=None, causal=False, q_scale=None, k_scale=None,
-                     v_scale=None):
+                     v_scale=None, window_left=-1, window_right=-1, softcap=0.0):
         calls.append(("fwd", dict(q=q, k=k, v=v, out=out, lse=lse, softmax_scale=softmax_scale, causal=causal,
-                                  q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)))
+                                  q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, window_left=window_left,
+                                  window_right=window_right, softcap=softcap)))
         if q.dtype == torch.float8_e4m3fn:
             hk, blk = k.shape[2], flash3.fp8.block_kv(k.shape[3])
             q, k, v = dequantize(q, q_scale, 64, hk), dequantize(k, k_scale, blk, hk), dequantize(v, v_scale, blk, hk)
-        o, l = attention(q, k, v, softmax_scale, causal)
+        o, l = attention(q, k, v, softmax_scale, causal, (window_left, window_right), softcap)
         out.copy_(o)
         if lse is not None:
             lse.copy_(l)
         return out, lse
 
     def backward_into(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=None, causal=False,
-                      deterministic=False):
+                      deterministic=False, window_left=-1, window_right=-1, softcap=0.0):
         calls.append(("bwd", dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=dq, dk=dk, dv=dv,
-                                  softmax_scale=softmax_scale, causal=causal, deterministic=deterministic)))
-        for buf, g in zip((dq, dk, dv), attention_grads(dout, q, k, v, softmax_scale, causal)):
+                                  softmax_scale=softmax_scale, causal=causal, deterministic=deterministic,
+                                  window_left=window_left, window_right=window_right, softcap=softcap)))
+        window = (window_left, window_right)
+        for buf, g in zip((dq, dk, dv), attention_grads(dout, q, k, v, softmax_scale, causal, window, softcap)):
             buf.copy_(g)
         return dq, dk, dv
 

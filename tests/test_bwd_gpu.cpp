@@ -36,6 +36,8 @@ struct Case {
   int lse_pad = 0;                // padding after each (batch, head) row of lse
   float scale = 0.0f;             // softmax_scale; 0 means the default 1/sqrt(head_dim)
   bool deterministic = false;
+  int window_left = -1, window_right = -1;  // the sliding window
+  float softcap = 0.0f;
 };
 
 std::string describe(const Case& c) {
@@ -43,7 +45,11 @@ std::string describe(const Case& c) {
          " b=" + std::to_string(c.batch) + " sq=" + std::to_string(c.seqlen_q) + " sk=" +
          std::to_string(c.seqlen_k) + " h=" + std::to_string(c.nheads) + " hk=" + std::to_string(c.nheads_kv) +
          " pad=" + std::to_string(c.head_pad) + "/" + std::to_string(c.row_pad) + "/" + std::to_string(c.lse_pad) +
-         " scale=" + std::to_string(c.scale) + (c.deterministic ? " deterministic" : "");
+         " scale=" + std::to_string(c.scale) + (c.deterministic ? " deterministic" : "") +
+         (c.window_left != -1 || c.window_right != -1
+              ? " window=(" + std::to_string(c.window_left) + "," + std::to_string(c.window_right) + ")"
+              : "") +
+         (c.softcap > 0 ? " softcap=" + std::to_string(c.softcap) : "");
 }
 
 // Gradients as downloaded: 16-bit patterns in their padded layouts.
@@ -85,6 +91,9 @@ class BwdRun {
     f.lse = lse_view();
     f.softmax_scale = c_.scale;
     f.causal = c_.causal;
+    f.window_left = c_.window_left;
+    f.window_right = c_.window_right;
+    f.softcap = c_.softcap;
     ASSERT_NO_THROW(fwd(f));
     FLASH3_CUDA_OK(cudaDeviceSynchronize());
   }
@@ -103,6 +112,9 @@ class BwdRun {
     a.softmax_scale = c_.scale;
     a.causal = c_.causal;
     a.deterministic = c_.deterministic;
+    a.window_left = c_.window_left;
+    a.window_right = c_.window_right;
+    a.softcap = c_.softcap;
     return a;
   }
 
@@ -201,7 +213,10 @@ class BwdRun {
   void compute_references() {
     // The scale bwd uses: softmax_scale as validate_bwd normalizes it (a float).
     const double scale = validate_bwd(args()).softmax_scale;
-    const ref::Problem p{c_.batch, c_.seqlen_q, c_.seqlen_k, c_.nheads, c_.nheads_kv, c_.head_dim, scale, c_.causal};
+    ref::Problem p{c_.batch, c_.seqlen_q, c_.seqlen_k, c_.nheads, c_.nheads_kv, c_.head_dim, scale, c_.causal};
+    p.window_left = c_.window_left;
+    p.window_right = c_.window_right;
+    p.softcap = c_.softcap;
     for (auto* t : {&dq64_, &dqlp_}) t->assign(ql_.dense_size(), 0.0);
     for (auto* t : {&dk64_, &dklp_, &dv64_, &dvlp_}) t->assign(kl_.dense_size(), 0.0);
     ref::attention_bwd_fp64(p, q64_.data(), k64_.data(), v64_.data(), dout64_.data(), dq64_.data(),
@@ -343,6 +358,56 @@ TEST(BwdGpuDeterministic, TwentyRunsAreBitwiseEqual) {
   expect_repeatable(deterministic({bf16, 256, true, 1, 8200, 8200, 1, 1}), 38, 20);    // causal, 4 dQ copies
   expect_repeatable(deterministic({bf16, 64, true, 2, 1050, 1050, 16, 4}), 36, 20);    // persistent, 288 items
   expect_repeatable(deterministic({fp16, 64, false, 2, 1050, 1300, 16, 2}), 37, 20);   // 352 items
+}
+
+// ---- sliding windows and softcap ---------------------------------------------------------------
+// Windows at every relation to the tiles (64-128 rows and keys): empty on a side, smaller than a
+// tile, spanning several, larger than the sequence, one side unbounded; causal and not; rows
+// without keys (seqlen_q > seqlen_k); softcap 0, 1, 5, 50 on top (dS times 1 - tanh^2). Key blocks
+// outside the window are skipped (Mask::m_block_range), and the first key block that adds into a
+// dQ tile is the window's, not key block 0 (bwd_dq_writer.h).
+TEST(BwdGpuWindow, WindowsAndSoftcapMatchReference) {
+  FLASH3_REQUIRE_HOPPER();
+  const std::pair<int, int> windows[] = {{0, 0},  {1, 0},     {5, 3},     {100, 0}, {-1, 37},
+                                         {200, 300}, {0, -1}, {700, -1}, {130, 130}};
+  const float softcaps[] = {0, 1, 5, 50};
+  const std::tuple<int, int, int> shapes[] = {{2, 300, 517}, {1, 517, 300}, {1, 700, 700}};
+  uint64_t seed = 9191;
+  int i = 0;
+  for (int d : {64, 128, 256}) {
+    for (bool causal : {false, true}) {
+      for (const auto& [left, right] : windows) {
+        const auto [b, sq, sk] = shapes[i % 3];
+        Case c{i % 2 ? DType::kFloat16 : DType::kBFloat16, d, causal, b, sq, sk, 4, i % 3 ? 2 : 4};
+        c.window_left = left;
+        c.window_right = right;
+        c.softcap = softcaps[i % 4];
+        ++i;
+        run_case(c, seed++);
+        if (HasFatalFailure()) return;
+      }
+    }
+  }
+}
+
+// Deterministic mode with windows: each dQ tile's chain of adds starts at the first key block of
+// its window (per copy, with 2 dQ copies at head dim 256 causal from 32 key blocks), bitwise equal
+// over runs; the persistent kernel (head dim 64) too.
+TEST(BwdGpuWindow, DeterministicWithWindows) {
+  FLASH3_REQUIRE_HOPPER();
+  const DType bf16 = DType::kBFloat16, fp16 = DType::kFloat16;
+  auto windowed = [](Case c, int left, int right, float softcap = 0) {
+    c.deterministic = true;
+    c.window_left = left;
+    c.window_right = right;
+    c.softcap = softcap;
+    return c;
+  };
+  expect_repeatable(windowed({bf16, 128, true, 1, 2000, 2000, 4, 2}, 300, 0), 91, 10);
+  expect_repeatable(windowed({fp16, 64, false, 2, 1050, 1300, 16, 2}, 256, 128, 5), 92, 10);
+  expect_repeatable(windowed({bf16, 64, true, 2, 1050, 1050, 16, 4}, 100, 0), 93, 10);
+  expect_repeatable(windowed({bf16, 256, true, 1, 4100, 4100, 2, 1}, 1000, 0), 94, 10);
+  expect_repeatable(windowed({fp16, 256, false, 1, 1500, 1500, 2, 2}, -1, 200, 20), 95, 10);
 }
 
 // ---- CUDA graphs: the persistent kernel (causal head dim 64) captured ---------------------------

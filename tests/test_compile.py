@@ -202,18 +202,77 @@ def test_cpu_compile_passes_the_options(calls):
     assert not lse.requires_grad
 
 
+def test_cpu_compile_passes_window_and_softcap(calls):
+    """window_size and softcap reach flash3::fwd and flash3::bwd in one graph each (fullgraph),
+    in flash3's spelling (a right side of 0 is causal), with the results of eager."""
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 30, 4, 16, generator=gen).requires_grad_()
+    k, v = (torch.randn(2, 41, 2, 16, generator=gen).requires_grad_() for _ in range(2))
+    dout = torch.randn(2, 30, 4, 16, generator=gen)
+
+    def f(q, k, v):
+        out, lse = flash3.flash_attn_func(q, k, v, window_size=(9, 0), softcap=4.0, deterministic=True,
+                                          return_attn_probs=True)
+        return out * 2, lse
+
+    graphs = []
+    out, lse = torch.compile(f, fullgraph=True, backend=_graph_capturing_backend(graphs))(q, k, v)
+    out.backward(dout)
+    got = [out.detach(), lse] + [t.grad.clone() for t in (q, k, v)]
+    (fwd_node,) = [n for n in graphs[0][1].graph.nodes if n.target is torch.ops.flash3.fwd.default]
+    (bwd_node,) = [n for n in graphs[1][1].graph.nodes if n.target is torch.ops.flash3.bwd.default]
+    assert list(fwd_node.args[3:]) == [None, True, True, 9, -1, 4.0]
+    assert list(bwd_node.args[6:]) == [None, True, True, 9, -1, 4.0]
+    for name, c in calls:
+        assert (c["causal"], c["window_left"], c["window_right"], c["softcap"]) == (True, 9, -1, 4.0), name
+    assert [name for name, _ in calls] == ["fwd", "bwd"]
+    for t in (q, k, v):
+        t.grad = None
+    o, l = f(q, k, v)
+    o.backward(dout)
+    want = [o.detach(), l] + [t.grad for t in (q, k, v)]
+    for a, b_ in zip(got, want):
+        torch.testing.assert_close(a, b_, rtol=1e-6, atol=1e-6)
+    ref, ref_lse = stand_in.attention(q, k, v, None, True, (9, 0), 4.0)
+    torch.testing.assert_close(out.double(), 2 * ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_compile_window_and_softcap_dynamic(calls):
+    """dynamic=True with a window and softcap: one compilation serves other sequence lengths (the
+    window is not specialized into shape guards), and window and softcap given as arguments of
+    the compiled function reach the kernels as given."""
+    def f(q, k, v, left, cap):
+        return flash3.flash_attn_func(q, k, v, window_size=(left, 3), softcap=cap)
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager", dynamic=True)
+    for i, (sq, sk, left, cap) in enumerate([(20, 33, 5, 2.0), (27, 40, 5, 2.0), (27, 40, 8, 6.5)]):
+        gen = torch.Generator().manual_seed(i)
+        q = torch.randn(1, sq, 2, 16, generator=gen)
+        k, v = (torch.randn(1, sk, 1, 16, generator=gen) for _ in range(2))
+        if i == 1:
+            with torch.compiler.set_stance("fail_on_recompile"):
+                out = compiled(q, k, v, left, cap)
+        else:
+            out = compiled(q, k, v, left, cap)
+        c = calls[-1][1]
+        assert (c["causal"], c["window_left"], c["window_right"], c["softcap"]) == (False, left, 3, cap)
+        torch.testing.assert_close(out.double(), stand_in.attention(q, k, v, None, False, (left, 3), cap)[0],
+                                   rtol=1e-5, atol=1e-5)
+
+
 def test_cpu_unsupported_argument_under_compile():
     """Under compile the NotImplementedError names the argument: as it is without fullgraph;
     with fullgraph=True dynamo reports it as an unsupported exception carrying the message."""
     q = torch.randn(1, 8, 2, 16)
 
     def f(q):
-        return flash3.flash_attn_func(q, q, q, softcap=30.0)
+        return flash3.flash_attn_func(q, q, q, attention_chunk=128)
 
-    with pytest.raises(NotImplementedError, match="softcap"):
+    with pytest.raises(NotImplementedError, match="attention_chunk"):
         torch.compile(f, backend="aot_eager")(q)
     torch._dynamo.reset()
-    with pytest.raises(Exception, match="softcap"):
+    with pytest.raises(Exception, match="attention_chunk"):
         torch.compile(f, backend="aot_eager", fullgraph=True)(q)
 
 
@@ -244,6 +303,40 @@ def test_compile_block(cfg, dynamic):
         else:
             got = run(compiled, x, dout)
         check_block(model, x, dout, got)
+
+
+@gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_compile_window_and_softcap_matches_eager(causal):
+    """torch.compile(fullgraph=True, inductor) of attention with a window and softcap: the same
+    bits as the eager call, forward and (deterministic) backward, within the tolerance rule."""
+    from test_torch import check, check_grads
+    gen = torch.Generator(device="cuda").manual_seed(37)
+    b, sq, sk, h, hk, d = 2, 300, 517, 8, 2, 128
+    q = torch.randn(b, sq, h, d, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
+    k, v = (torch.randn(b, sk, hk, d, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
+            for _ in range(2))
+    dout = torch.randn(b, sq, h, d, device="cuda", generator=gen).to(torch.bfloat16)
+    window, softcap = (96, 40), 15.0
+
+    def attn(q, k, v):
+        return flash3.flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap,
+                                      deterministic=True, return_attn_probs=True)
+
+    def step(fn):
+        for t in (q, k, v):
+            t.grad = None
+        out, lse = fn(q, k, v)
+        out.backward(dout)
+        return [out.detach().clone(), lse.clone(), q.grad.clone(), k.grad.clone(), v.grad.clone()]
+
+    eager = step(attn)
+    got = step(torch.compile(attn, fullgraph=True))
+    torch.cuda.synchronize()
+    for name, g, e in zip(("out", "lse", "dq", "dk", "dv"), got, eager):
+        assert torch.equal(g, e), f"{name} of the compiled call differs from the eager call"
+    check(q.detach(), k.detach(), v.detach(), causal, out=got[0], lse=got[1], window=window, softcap=softcap)
+    check_grads(q, k, v, dout, causal, got[2:], window=window, softcap=softcap)
 
 
 @gpu

@@ -27,13 +27,14 @@ torch = pytest.importorskip("torch")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
 import flash3  # noqa: E402
 import stand_in  # noqa: E402
-from test_torch import gpu  # noqa: E402
+from test_torch import gpu, visible  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 FWD_FP8_SCHEMA = ("flash3::fwd_fp8(Tensor q, Tensor k, Tensor v, Tensor? q_scale=None, Tensor? k_scale=None, "
-                  "Tensor? v_scale=None, float? softmax_scale=None, bool causal=False) -> (Tensor, Tensor)")
+                  "Tensor? v_scale=None, float? softmax_scale=None, bool causal=False, SymInt window_left=-1, "
+                  "SymInt window_right=-1, float softcap=0.) -> (Tensor, Tensor)")
 QUANTIZE_SCHEMA = ("flash3::quantize_fp8(Tensor x, SymInt block_rows=128, bool hadamard=False, SymInt seed=0) "
                    "-> (Tensor, Tensor)")
 
@@ -198,6 +199,27 @@ def test_cpu_flash_attn_func_passes_descales_as_scales(calls):
     assert flash3.flash_attn_qkvpacked_func(qkv, q_descale=one).dtype == torch.bfloat16
 
 
+def test_cpu_flash_attn_func_fp8_passes_the_window(calls):
+    """FP8 flash_attn_func hands the window (and a softcap, which the library refuses for float8
+    inputs) to the kernel, eagerly and through flash3::fwd_fp8 (under FakeTensorMode too)."""
+    qf, kf, vf, qs, ks, vs = _fp8_qkv(1, 40, 57, 4, 2, 64)
+    out = flash3.flash_attn_func(qf, kf, vf, window_size=(6, 2), q_descale=qs, k_descale=ks, v_descale=vs)
+    c = calls[-1][1]
+    assert (c["causal"], c["window_left"], c["window_right"], c["softcap"]) == (False, 6, 2, 0.0)
+    ref, _ = stand_in.attention(stand_in.dequantize(qf, qs, 64, 2), stand_in.dequantize(kf, ks, 128, 2),
+                                stand_in.dequantize(vf, vs, 128, 2), None, False, (6, 2))
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-2)
+    out2, _ = torch.ops.flash3.fwd_fp8(qf, kf, vf, qs, ks, vs, None, False, 6, 2)
+    assert torch.equal(out, out2) and calls[-1][1]["window_left"] == 6
+    flash3.flash_attn_func(qf, kf, vf, causal=True, window_size=(9, 4), softcap=3.0)
+    c = calls[-1][1]
+    assert (c["causal"], c["window_left"], c["window_right"], c["softcap"]) == (True, 9, -1, 3.0)
+    with FakeTensorMode():
+        q = torch.empty(1, 40, 4, 64, dtype=E4M3, device="cuda")
+        o, lse = torch.ops.flash3.fwd_fp8(q, q[:, :, :2], q[:, :, :2], None, None, None, None, True, 9, -1)
+        assert o.shape == q.shape and o.dtype == torch.bfloat16 and lse.shape == (1, 4, 40)
+
+
 def test_cpu_flash_attn_fp8_func_quantizes_then_runs_fp8(calls):
     """q in blocks of 64 rows and k in 192 (block_kv(128)), both rotated with the same seed; v in
     192 without rotation; the forward gets the block scales. The rotation leaves the result
@@ -302,23 +324,20 @@ def test_cpu_quantize_and_operator_bad_inputs():
 
 # ---- on a Hopper GPU ---------------------------------------------------------------------------------
 
-def _attention64(q, k, v, scale, causal):
+def _attention64(q, k, v, scale, causal, window=(-1, -1)):
     """(out, lse) in float64 (tests/stand_in.py: rows that see no key give 0 and +inf)."""
-    return stand_in.attention(q, k, v, scale, causal)
+    return stand_in.attention(q, k, v, scale, causal, window)
 
 
-def _plain_fp8(q, k, v, scale, causal):
+def _plain_fp8(q, k, v, scale, causal, window=(-1, -1)):
     """The FP8 forward emulated in float32 from dequantized q, k, v: P = exp(S - rowmax) rounded to
     e4m3 before P V, divided by the unrounded row sum; out rounded to bfloat16 (0 for a row that
-    sees no key)."""
+    sees no key). window: FlashAttention-3's (left, right), as test_torch.visible."""
     rep = q.shape[2] // k.shape[2]
     k, v = k.float().repeat_interleave(rep, 2), v.float().repeat_interleave(rep, 2)
     s = torch.einsum("bqhd,bkhd->bhqk", q.float(), k) * scale
-    if causal:
-        sq, sk = q.shape[1], k.shape[1]
-        i = torch.arange(sq, device=q.device)[:, None]
-        j = torch.arange(sk, device=q.device)[None, :]
-        s = s.masked_fill(j > i + sk - sq, float("-inf"))
+    if causal or tuple(window) != (-1, -1):
+        s = s.masked_fill(~visible(q.shape[1], k.shape[1], q.device, causal, window), float("-inf"))
     m = s.amax(-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     p = torch.exp(s - m)
@@ -357,6 +376,31 @@ def test_flash_attn_func_fp8_descales(hdim, causal, shape):
     # the same call through the operator: the same bits
     out2, lse2 = torch.ops.flash3.fwd_fp8(qf, kf, vf, qs, ks, vs, None, causal)
     assert torch.equal(out, out2) and torch.equal(lse, lse2)
+
+
+@gpu
+@pytest.mark.parametrize("window, causal", [((0, 0), False), ((100, 0), False), ((-1, 37), False), ((200, 300), False),
+                                            ((5, 3), True)], ids=["w0_0", "w100_0", "right37", "w200_300", "w5_causal"])
+@pytest.mark.parametrize("hdim", [64, 128, 256])
+def test_flash_attn_func_fp8_window(hdim, window, causal):
+    """The FP8 forward with a sliding window: the rule of test_flash_attn_func_fp8_descales, rows
+    that see no key (seqlen_q > seqlen_k) out 0 and lse +inf."""
+    b, sq, sk, h, hk = 1, 517, 300, 4, 2
+    qf, kf, vf, qs, ks, vs = _fp8_qkv(b, sq, sk, h, hk, hdim, "cuda", seed=hdim + window[0])
+    out, lse = flash3.flash_attn_func(qf, kf, vf, causal=causal, window_size=window, q_descale=qs, k_descale=ks,
+                                      v_descale=vs, return_attn_probs=True)
+    qd, kd, vd = (stand_in.dequantize(t, s, 0, hk) for t, s in ((qf, qs), (kf, ks), (vf, vs)))
+    scale = hdim ** -0.5
+    ref, ref_lse = _attention64(qd, kd, vd, scale, causal, window)
+    plain = _plain_fp8(qd, kd, vd, scale, causal, window)
+    err, err_plain = _max_err(out, ref), _max_err(plain, ref)
+    assert err <= 2 * err_plain + 1e-3, f"max abs err {err:.3e} > 2 * plain {err_plain:.3e} + 1e-3"
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    if finite.any():
+        assert (lse.double() - ref_lse)[finite].abs().max().item() <= 1e-3 * max(1.0, ref_lse[finite].abs().max().item())
+    rows = visible(sq, sk, out.device, causal, window).any(dim=1)
+    assert (out[:, ~rows] == 0).all()
 
 
 @gpu

@@ -30,6 +30,8 @@ struct Case {
   // [seqlen_k / 2, seqlen_k / 2 + 16) by 3 more, so that the row max of the scores rises from
   // key block to key block (the kernel visits them last to first) and jumps once.
   double key_ramp = 0;
+  int window_left = -1, window_right = -1;  // FwdArgs' sliding window
+  double softcap = 0;
 };
 
 std::string describe(const Case& c) {
@@ -38,7 +40,11 @@ std::string describe(const Case& c) {
          " sq=" + std::to_string(c.seqlen_q) + " sk=" + std::to_string(c.seqlen_k) +
          " h=" + std::to_string(c.nheads) + " hk=" + std::to_string(c.nheads_kv) +
          " pad=" + std::to_string(c.pad) + " variant=" + std::to_string(int(c.variant)) +
-         (c.key_ramp > 0 ? " key_ramp=" + std::to_string(c.key_ramp) : "");
+         (c.key_ramp > 0 ? " key_ramp=" + std::to_string(c.key_ramp) : "") +
+         (c.window_left != -1 || c.window_right != -1
+              ? " window=(" + std::to_string(c.window_left) + "," + std::to_string(c.window_right) + ")"
+              : "") +
+         (c.softcap > 0 ? " softcap=" + std::to_string(c.softcap) : "");
 }
 
 void run_case(const Case& c, uint64_t seed) {
@@ -95,6 +101,9 @@ void run_case(const Case& c, uint64_t seed) {
   args.out = view(dout.ptr, sq, h, q_row);
   args.lse = TensorRef::contiguous(dlse.ptr, DType::kFloat32, {b, h, sq});
   args.causal = c.causal;
+  args.window_left = c.window_left;
+  args.window_right = c.window_right;
+  args.softcap = float(c.softcap);
 
   // Poison, run, fetch: twice, to check the result is bitwise reproducible.
   std::vector<uint16_t> out_bits[2];
@@ -127,6 +136,9 @@ void run_case(const Case& c, uint64_t seed) {
 
   const std::vector<int> rows = reference_rows(sq, rng);
   ref::Problem p{b, sq, sk, h, hk, d, 1.0 / std::sqrt(double(d)), c.causal};
+  p.window_left = c.window_left;
+  p.window_right = c.window_right;
+  p.softcap = double(float(c.softcap));
   std::vector<double> out64(q.size(), 0.0), lse64(size_t(b) * h * sq, 0.0);
   std::vector<double> outlp(q.size(), 0.0), lselp(size_t(b) * h * sq, 0.0);
   ref::attention_fwd_fp64(p, q.data(), k.data(), v.data(), out64.data(), lse64.data(), &rows);
@@ -212,6 +224,62 @@ TEST(FwdGpuSmall, RunningMaxRisesAcrossKeyBlocks) {
         run_case(c, seed++);
         if (HasFatalFailure()) return;
       }
+    }
+  }
+}
+
+// ---- sliding windows and softcap ------------------------------------------------------------
+// Windows at every relation to the tiles (64-192 rows, 64-192 keys): empty on a side (0), smaller
+// than a tile, spanning several, larger than the sequence, one side unbounded; with causal (which
+// sets right = 0) and without; seqlen_q below, equal to and above seqlen_k (rows that see no
+// key: out = 0, lse = +inf); softcap 0, 1, 5, 50 on top. Key blocks outside the window are
+// skipped by the scheduler, so wrong block ranges show up as missing keys.
+const std::pair<int, int> kWindows[] = {{0, 0},   {1, 0},     {5, 3},   {100, 0},  {-1, 37},
+                                        {200, 300}, {0, -1},  {700, -1}, {130, 130}, {64, 64}};
+const double kSoftcaps[] = {0, 1, 5, 50};
+
+TEST(FwdGpuWindow, WindowsAndSoftcapMatchReference) {
+  FLASH3_REQUIRE_HOPPER();
+  const std::tuple<int, int, int> shapes[] = {{2, 300, 517}, {1, 517, 300}, {1, 1000, 1000}};
+  uint64_t seed = 8181;
+  int i = 0;
+  for (int d : {64, 128, 256}) {
+    for (bool causal : {false, true}) {
+      for (const auto& [left, right] : kWindows) {
+        const auto [b, sq, sk] = shapes[i % 3];
+        Case c{i % 2 ? DType::kFloat16 : DType::kBFloat16, d, causal, b, sq, sk, 4, i % 3 ? 2 : 4};
+        c.window_left = left;
+        c.window_right = right;
+        c.softcap = kSoftcaps[i % 4];
+        ++i;
+        run_case(c, seed++);
+        if (HasFatalFailure()) return;
+      }
+    }
+  }
+}
+
+// Softcap alone over the head dims and masks, and long windowed sequences whose tiles each skip
+// many key blocks on both sides (persistent blocks computing several tiles each).
+TEST(FwdGpuWindow, SoftcapAndLongWindows) {
+  FLASH3_REQUIRE_HOPPER();
+  uint64_t seed = 8282;
+  for (int d : {64, 128, 256}) {
+    for (bool causal : {false, true}) {
+      for (double softcap : {1.0, 30.0}) {
+        Case c{DType::kBFloat16, d, causal, 2, 333, 700, 4, 2};
+        c.softcap = softcap;
+        run_case(c, seed++);
+        if (HasFatalFailure()) return;
+      }
+    }
+    for (auto [left, right, causal] : {std::tuple<int, int, bool>{1024, 0, true}, {512, 700, false},
+                                       {-1, 300, false}, {2000, -1, false}}) {
+      Case c{DType::kBFloat16, d, causal, 2, 4096, 4096, 8, 2};
+      c.window_left = left;
+      c.window_right = right;
+      run_case(c, seed++);
+      if (HasFatalFailure()) return;
     }
   }
 }

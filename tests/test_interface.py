@@ -1,7 +1,8 @@
 """flash3 as a drop-in for FlashAttention-3's flash_attn_interface: the signatures (checked
 against a literal copy of FlashAttention-3's parameter lists), NotImplementedError for what
-flash3 does not support, the ignored speed hints, flash_attn_qkvpacked_func, and a module
-written against FlashAttention-3's names run unchanged with flash3 in its place.
+flash3 does not support, the ignored speed hints, flash_attn_qkvpacked_func, window_size and
+softcap with FlashAttention-3's meaning (forward and backward), and a module written against
+FlashAttention-3's names run unchanged with flash3 in its place.
 
 Tests parametrized over [cpu] run without a GPU (the library calls stood in for by the math on
 the CPU: tests/stand_in.py) and over [cuda] on a Hopper GPU with libflash3.so (skipped
@@ -59,18 +60,12 @@ def test_cpu_module_alias():
 
 UNSUPPORTED = [
     (dict(qv=torch.zeros(1, 16, 2, 64)), "qv"),
-    (dict(window_size=(128, 0)), "window_size"),
-    (dict(window_size=(4, 4)), "window_size"),
-    (dict(window_size=(-1, 8)), "window_size"),
-    (dict(window_size=(8, -1), causal=True), "window_size"),
     (dict(attention_chunk=256), "attention_chunk"),
-    (dict(softcap=30.0), "softcap"),
+    (dict(attention_chunk=64, window_size=(128, 0), softcap=30.0), "attention_chunk"),
 ]
 
 
-@pytest.mark.parametrize("kwargs, name", UNSUPPORTED, ids=[
-    "qv", "window_128_0", "window_4_4", "window_right", "window_causal_left",
-    "attention_chunk", "softcap"])
+@pytest.mark.parametrize("kwargs, name", UNSUPPORTED, ids=["qv", "attention_chunk", "attention_chunk_with_window"])
 def test_cpu_unsupported_argument_raises_naming_it(kwargs, name):
     """Checked before anything runs: CPU tensors, no library needed."""
     q = torch.zeros(1, 16, 2, 64, dtype=torch.bfloat16)
@@ -79,6 +74,48 @@ def test_cpu_unsupported_argument_raises_naming_it(kwargs, name):
     if "qv" not in kwargs:
         with pytest.raises(NotImplementedError, match=rf"\b{name}\b"):
             flash3.flash_attn_qkvpacked_func(torch.zeros(1, 16, 3, 2, 64, dtype=torch.bfloat16), **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(window_size=(1.5, 0)), "window_size"),
+    (dict(window_size=(8, "0")), "window_size"),
+    (dict(window_size=(8,)), "window_size"),
+    (dict(window_size=(1, 2, 3)), "window_size"),
+    (dict(window_size=8), "window_size"),
+    (dict(window_size=None), "window_size"),
+    (dict(softcap="30"), "softcap"),
+    (dict(softcap=None), "softcap"),
+    (dict(softcap=torch.tensor(30.0)), "softcap"),
+    (dict(softcap=1e300), "softcap"),
+], ids=["window_float", "window_str", "window_one", "window_three", "window_int", "window_none", "softcap_str",
+        "softcap_none", "softcap_tensor", "softcap_huge"])
+def test_cpu_window_and_softcap_of_a_wrong_type_raise_value_error_naming_it(kwargs, name):
+    """A window_size that is not a pair of ints, a softcap that is not a real number (or one
+    float32 cannot carry): ValueError naming the argument, before anything runs (CPU tensors, no
+    library needed). Values of the right type are the library's to check."""
+    q = torch.zeros(1, 16, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=rf"^{name}\b"):
+        flash3.flash_attn_func(q, q, q, **kwargs)
+    with pytest.raises(ValueError, match=rf"^{name}\b"):
+        flash3.flash_attn_qkvpacked_func(torch.zeros(1, 16, 3, 2, 64, dtype=torch.bfloat16), **kwargs)
+
+
+@pytest.mark.parametrize("window, causal, want", [
+    ((-1, -1), False, (False, -1, -1)),
+    ((-5, -9), False, (False, -1, -1)),   # a negative side is unbounded
+    ((-1, 0), False, (True, -1, -1)),     # causal
+    ((-1, 8), True, (True, -1, -1)),      # causal makes the right side 0
+    ((128, 0), False, (True, 128, -1)),   # right 0: causal with a left bound
+    ((128, 64), True, (True, 128, -1)),
+    ((4, 4), False, (False, 4, 4)),
+    ((-3, 7), False, (False, -1, 7)),
+    ([0, 0], False, (True, 0, -1)),
+    ((10**12, 5), False, (False, 2**31 - 1, 5)),  # past int32: excludes nothing, as the library's int32 max
+    ((-10**12, 5), False, (False, -1, 5)),
+])
+def test_cpu_window_size_as_flash3_options(window, causal, want):
+    """FlashAttention-3's (window_size, causal) as flash3's (causal, window_left, window_right)."""
+    assert flash_attn_interface._window(window, causal) == want
 
 
 @pytest.mark.parametrize("name", ["q_descale", "k_descale", "v_descale"])
@@ -129,23 +166,24 @@ def _randn(shape, device, gen):
     return torch.randn(shape, generator=gen, device=device).to(_dtype(device))
 
 
-def assert_attention(q, k, v, causal, out, lse=None, scale=None):
+def assert_attention(q, k, v, causal, out, lse=None, scale=None, window=(-1, -1), softcap=0.0):
     if q.is_cuda:
         if lse is None:
-            lse = flash3.flash_attn_func(q, k, v, scale, causal, return_attn_probs=True)[1]
-        check(q, k, v, causal, scale, out, lse)
+            lse = flash3.flash_attn_func(q, k, v, scale, causal, window_size=window, softcap=softcap,
+                                         return_attn_probs=True)[1]
+        check(q, k, v, causal, scale, out, lse, window=window, softcap=softcap)
         return
-    ref, ref_lse = stand_in.attention(q, k, v, scale, causal)
+    ref, ref_lse = stand_in.attention(q, k, v, scale, causal, window, softcap)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     if lse is not None:
         torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
 
 
-def assert_grads(q, k, v, dout, causal, got, scale=None):
+def assert_grads(q, k, v, dout, causal, got, scale=None, window=(-1, -1), softcap=0.0):
     if q.is_cuda:
-        check_grads(q, k, v, dout, causal, got, scale=scale)
+        check_grads(q, k, v, dout, causal, got, scale=scale, window=window, softcap=softcap)
         return
-    for g, r in zip(got, stand_in.attention_grads(dout, q, k, v, scale, causal)):
+    for g, r in zip(got, stand_in.attention_grads(dout, q, k, v, scale, causal, window, softcap)):
         torch.testing.assert_close(g.double(), r, rtol=1e-4, atol=1e-4)
 
 
@@ -166,6 +204,61 @@ def test_return_forms_options_and_ignored_hints(device):
     for hints in [dict(num_splits=0), dict(num_splits=4), dict(pack_gqa=True), dict(pack_gqa=False),
                   dict(sm_margin=8), dict(num_splits=3, pack_gqa=True, sm_margin=4)]:
         assert torch.equal(flash3.flash_attn_func(q, k, v, **hints), out), hints
+
+
+@pytest.mark.parametrize("window, causal, softcap", [
+    ((3, 2), False, 0.0), ((40, 0), False, 5.0), ((40, 9), True, 0.0), ((-1, 11), False, 30.0), ((0, -1), True, 1.0),
+    ((500, 500), False, 5.0),
+], ids=["w3_2", "w40_0_softcap5", "w40_9_causal", "right_only_softcap30", "w0_causal_softcap1", "wider_than_seq"])
+def test_window_and_softcap_forward_and_backward(device, window, causal, softcap):
+    """window_size and softcap with FlashAttention-3's meaning, forward and backward, through
+    flash_attn_func and flash_attn_qkvpacked_func (GQA, seqlen_q != seqlen_k); FlashAttention-3's
+    equivalent spellings give the same bits."""
+    gen = torch.Generator(device=device).manual_seed(4)
+    q = _randn((2, 70, 4, 64), device, gen).requires_grad_()
+    k, v = (_randn((2, 90, 2, 64), device, gen).requires_grad_() for _ in range(2))
+    out, lse = flash3.flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap,
+                                      return_attn_probs=True)
+    assert not lse.requires_grad
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
+    assert_attention(qd, kd, vd, causal, out.detach(), lse, window=window, softcap=softcap)
+    dout = _randn(tuple(out.shape), device, gen)
+    out.backward(dout)
+    assert_grads(qd, kd, vd, dout, causal, (q.grad, k.grad, v.grad), window=window, softcap=softcap)
+    with torch.no_grad():
+        left, right = window
+        same = [dict(window_size=list(window), causal=causal),  # a list, as well as a tuple
+                dict(window_size=(left if left >= 0 else -7, right if right >= 0 else -3), causal=causal),  # any < 0
+                dict(window_size=window, causal=causal, softcap=int(softcap))]  # an int (the cases' are whole)
+        if causal:  # causal is a right side of 0, and the other way round
+            same.append(dict(window_size=(left, 0), causal=False))
+        if right == 0:
+            same.append(dict(window_size=(left, 5), causal=True))
+        for kwargs in same:
+            kwargs.setdefault("softcap", softcap)
+            assert torch.equal(flash3.flash_attn_func(qd, kd, vd, **kwargs), out.detach()), kwargs
+        if window == (500, 500):  # wider than both sequences: no window
+            assert torch.equal(flash3.flash_attn_func(qd, kd, vd, causal=causal, softcap=softcap), out.detach())
+    # packed qkv (MHA): the same window and softcap, forward and backward
+    qkv = _randn((2, 70, 3, 2, 64), device, gen).requires_grad_()
+    out = flash3.flash_attn_qkvpacked_func(qkv, None, causal, window_size=window, softcap=softcap)
+    assert_attention(*qkv.detach().unbind(2), causal, out.detach(), window=window, softcap=softcap)
+    out.backward(dout[:, :, :2])
+    assert_grads(*qkv.detach().unbind(2), dout[:, :, :2], causal, qkv.grad.unbind(2), window=window, softcap=softcap)
+
+
+def test_cpu_window_and_softcap_reach_the_kernels(calls):
+    """flash_attn_func hands the library flash3's spelling of the window (causal for a right side
+    of 0) and the softcap, forward and backward (stand-ins record the calls)."""
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 20, 2, 16, generator=gen).requires_grad_() for _ in range(3))
+    flash3.flash_attn_func(q, k, v, 0.5, window_size=(7, 0), softcap=12, deterministic=True).sum().backward()
+    flash3.flash_attn_func(q, k, v, window_size=(-1, 4), softcap=2.5).sum().backward()
+    got = [(name, c["softmax_scale"], c["causal"], c["window_left"], c["window_right"], c["softcap"])
+           for name, c in calls]
+    assert got == [("fwd", 0.5, True, 7, -1, 12.0), ("bwd", 0.5, True, 7, -1, 12.0),
+                   ("fwd", None, False, -1, 4, 2.5), ("bwd", None, False, -1, 4, 2.5)]
+    assert all(type(c["softcap"]) is float for _, c in calls)
 
 
 @pytest.mark.parametrize("layout", ["five_dims", "four_dims_gqa"])
@@ -232,6 +325,10 @@ def attend_every_argument(q, k, v):
 
 def attend_packed(qkv):
     return flash_attn_qkvpacked_func(qkv, None, True, None, None, None, (-1, -1), 0, 0.0, False, None, 0, False)
+
+
+def attend_local_capped(q, k, v):
+    return flash_attn_func(q, k, v, None, False, None, None, None, None, (32, 8), 0, 30.0)
 '''
 
 
@@ -252,6 +349,7 @@ def test_drop_in_module_runs_unchanged(device, monkeypatch, tmp_path):
     assert_attention(q, k, v, False, out, lse, scale=64 ** -0.5)
     qkv = _randn((2, 100, 3, 4, 64), device, gen)
     assert_attention(*qkv.unbind(2), True, user.attend_packed(qkv))
+    assert_attention(q, k, v, False, user.attend_local_capped(q, k, v), window=(32, 8), softcap=30.0)
     torch.manual_seed(0)
     model = user.SelfAttention(256, 4, 2).to(device=device, dtype=_dtype(device))
     x = _randn((2, 100, 256), device, gen).requires_grad_()

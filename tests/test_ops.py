@@ -21,10 +21,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext  # noqa: E402
 
+MASK_ARGS = "SymInt window_left=-1, SymInt window_right=-1, float softcap=0."  # appended: earlier calls still work
 FWD_SCHEMA = ("flash3::fwd(Tensor q, Tensor k, Tensor v, float? softmax_scale=None, bool causal=False, "
-              "bool deterministic=False) -> (Tensor, Tensor)")
+              f"bool deterministic=False, {MASK_ARGS}) -> (Tensor, Tensor)")
 BWD_SCHEMA = ("flash3::bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-              "float? softmax_scale=None, bool causal=False, bool deterministic=False) -> (Tensor, Tensor, Tensor)")
+              f"float? softmax_scale=None, bool causal=False, bool deterministic=False, {MASK_ARGS}) "
+              "-> (Tensor, Tensor, Tensor)")
 
 
 def _qkv(b=2, sq=9, sk=12, h=4, hk=2, d=16, dtype=torch.float32, device="cpu", seed=0, grad=False):
@@ -97,6 +99,43 @@ def test_cpu_fake_shapes(shape, dtype):
         assert all(g.is_contiguous() for g in torch.ops.flash3.bwd(out, qt, kp, kp, out, lse))
 
 
+@pytest.mark.parametrize("mask", [dict(window_left=128, window_right=0), dict(window_left=-1, window_right=37),
+                                  dict(softcap=30.0), dict(window_left=5, window_right=3, softcap=1.0)],
+                         ids=["window_left", "window_right", "softcap", "window_softcap"])
+@pytest.mark.parametrize("shape", [(2, 300, 517, 8, 2, 128), (1, 517, 300, 6, 6, 64)], ids=["gqa", "sq_gt_sk"])
+def test_cpu_fake_shapes_with_window_and_softcap(shape, mask):
+    """The fakes of fwd and bwd with a window and softcap (positional and keyword): the shapes,
+    dtypes and layouts of the plain call."""
+    b, sq, sk, h, hk, d = shape
+    args = (mask.get("window_left", -1), mask.get("window_right", -1), mask.get("softcap", 0.0))
+    with FakeTensorMode():
+        q = torch.empty(b, sq, h, d, dtype=torch.bfloat16, device="cuda")
+        k = torch.empty(b, sk, hk, d, dtype=torch.bfloat16, device="cuda")
+        for out, lse in (torch.ops.flash3.fwd(q, k, k, None, False, False, *args),
+                         torch.ops.flash3.fwd(q, k, k, causal=True, **mask)):
+            _check_fwd_meta(q, out, lse)
+            for dq, dk, dv in (torch.ops.flash3.bwd(out, q, k, k, out, lse, 0.5, True, True, *args),
+                               torch.ops.flash3.bwd(out, q, k, k, out, lse, **mask)):
+                for g, t in zip((dq, dk, dv), (q, k, k)):
+                    assert g.shape == t.shape and g.dtype == t.dtype and g.is_contiguous() and g.device == t.device
+
+
+def test_cpu_fake_rejects_bad_window_and_softcap_types():
+    """Under FakeTensorMode (tracing) a window or softcap of the wrong type is refused naming the
+    argument: by the schema for what it cannot convert, by the fakes as by the kernels for the
+    rest (a window side below int32)."""
+    with FakeTensorMode():
+        q = torch.empty(1, 8, 2, 64, dtype=torch.bfloat16, device="cuda")
+        for kwargs, name in [(dict(window_left=1.5), "window_left"), (dict(window_right="2"), "window_right"),
+                             (dict(softcap="30"), "softcap")]:
+            with pytest.raises((RuntimeError, TypeError, ValueError), match=rf"\b{name}\b"):
+                torch.ops.flash3.fwd(q, q, q, **kwargs)
+            with pytest.raises((RuntimeError, TypeError, ValueError), match=rf"\b{name}\b"):
+                torch.ops.flash3.bwd(q, q, q, q, q, q[:, 0], **kwargs)
+        with pytest.raises(ValueError, match=r"^window_left: must be >= 0, or -1"):
+            torch.ops.flash3.fwd(q, q, q, window_left=-2**40)
+
+
 def test_cpu_fake_shapes_symbolic():
     """The fakes use shape arithmetic only: every size symbolic, the outputs' sizes are the
     inputs' symbols."""
@@ -111,6 +150,9 @@ def test_cpu_fake_shapes_symbolic():
     with mode:
         out, lse = torch.ops.flash3.fwd(q, k, v, 0.5, True, False)
         dq, dk, dv = torch.ops.flash3.bwd(out, q, k, v, out, lse, 0.5, True, False)
+        out2, lse2 = torch.ops.flash3.fwd(q, k, v, 0.5, False, False, 16, 3, 20.0)
+        grads2 = torch.ops.flash3.bwd(out2, q, k, v, out2, lse2, 0.5, False, False, 16, 3, 20.0)
+
     def exprs(sizes):
         return [n.node.expr if isinstance(n, torch.SymInt) else n for n in sizes]
 
@@ -119,6 +161,9 @@ def test_cpu_fake_shapes_symbolic():
     assert exprs(lse.shape) == [b, h, sq] and exprs(lse.stride()) == [h * sq, sq, 1]
     assert lse.dtype == torch.float32
     for g, t in zip((dq, dk, dv), (q, k, v)):
+        assert exprs(g.shape) == exprs(t.shape) and g.is_contiguous()
+    assert exprs(out2.shape) == exprs(out.shape) and exprs(lse2.shape) == exprs(lse.shape)
+    for g, t in zip(grads2, (q, k, v)):
         assert exprs(g.shape) == exprs(t.shape) and g.is_contiguous()
 
 
@@ -222,6 +267,24 @@ def test_cpu_operator_autograd(calls):
     assert not lse.requires_grad and len(calls) == n + 1
 
 
+def test_cpu_operator_autograd_carries_window_and_softcap(calls):
+    """The backward of torch.ops.flash3.fwd gets the forward's window and softcap (and the
+    gradients are those of the windowed, capped attention)."""
+    q, k, v = _qkv(sq=20, sk=26, grad=True)
+    dout = torch.randn(q.shape)
+    out, _ = torch.ops.flash3.fwd(q, k, v, 0.25, False, True, 4, 2, 3.0)
+    out.backward(dout)
+    (_, f), (name, c) = calls
+    assert name == "bwd"
+    for d in (f, c):
+        assert (d["softmax_scale"], d["causal"], d["window_left"], d["window_right"], d["softcap"]) == (
+            0.25, False, 4, 2, 3.0)
+    assert c["deterministic"] is True
+    ref = stand_in.attention_grads(dout, q, k, v, 0.25, False, (4, 2), 3.0)
+    for got, r in zip((q.grad, k.grad, v.grad), ref):
+        assert torch.allclose(got.double(), r, atol=1e-5)
+
+
 def test_cpu_second_derivative_raises(calls):
     """First-order gradients may be built with create_graph=True; asking for a second derivative
     raises (flash3 has no double backward) instead of returning a wrong one."""
@@ -240,10 +303,19 @@ OPCHECK_CASES = [
     dict(),
     dict(softmax_scale=0.3, causal=True),
     dict(causal=True, deterministic=True),
+    dict(window_left=3, window_right=2, softcap=5.0),
+    dict(causal=True, window_left=7, softcap=1.0, deterministic=True),
 ]
+OPCHECK_IDS = ["plain", "scale_causal", "deterministic", "window_softcap", "causal_window_softcap"]
 
 
-@pytest.mark.parametrize("kwargs", OPCHECK_CASES, ids=["plain", "scale_causal", "deterministic"])
+def _mask_of(kwargs):
+    """(window, softcap) of an OPCHECK_CASES entry, for check and check_grads."""
+    return dict(window=(kwargs.get("window_left", -1), kwargs.get("window_right", -1)),
+                softcap=kwargs.get("softcap", 0.0))
+
+
+@pytest.mark.parametrize("kwargs", OPCHECK_CASES, ids=OPCHECK_IDS)
 @pytest.mark.parametrize("shape", [(2, 9, 12, 4, 2, 16), (1, 30, 12, 8, 1, 16)], ids=["gqa", "mqa_rows_without_keys"])
 def test_cpu_opcheck_with_stand_in(calls, shape, kwargs):
     """torch.library.opcheck (schema, autograd registration, fake vs real outputs, AOT dispatch
@@ -256,11 +328,22 @@ def test_cpu_opcheck_with_stand_in(calls, shape, kwargs):
                           kwargs)
 
 
+def _opcheck_cuda_cases():
+    """The first three OPCHECK_CASES in both dtypes, and a causal window with softcap in bfloat16
+    (opcheck compiles: a few seconds a case), at each shape."""
+    shapes = {"gqa_h128": (2, 64, 80, 4, 2, 128), "mha_h64": (1, 17, 300, 4, 4, 64),
+              "mqa_h256_sq_gt_sk": (1, 130, 50, 8, 1, 256)}
+    cases = []
+    for dtype, did in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
+        for sid, shape in shapes.items():
+            for kwargs, kid in zip(OPCHECK_CASES, OPCHECK_IDS):
+                if "window_left" not in kwargs or (dtype is torch.bfloat16 and kid == "causal_window_softcap"):
+                    cases.append(pytest.param(dtype, shape, kwargs, id=f"{did}-{sid}-{kid}"))
+    return cases
+
+
 @gpu
-@pytest.mark.parametrize("kwargs", OPCHECK_CASES, ids=["plain", "scale_causal", "deterministic"])
-@pytest.mark.parametrize("shape", [(2, 64, 80, 4, 2, 128), (1, 17, 300, 4, 4, 64), (1, 130, 50, 8, 1, 256)],
-                         ids=["gqa_h128", "mha_h64", "mqa_h256_sq_gt_sk"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dtype, shape, kwargs", _opcheck_cuda_cases())
 def test_opcheck_cuda(dtype, shape, kwargs):
     """opcheck with the real kernels. The gradient comparisons of opcheck (eager against AOT
     dispatch) need run-to-run identical gradients: deterministic=True where gradients flow."""
@@ -273,22 +356,25 @@ def test_opcheck_cuda(dtype, shape, kwargs):
         qt = q2.transpose(1, 2).contiguous().transpose(1, 2)  # a (b, h, s, d) layout: out is still contiguous
         torch.library.opcheck(torch.ops.flash3.fwd.default, (qt, k2, v2), kwargs)
         out, lse = torch.ops.flash3.fwd(q2, k2, v2, **kwargs)
-        check(q2, k2, v2, kwargs.get("causal", False), kwargs.get("softmax_scale"), out, lse)
+        check(q2, k2, v2, kwargs.get("causal", False), kwargs.get("softmax_scale"), out, lse, **_mask_of(kwargs))
         dout = randn(tuple(q.shape), dtype, torch.Generator(device="cuda").manual_seed(1))
         torch.library.opcheck(torch.ops.flash3.bwd.default, (dout, q2, k2, v2, out, lse), kwargs)
         dq, dk, dv = torch.ops.flash3.bwd(dout, q2, k2, v2, out, lse, **kwargs)
-    check_grads(q2, k2, v2, dout, kwargs.get("causal", False), (dq, dk, dv), scale=kwargs.get("softmax_scale"))
+    check_grads(q2, k2, v2, dout, kwargs.get("causal", False), (dq, dk, dv), scale=kwargs.get("softmax_scale"),
+                **_mask_of(kwargs))
 
 
 @gpu
-def test_operators_match_eager_bitwise():
+@pytest.mark.parametrize("mask", [dict(), dict(window_size=(100, 0), softcap=20.0)], ids=["causal", "window_softcap"])
+def test_operators_match_eager_bitwise(mask):
     """torch.ops.flash3.fwd / bwd and the eager flash_attn_func path run the same kernels: the
-    same bits (deterministic backward)."""
+    same bits (deterministic backward), with a window and softcap too."""
     q, k, v = _qkv(2, 200, 300, 8, 2, 128, torch.bfloat16, "cuda", seed=4, grad=True)
     dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16)
-    out = flash3.flash_attn_func(q, k, v, causal=True, deterministic=True)
+    out = flash3.flash_attn_func(q, k, v, causal=True, deterministic=True, **mask)
     eager = [out] + list(torch.autograd.grad(out, (q, k, v), dout))
-    out2, _ = torch.ops.flash3.fwd(q, k, v, None, True, True)
+    left, softcap = mask.get("window_size", (-1, 0))[0], mask.get("softcap", 0.0)
+    out2, _ = torch.ops.flash3.fwd(q, k, v, None, True, True, left, -1, softcap)
     ops = [out2] + list(torch.autograd.grad(out2, (q, k, v), dout))
     for name, a, b_ in zip(("out", "dq", "dk", "dv"), eager, ops):
         assert torch.equal(a, b_), name

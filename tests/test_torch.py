@@ -1,9 +1,10 @@
 """Tests of the PyTorch binding (python/flash3) against an fp64 reference.
 
 Tolerance (FlashAttention-3's rule): max |flash3 - fp64| <= 2 * max |plain - fp64| + atol, where
-`plain` is the same attention done by torch in the input dtype (scores, softmax, P, PV in dtype)
-and fp64 the same in float64 on the GPU; atol is 1e-5 for the forward output, 1e-4 for dq, dk, dv
-(whose fp64 and plain values come from torch autograd through that math).
+`plain` is the same attention done by torch in the input dtype (scores, softcap, softmax, P, PV in
+dtype; its gradients by torch autograd through that math) and fp64 the FP64 stand-in of
+tests/stand_in.py (out, lse and the gradients in float64 on the GPU); atol is 1e-5 for the
+forward output, 1e-4 for dq, dk, dv. The masks: causal and FlashAttention-3's sliding window.
 GPU tests need a Hopper GPU and libflash3.so and skip elsewhere; the few tests marked CPU run
 anywhere torch is installed. Run on the GPU machine: python3 -m pytest -q tests/test_torch.py
 """
@@ -18,6 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
 import flash3  # noqa: E402
+import stand_in  # noqa: E402
 
 _ok, _why = flash3.hopper_available()
 _hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -39,25 +41,39 @@ SHAPES = [
 ]
 
 
-def visible(sq, sk, device):
-    """Bottom-right causal mask: key j is visible to query i iff j <= i + sk - sq."""
+def visible(sq, sk, device, causal=True, window=(-1, -1)):
+    """The bottom-right aligned mask: key j is visible to query i iff j <= i + sk - sq (causal)
+    and i + sk - sq - left <= j <= i + sk - sq + right (FlashAttention-3's window (left, right),
+    -1: no bound on that side; causal makes right 0)."""
     i = torch.arange(sq, device=device)[:, None]
     j = torch.arange(sk, device=device)[None, :]
-    return j <= i + sk - sq
+    left, right = window
+    if causal:
+        right = 0
+    vis = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if right >= 0:
+        vis &= j <= i + sk - sq + right
+    if left >= 0:
+        vis &= j >= i + sk - sq - left
+    return vis
 
 
-def attention(q, k, v, scale, causal, upcast):
+def attention(q, k, v, scale, causal, upcast, window=(-1, -1), softcap=0.0):
     """(out (b, sq, h, d), lse (b, h, sq)). upcast: in fp64; else plainly in the input dtype.
-    Differentiable (torch autograd gives the reference gradients), NaN-free also where a causal
-    row sees no key: that row's scores are made finite and its probabilities zeroed."""
+    window: FlashAttention-3's (left, right) (visible); softcap > 0: scores s become softcap *
+    tanh(s / softcap) (in the same dtype). Differentiable (torch autograd gives the plain
+    gradients), NaN-free also where a row sees no key: that row's scores are made finite and
+    its probabilities zeroed."""
     if upcast:
         q, k, v = q.double(), k.double(), v.double()
     rep = q.shape[2] // k.shape[2]
     k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
     s = torch.einsum("bqhd,bkhd->bhqk", q * scale, k)
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
     rows = None
-    if causal:
-        vis = visible(q.shape[1], k.shape[1], q.device)
+    if causal or tuple(window) != (-1, -1):
+        vis = visible(q.shape[1], k.shape[1], q.device, causal, window)
         rows = vis.any(dim=1)[:, None]  # query rows that see at least one key
         s = s.masked_fill(~vis, float("-inf"))
     lse = torch.logsumexp(s.double(), dim=-1)
@@ -73,13 +89,16 @@ def randn(shape, dtype, gen):
     return torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32).to(dtype)
 
 
-def check(q, k, v, causal, scale=None, out=None, lse=None):
-    """Compares (out, lse) from flash3 with the fp64 reference under the tolerance rule."""
+def check(q, k, v, causal, scale=None, out=None, lse=None, window=(-1, -1), softcap=0.0):
+    """Compares (out, lse) from flash3 with the fp64 reference (the stand-in) under the
+    tolerance rule; window and softcap as flash_attn_func's."""
     if out is None:
-        out, lse = flash3.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, return_attn_probs=True)
+        out, lse = flash3.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, window_size=window,
+                                          softcap=softcap, return_attn_probs=True)
     s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    ref, ref_lse = attention(q, k, v, s, causal, upcast=True)
-    plain, _ = attention(q, k, v, s, causal, upcast=False)
+    q, k, v = q.detach(), k.detach(), v.detach()
+    ref, ref_lse = stand_in.attention(q, k, v, s, causal, window, softcap)
+    plain, _ = attention(q, k, v, s, causal, upcast=False, window=window, softcap=softcap)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert not torch.isnan(out).any(), "NaN in out"
     err = (out.double() - ref).abs().max().item()
@@ -87,9 +106,7 @@ def check(q, k, v, causal, scale=None, out=None, lse=None):
     assert err <= 2 * plain_err + 1e-5, f"max abs err {err:.3e} > 2 * plain {plain_err:.3e} + 1e-5"
     b, sq, h, _ = q.shape
     assert lse.shape == (b, h, sq) and lse.dtype == torch.float32
-    rows = torch.ones(sq, dtype=torch.bool, device=q.device)
-    if causal:
-        rows = visible(sq, k.shape[1], q.device).any(dim=1)
+    rows = visible(sq, k.shape[1], q.device, causal, window).any(dim=1)
     lse_err = (lse.double() - ref_lse)[..., rows].abs().max().item() if rows.any() else 0.0
     assert lse_err <= 1e-3, f"lse max abs err {lse_err:.3e}"
     if not rows.all():  # the library's contract for rows that see no key: out 0, lse +inf
@@ -158,10 +175,9 @@ def test_requires_grad_forward_and_backward():
 
 @gpu
 @pytest.mark.parametrize("kwargs, name", [
-    (dict(window_size=(128, 0)), "window_size"),
-    (dict(softcap=30.0), "softcap"),
     (dict(attention_chunk=256), "attention_chunk"),
-])
+    (dict(qv=torch.zeros(1)), "qv"),
+], ids=["attention_chunk", "qv"])
 def test_unsupported_options(kwargs, name):
     q = torch.randn(1, 16, 2, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(NotImplementedError, match=name):
@@ -236,14 +252,15 @@ def test_empty_forward_and_backward_are_no_ops(shapes, causal):
 
 # ---- backward --------------------------------------------------------------------------------
 
-def check_grads(q, k, v, dout, causal, *gots, scale=None):
-    """Compares each got = (dq, dk, dv) with torch autograd through `attention` in fp64 under the
-    tolerance rule, the baseline being autograd through the same math in the input dtype."""
+def check_grads(q, k, v, dout, causal, *gots, scale=None, window=(-1, -1), softcap=0.0):
+    """Compares each got = (dq, dk, dv) with the fp64 gradients of the stand-in under the
+    tolerance rule, the baseline being torch autograd through `attention` in the input dtype;
+    window and softcap as flash_attn_func's."""
     s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    wide = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref = torch.autograd.grad(attention(*wide, s, causal, upcast=True)[0], wide, dout.double())
+    ref = stand_in.attention_grads(dout.detach(), q.detach(), k.detach(), v.detach(), s, causal, window, softcap)
     low = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    plain = torch.autograd.grad(attention(*low, s, causal, upcast=False)[0], low, dout.to(q.dtype))
+    plain = torch.autograd.grad(attention(*low, s, causal, upcast=False, window=window, softcap=softcap)[0], low,
+                                dout.to(q.dtype))
     for got in gots:
         for name, g, r, p, t in zip(("dq", "dk", "dv"), got, ref, plain, (q, k, v)):
             assert g is not None, f"{name} is None"
@@ -453,6 +470,131 @@ def test_backward_into_bad_input_raises_value_error_naming_argument(name, change
     assert re.search(rf"\b{name}\b", str(e.value)), str(e.value)
 
 
+# ---- sliding window and softcap ------------------------------------------------------------------
+
+# (left, right) against the tiles (64 to 192 rows or keys): bands of one or a few keys, a band
+# within a tile and across many, one side unbounded, and (1000, 2000) wider than the sequences
+WINDOWS = [(0, 0), (1, 0), (5, 3), (100, 0), (-1, 37), (200, 300), (0, -1), (1000, 2000)]
+# (batch, seqlen_q, seqlen_k, nheads, nheads_kv): no tile multiples; sq < sk, sq > sk (rows that
+# see no key under a window or causal), sq == sk; GQA and MQA
+WINDOW_SHAPES = [(1, 300, 517, 4, 2), (1, 517, 300, 6, 2), (2, 177, 177, 2, 1)]
+
+
+def _window_cases():
+    """Every window with and without causal at every head dim (48 cases); the dtype and the shape
+    rotate so that each window meets both dtypes and each head dim every shape."""
+    cases = []
+    for w, window in enumerate(WINDOWS):
+        for causal in (False, True):
+            for h, hdim in enumerate(HDIMS):
+                dtype = DTYPES[(w + causal) % 2]
+                shape = WINDOW_SHAPES[(w + causal + h) % len(WINDOW_SHAPES)]
+                cases.append(pytest.param(window, causal, hdim, dtype, shape, id="w{}_{}-{}-h{}-{}-sq{}_sk{}_{}".format(
+                    *window, "causal" if causal else "full", hdim, "bf16" if dtype is torch.bfloat16 else "fp16",
+                    shape[1], shape[2], _kind(*shape[3:]))))
+    return cases
+
+
+def _run_window(q, k, v, dout, causal, window, softcap):
+    """flash_attn_func forward and backward (autograd), and the same through forward_into and
+    backward_into (default and deterministic) into NaN-poisoned buffers, with the window and
+    softcap flash_attn_func hands the library. Returns (out, lse, [(dq, dk, dv), ...])."""
+    out, lse = flash3.flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap,
+                                      return_attn_probs=True)
+    (out.float() * dout.float()).sum().backward()
+    gots = [(q.grad, k.grad, v.grad)]
+    c, left, right = flash3.flash_attn_interface._window(window, causal)
+    opts = dict(causal=c, window_left=left, window_right=right, softcap=softcap)
+    qd, kd, vd, od = q.detach(), k.detach(), v.detach(), out.detach()
+    out2 = torch.full_like(qd, float("nan"))
+    lse2 = torch.full_like(lse, float("nan"))
+    flash3.forward_into(qd, kd, vd, out2, lse2, **opts)
+    for det in (False, True):
+        bufs = [torch.full_like(t, float("nan")) for t in (qd, kd, vd)]
+        flash3.backward_into(dout, qd, kd, vd, od, lse, *bufs, deterministic=det, **opts)
+        gots.append(bufs)
+    torch.cuda.synchronize()
+    assert torch.equal(out2, od) and torch.equal(lse2, lse), "forward_into into poisoned buffers differs"
+    return od, lse, gots
+
+
+@gpu
+@pytest.mark.parametrize("window, causal, hdim, dtype, shape", _window_cases())
+def test_window_matches_fp64(window, causal, hdim, dtype, shape):
+    b, sq, sk, h, hk = shape
+    gen = torch.Generator(device="cuda").manual_seed(hash((hdim, causal, 11) + window + shape) % 2**31)
+    q, k, v, dout = leaves((b, sq, h, hdim), (b, sk, hk, hdim), dtype, gen)
+    out, lse, gots = _run_window(q, k, v, dout, causal, window, 0.0)
+    check(q, k, v, causal, out=out, lse=lse, window=window)
+    check_grads(q, k, v, dout, causal, *gots, window=window)
+    rows = visible(sq, sk, q.device, causal, window).any(dim=1)
+    if not rows.all():  # the library's contract for rows that see no key: dq 0 (out 0, lse +inf: check)
+        assert all((got[0][:, ~rows] == 0).all() for got in gots)
+    if window == (1000, 2000):  # wider than both sequences: no window at all, the same kernels
+        with torch.no_grad():
+            same = flash3.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+        assert torch.equal(same[0], out) and torch.equal(same[1], lse)
+
+
+@gpu
+@pytest.mark.parametrize("softcap", [1.0, 5.0, 50.0])
+@pytest.mark.parametrize("hdim", HDIMS)
+def test_softcap_matches_fp64(hdim, softcap):
+    """softcap alone, with causal and with a window, forward and backward; GQA, both dtypes and
+    the shapes of WINDOW_SHAPES in turn."""
+    i = HDIMS.index(hdim) + [1.0, 5.0, 50.0].index(softcap)
+    dtype, shape = DTYPES[i % 2], WINDOW_SHAPES[i % len(WINDOW_SHAPES)]
+    b, sq, sk, h, hk = shape
+    gen = torch.Generator(device="cuda").manual_seed(hash((hdim, softcap, 13) + shape) % 2**31)
+    for causal, window in ((False, (-1, -1)), (True, (-1, -1)), (False, (64, 17)), (True, (150, -1))):
+        q, k, v, dout = leaves((b, sq, h, hdim), (b, sk, hk, hdim), dtype, gen)
+        out, lse, gots = _run_window(q, k, v, dout, causal, window, softcap)
+        check(q, k, v, causal, out=out, lse=lse, window=window, softcap=softcap)
+        check_grads(q, k, v, dout, causal, *gots, window=window, softcap=softcap)
+
+
+@gpu
+@pytest.mark.parametrize("hdim", HDIMS)
+def test_deterministic_backward_with_window_is_bitwise_reproducible(hdim):
+    causal, window, softcap = [(True, (300, -1), 0.0), (False, (150, 200), 5.0), (False, (0, -1), 0.0)][
+        HDIMS.index(hdim)]
+    b, sq, sk, h, hk = 2, 1000, 1100, 8, 2
+    gen = torch.Generator(device="cuda").manual_seed(hdim + 17)
+    q, k, v, dout = leaves((b, sq, h, hdim), (b, sk, hk, hdim), torch.bfloat16, gen)
+    runs = []
+    for _ in range(2):
+        q.grad = k.grad = v.grad = None
+        flash3.flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap,
+                               deterministic=True).backward(dout)
+        runs.append((q.grad, k.grad, v.grad))
+    for name, a, b_ in zip(("dq", "dk", "dv"), *runs):
+        assert torch.equal(a, b_), f"{name} differs between deterministic runs"
+    check_grads(q, k, v, dout, causal, runs[0], window=window, softcap=softcap)
+
+
+@gpu
+def test_window_and_softcap_errors_name_the_argument():
+    """Out-of-range values reach the user as the library's ValueError naming the argument, from
+    the forward and the backward; softcap with float8 inputs too."""
+    gen = torch.Generator(device="cuda").manual_seed(19)
+    q, k, v = (randn((1, 64, 2, 64), torch.bfloat16, gen) for _ in range(3))
+    out, lse = flash3.flash_attn_func(q, k, v, return_attn_probs=True)
+    bufs = [torch.empty_like(t) for t in (q, k, v)]
+    for kwargs, name in [(dict(window_left=-2), "window_left"), (dict(window_right=-5), "window_right"),
+                         (dict(softcap=-1.0), "softcap"), (dict(softcap=float("inf")), "softcap"),
+                         (dict(softcap=float("nan")), "softcap"), (dict(softcap=4096.0), "softcap")]:
+        with pytest.raises(ValueError, match=rf"\b{name}\b"):
+            flash3.forward_into(q, k, v, torch.empty_like(q), **kwargs)
+        with pytest.raises(ValueError, match=rf"\b{name}\b"):
+            flash3.backward_into(out, q, k, v, out, lse, *bufs, **kwargs)
+    with pytest.raises(ValueError, match=r"\bsoftcap\b"):
+        flash3.flash_attn_func(q, k, v, softcap=-3.0)
+    e4m3 = torch.float8_e4m3fn
+    with pytest.raises(ValueError, match=r"\bsoftcap\b"):
+        flash3.flash_attn_func(q.to(e4m3), k.to(e4m3), v.to(e4m3), softcap=5.0)
+    assert torch.isfinite(flash3.flash_attn_func(q, k, v, softcap=2048.0)).all()
+
+
 # ---- without a GPU ---------------------------------------------------------------------------
 
 def test_cpu_flash_attn_func_signature_follows_fa3():
@@ -462,6 +604,134 @@ def test_cpu_flash_attn_func_signature_follows_fa3():
     assert "deterministic" not in flash3._IGNORED
     bparams = list(inspect.signature(flash3.backward_into).parameters)
     assert bparams[:9] == ["dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv"]
+
+
+C_PROBE = r"""
+#include <stdint.h>
+#include "flash3/flash3_c.h"
+static double seen[16];
+const double* probe_seen(void) { return seen; }
+uint64_t probe_layout(int i) {
+  const uint64_t v[] = {sizeof(flash3_fwd_args), FLASH3_FWD_ARGS_SIZE_V3, FLASH3_FWD_ARGS_SIZE_V2,
+                        offsetof(flash3_fwd_args, window), offsetof(flash3_fwd_args, window_left),
+                        offsetof(flash3_fwd_args, window_right), offsetof(flash3_fwd_args, softcap),
+                        sizeof(flash3_bwd_args), FLASH3_BWD_ARGS_SIZE_V2, FLASH3_BWD_ARGS_SIZE_V1,
+                        offsetof(flash3_bwd_args, window), offsetof(flash3_bwd_args, window_left),
+                        offsetof(flash3_bwd_args, window_right), offsetof(flash3_bwd_args, softcap)};
+  return v[i];
+}
+int probe_fwd(const flash3_fwd_args* a, char* err, int n) {
+  const double v[] = {a->struct_size, a->causal, a->softmax_scale, a->window, a->window_left, a->window_right,
+                      a->softcap, (double)a->q.shape[1], (double)a->k.shape[1], (double)(uintptr_t)a->stream,
+                      a->lse.data != 0, a->v_scale.data != 0};
+  for (int i = 0; i < 12; ++i) seen[i] = v[i];
+  (void)err; (void)n;
+  return 0;
+}
+static void bwd_seen(const flash3_bwd_args* a) {
+  const double v[] = {a->struct_size, a->causal, a->deterministic, a->softmax_scale, a->window, a->window_left,
+                      a->window_right, a->softcap, (double)a->dv.shape[1], (double)(uintptr_t)a->stream,
+                      (double)a->workspace_bytes};
+  for (int i = 0; i < 11; ++i) seen[i] = v[i];
+}
+int probe_bwd(const flash3_bwd_args* a, char* err, int n) { bwd_seen(a); (void)err; (void)n; return 0; }
+int probe_bwd_workspace_size(const flash3_bwd_args* a, uint64_t* bytes, char* err, int n) {
+  bwd_seen(a); *bytes = 0; (void)err; (void)n; return 0;
+}
+"""
+
+
+def test_cpu_packed_args_match_c_header(tmp_path, monkeypatch):
+    """The structs forward_into and backward_into pack have the layout of include/flash3/flash3_c.h
+    as a C compiler lays it out (flash3_fwd_args v3, flash3_bwd_args v2): the sizes, the offsets
+    of the window and softcap fields, and the values a C function reads from the packed bytes
+    (the library stood in for by that function; CPU tensors let through as CUDA ones)."""
+    import ctypes
+    import shutil
+    import subprocess
+    from flash3 import _kernels, _lib
+    # without a compiler: the ctypes mirror at least (sizes, and packed bytes read back)
+    assert (_lib.FWD_ARGS_SIZE, _lib.BWD_ARGS_SIZE) == (_kernels._FWD.size, _kernels._BWD.size) == (680, 776)
+    packed = _lib.FwdArgs.from_buffer_copy(_kernels._FWD.pack(680, 1, 0.5, 0, *(0,) * 55, 7, *(0,) * 33,
+                                                              *_kernels.mask_fields(5, -1, 2.5)))
+    assert (packed.stream, packed.window, packed.window_left, packed.window_right, packed.softcap) == (7, 1, 5, -1, 2.5)
+    packed = _lib.BwdArgs.from_buffer_copy(_kernels._BWD.pack(776, 0, 1, 0.5, *(0,) * 99, 0, 0, 9,
+                                                              *_kernels.mask_fields(-1, 3, 0.0)))
+    assert (packed.stream, packed.window, packed.window_left, packed.window_right, packed.softcap) == (9, 1, -1, 3, 0.0)
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        pytest.skip("no C compiler to read include/flash3/flash3_c.h with")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    (tmp_path / "probe.c").write_text(C_PROBE)
+    so = tmp_path / "probe.so"
+    r = subprocess.run([cc, "-std=c99", "-shared", "-fPIC", "-I", os.path.join(root, "include"),
+                        str(tmp_path / "probe.c"), "-o", str(so)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    probe = ctypes.CDLL(str(so))
+    probe.probe_layout.restype = ctypes.c_uint64
+    probe.probe_seen.restype = ctypes.POINTER(ctypes.c_double)
+    layout = [probe.probe_layout(i) for i in range(14)]
+    fwd_size, fwd_v3, fwd_v2, *fwd_offsets = layout[:7]
+    bwd_size, bwd_v2, bwd_v1, *bwd_offsets = layout[7:]
+    assert fwd_size == fwd_v3 == _lib.FWD_ARGS_SIZE == _kernels._FWD.size == fwd_v2 + 16
+    assert bwd_size == bwd_v2 == _lib.BWD_ARGS_SIZE == _kernels._BWD.size == bwd_v1 + 16
+    assert fwd_offsets == [getattr(_lib.FwdArgs, f).offset for f in ("window", "window_left", "window_right", "softcap")]
+    assert bwd_offsets == [getattr(_lib.BwdArgs, f).offset for f in ("window", "window_left", "window_right", "softcap")]
+
+    ptr = ctypes.c_void_p
+    probe.probe_fwd.argtypes = probe.probe_bwd.argtypes = [ptr, ctypes.c_char_p, ctypes.c_int]
+    probe.probe_bwd_workspace_size.argtypes = [ptr, ctypes.POINTER(ctypes.c_uint64), ctypes.c_char_p, ctypes.c_int]
+    for name in ("flash3_fwd", "flash3_bwd", "flash3_bwd_workspace_size"):
+        setattr(probe, name, getattr(probe, name.replace("flash3", "probe")))
+    monkeypatch.setattr(_lib, "lib", lambda: probe)
+    monkeypatch.setattr(_lib, "has_bwd", lambda: True)
+    monkeypatch.setattr(_kernels, "_on_device", lambda index: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(_kernels, "_stream", lambda index: 0x5000)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    monkeypatch.setattr(_kernels, "_BWD_WORKSPACE_BYTES", {})
+
+    def seen(n):
+        return [probe.probe_seen()[i] for i in range(n)]
+
+    q, k = torch.zeros(1, 9, 2, 64, dtype=torch.bfloat16), torch.zeros(1, 12, 2, 64, dtype=torch.bfloat16)
+    lse = torch.zeros(1, 2, 9)
+    for opts, mask in [(dict(), [0, -1, -1, 0.0]),
+                       (dict(window_left=5, window_right=-1, softcap=2.5), [1, 5, -1, 2.5]),
+                       (dict(window_left=-1, window_right=0), [1, -1, 0, 0.0]),
+                       (dict(window_left=2**40, window_right=3, softcap=30), [1, 2**31 - 1, 3, 30.0])]:
+        flash3.forward_into(q, k, k, torch.empty_like(q), lse, 0.5, True, **opts)
+        assert seen(12) == [680, 1, 0.5, *mask, 9, 12, 0x5000, 1, 0], opts
+        flash3.backward_into(q, q, k, k, q, lse, torch.empty_like(q), torch.empty_like(k), torch.empty_like(k),
+                             0.25, False, True, **opts)
+        assert seen(11) == [776, 0, 1, 0.25, *mask, 12, 0x5000, 0], opts
+
+
+@pytest.mark.parametrize("kwargs, pattern", [
+    (dict(window_left=1.5), r"^window_left: must be an int"),
+    (dict(window_right="3"), r"^window_right: must be an int"),
+    (dict(window_left=None), r"^window_left: must be an int"),
+    (dict(window_right=-2**40), r"^window_right: must be >= 0, or -1"),
+    (dict(softcap="30"), r"^softcap: must be a real number"),
+    (dict(softcap=None), r"^softcap: must be a real number"),
+    (dict(softcap=True), r"^softcap: must be a real number"),
+    (dict(softcap=torch.tensor(30.0)), r"^softcap: must be a real number"),
+    (dict(softcap=1e300), r"^softcap: 1e\+300 is not representable as a float32"),
+    (dict(softcap=1e-50), r"^softcap: 1e-50 is not representable as a float32"),
+], ids=["left_float", "right_str", "left_none", "right_below_int32", "softcap_str", "softcap_none", "softcap_bool",
+        "softcap_tensor", "softcap_huge", "softcap_tiny"])
+def test_cpu_window_and_softcap_types_rejected_before_any_launch(kwargs, pattern):
+    """What the library cannot be given (a window side that is not an int, a softcap that is not
+    a real number or that float32 cannot carry) raises ValueError naming it, in the forward and
+    the backward, before any tensor is looked at (CPU tensors, no library needed)."""
+    t = torch.zeros(1, 16, 2, 64, dtype=torch.bfloat16)
+    lse = torch.zeros(1, 2, 16)
+    with pytest.raises(ValueError, match=pattern):
+        flash3.forward_into(t, t, t, t, lse, **kwargs)
+    with pytest.raises(ValueError, match=pattern):
+        flash3.backward_into(t, t, t, t, t, lse, t, t, t, **kwargs)
+    # in range or not (the library's to say), a valid type gets as far as the tensors
+    with pytest.raises(ValueError, match=r"^q: must be a CUDA tensor"):
+        flash3.forward_into(t, t, t, t, lse, window_left=-7, window_right=2**40, softcap=-1.0)
 
 
 def test_cpu_backward_into_rejects_before_any_launch():

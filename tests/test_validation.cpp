@@ -321,6 +321,74 @@ TYPED_TEST(Validate, HugeScale) {
   EXPECT_TRUE(fails_with(a, {"softmax_scale is 3e+38", "at most 2048"}));
 }
 
+// The sliding window, normalized as FlashAttention-3 does: causal sets right = 0, a window (-1, 0)
+// is causal, and a bound that excludes nothing (left >= seqlen_k - 1, right >= seqlen_q - 1)
+// becomes -1.
+TYPED_TEST(Validate, WindowIsNormalized) {
+  auto& a = this->a;  // seqlen_q 128, seqlen_k 256
+  a.causal = false;
+  auto p = problem(a);
+  EXPECT_EQ(p.window_left, -1);
+  EXPECT_EQ(p.window_right, -1);
+  EXPECT_FALSE(p.causal);
+  a.window_left = 10;
+  a.window_right = 20;
+  p = problem(a);
+  EXPECT_EQ(p.window_left, 10);
+  EXPECT_EQ(p.window_right, 20);
+  EXPECT_FALSE(p.causal);
+  a.window_left = -1;
+  a.window_right = 0;
+  p = problem(a);
+  EXPECT_TRUE(p.causal);
+  EXPECT_EQ(p.window_left, -1);
+  EXPECT_EQ(p.window_right, 0);
+  a.causal = true;
+  a.window_left = 10;
+  a.window_right = 5;
+  p = problem(a);
+  EXPECT_TRUE(p.causal);
+  EXPECT_EQ(p.window_left, 10);
+  EXPECT_EQ(p.window_right, 0);
+  a.causal = false;
+  a.window_left = 255;
+  a.window_right = 127;
+  p = problem(a);
+  EXPECT_EQ(p.window_left, -1);
+  EXPECT_EQ(p.window_right, -1);
+  EXPECT_FALSE(p.causal);
+  a.window_left = 254;
+  a.window_right = 126;
+  p = problem(a);
+  EXPECT_EQ(p.window_left, 254);
+  EXPECT_EQ(p.window_right, 126);
+}
+
+TYPED_TEST(Validate, WindowBelowMinusOne) {
+  auto& a = this->a;
+  a.window_left = -2;
+  EXPECT_TRUE(fails_with(a, {"window_left is -2; it must be >= 0, or -1 for no bound on the left"}));
+  a.window_left = 3;
+  a.window_right = -7;
+  EXPECT_TRUE(fails_with(a, {"window_right is -7; it must be >= 0, or -1 for no bound on the right"}));
+}
+
+TYPED_TEST(Validate, Softcap) {
+  auto& a = this->a;
+  a.softcap = 30.0f;
+  EXPECT_EQ(problem(a).softcap, 30.0f);
+  a.softcap = 0.0f;
+  EXPECT_EQ(problem(a).softcap, 0.0f);
+  a.softcap = -1.0f;
+  EXPECT_TRUE(fails_with(a, {"softcap is -1; it must be finite and in [0, 2048] (0: no softcap"}));
+  a.softcap = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_TRUE(fails_with(a, {"softcap is nan", "finite"}));
+  a.softcap = std::numeric_limits<float>::infinity();
+  EXPECT_TRUE(fails_with(a, {"softcap is inf", "finite"}));
+  a.softcap = 2049.0f;
+  EXPECT_TRUE(fails_with(a, {"softcap is 2049", "[0, 2048]"}));
+}
+
 // Lengths past kMaxSeqlen = 2^30 would overflow the kernels' 32-bit row arithmetic.
 TYPED_TEST(Validate, SeqlenBeyondKMaxSeqlen) {
   auto& a = this->a;
@@ -481,6 +549,15 @@ class ValidateBwd : public Validate<BwdArgs> {
  protected:
   BwdArgs fresh() const { return make_bwd_args(2, 128, 256, 8, 2, 128); }
 };
+
+TEST_F(ValidateFwd, SoftcapIsFor16BitInputs) {
+  for (TensorRef* t : {&a.q, &a.k, &a.v}) t->dtype = DType::kFloat8E4M3;
+  EXPECT_NO_THROW(problem(a));
+  a.window_left = 20;  // a window is fine
+  EXPECT_EQ(problem(a).window_left, 20);
+  a.softcap = 5.0f;
+  EXPECT_TRUE(fails_with(a, {"softcap is 5 but q.dtype is float8_e4m3; softcap is built for float16 and bfloat16"}));
+}
 
 TEST_F(ValidateBwd, DeterministicIsPassedOn) {
   a.deterministic = true;
@@ -647,6 +724,10 @@ flash3_fwd_args c_fwd_args(const FwdArgs& a) {
   c.lse = c_tensor(a.lse);
   c.softmax_scale = a.softmax_scale;
   c.causal = a.causal;
+  c.window = a.window_left != -1 || a.window_right != -1;
+  c.window_left = a.window_left;
+  c.window_right = a.window_right;
+  c.softcap = a.softcap;
   return c;
 }
 flash3_bwd_args c_bwd_args(const BwdArgs& a) {
@@ -666,6 +747,10 @@ flash3_bwd_args c_bwd_args(const BwdArgs& a) {
   c.deterministic = a.deterministic;
   c.workspace = a.workspace;
   c.workspace_bytes = a.workspace_bytes;
+  c.window = a.window_left != -1 || a.window_right != -1;
+  c.window_left = a.window_left;
+  c.window_right = a.window_right;
+  c.softcap = a.softcap;
   return c;
 }
 int c_bwd(const BwdArgs& a, char* err, int err_len) {
@@ -682,7 +767,9 @@ TEST(CApi, InitSetsTheSizeAndZeroDefaults) {
   std::memset(&f, 0xAB, sizeof f);
   flash3_fwd_args_init(&f);
   EXPECT_EQ(f.struct_size, sizeof(flash3_fwd_args));
-  EXPECT_EQ(f.struct_size, FLASH3_FWD_ARGS_SIZE_V2);
+  EXPECT_EQ(f.struct_size, FLASH3_FWD_ARGS_SIZE_V3);
+  EXPECT_EQ(f.window, 0);  // no window
+  EXPECT_EQ(f.softcap, 0.0f);
   EXPECT_EQ(f.q.data, nullptr);
   EXPECT_EQ(f.softmax_scale, 0.0f);
   EXPECT_EQ(f.stream, nullptr);
@@ -690,7 +777,8 @@ TEST(CApi, InitSetsTheSizeAndZeroDefaults) {
   std::memset(&b, 0xCD, sizeof b);
   flash3_bwd_args_init(&b);
   EXPECT_EQ(b.struct_size, sizeof(flash3_bwd_args));
-  EXPECT_EQ(b.struct_size, FLASH3_BWD_ARGS_SIZE_V1);
+  EXPECT_EQ(b.struct_size, FLASH3_BWD_ARGS_SIZE_V2);
+  EXPECT_EQ(b.window, 0);
   EXPECT_EQ(b.workspace_bytes, 0u);
 }
 
@@ -768,6 +856,8 @@ TEST(CApi, FirstVersionStructIsReadToItsSizeOnly) {
   const flash3_bwd_args b = c_bwd_args(make_bwd_args(0, 128, 256, 8, 2, 128, /*with_data=*/false));
   std::vector<unsigned char> bbuf(FLASH3_BWD_ARGS_SIZE_V1 + 64, 0xFF);
   std::memcpy(bbuf.data(), &b, FLASH3_BWD_ARGS_SIZE_V1);
+  const uint32_t bv1 = FLASH3_BWD_ARGS_SIZE_V1;
+  std::memcpy(bbuf.data(), &bv1, sizeof bv1);  // a first-version caller's struct_size
   const auto* pb = reinterpret_cast<const flash3_bwd_args*>(bbuf.data());
   EXPECT_EQ(flash3_bwd(pb, err, sizeof err), FLASH3_OK) << err;
   uint64_t bytes = 7;
@@ -780,6 +870,33 @@ TEST(CApi, FirstVersionStructIsReadToItsSizeOnly) {
   EXPECT_EQ(flash3_fwd(reinterpret_cast<const flash3_fwd_args*>(buf.data()), err, sizeof err),
             FLASH3_INVALID_ARGUMENT);
   EXPECT_EQ(std::string(err).rfind("flash3::fwd: k.shape[3] (head_dim) is 64", 0), 0u) << err;
+}
+
+// The window and softcap fields (fwd v3, bwd v2): read where `window` is set, checked by name; a
+// v2 forward struct (without them) has no window.
+TEST(CApi, WindowAndSoftcapFields) {
+  flash3_fwd_args f = c_fwd_args(make_args(0, 128, 256, 8, 2, 128, /*with_data=*/false));
+  char err[256];
+  f.window_left = -5;  // ignored: window is 0
+  EXPECT_EQ(flash3_fwd(&f, err, sizeof err), FLASH3_OK) << err;
+  f.window = 1;
+  EXPECT_EQ(flash3_fwd(&f, err, sizeof err), FLASH3_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(err).rfind("flash3::fwd: window_left is -5", 0), 0u) << err;
+  f.window_left = 3;
+  f.window_right = -1;
+  f.softcap = -2.0f;
+  EXPECT_EQ(flash3_fwd(&f, err, sizeof err), FLASH3_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(err).rfind("flash3::fwd: softcap is -2", 0), 0u) << err;
+  f.struct_size = FLASH3_FWD_ARGS_SIZE_V2;  // an older caller: the fields are not there
+  EXPECT_EQ(flash3_fwd(&f, err, sizeof err), FLASH3_OK) << err;
+  flash3_bwd_args b = c_bwd_args(make_bwd_args(0, 128, 256, 8, 2, 128, /*with_data=*/false));
+  b.window = 1;
+  b.window_left = 0;
+  b.window_right = -3;
+  EXPECT_EQ(flash3_bwd(&b, err, sizeof err), FLASH3_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(err).rfind("flash3::bwd: window_right is -3", 0), 0u) << err;
+  b.struct_size = FLASH3_BWD_ARGS_SIZE_V1;
+  EXPECT_EQ(flash3_bwd(&b, err, sizeof err), FLASH3_OK) << err;
 }
 
 // A caller of a later version: accepted while its fields past the ones this library knows are

@@ -84,6 +84,15 @@ struct FwdArgs {
   // j <= i + seqlen_k - seqlen_q. Query rows that can see no key get out = 0 and lse = +inf.
   bool causal = false;
   cudaStream_t stream = nullptr;
+  // Sliding window (FlashAttention-3's window_size = (left, right)): query i sees key j iff
+  //   i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right,
+  // -1 meaning unbounded on that side; causal sets right = 0. Key blocks outside the window are
+  // skipped. Each >= -1.
+  int window_left = -1, window_right = -1;
+  // Softcap: > 0 replaces the scaled score x = softmax_scale * q.k by softcap * tanh(x / softcap)
+  // before the softmax (lse is of these logits); 0: none. Finite, at most 2048; bfloat16 and
+  // float16 only.
+  float softcap = 0.0f;
 };
 
 // Forward attention: out = softmax(scale * q k^T [masked]) v, and the log-sum-exp.
@@ -101,12 +110,19 @@ void fwd(const FwdArgs& args);
 
 // ---------------------------------------------------------------------------------------------
 // Host-side problem description after validation (exposed for tests and the benchmark).
+// causal is also set by a window (-1, 0); window_left / window_right are -1 where the window
+// excludes nothing on that side (a bound >= seqlen_k - 1, or >= seqlen_q - 1).
 struct FwdProblem {
   DType dtype = DType::kBFloat16;
   int batch = 0, seqlen_q = 0, seqlen_k = 0, nheads = 0, nheads_kv = 0, head_dim = 0;
   float softmax_scale = 0.0f;
   bool causal = false;
   bool write_lse = false;
+  int window_left = -1, window_right = -1;
+  float softcap = 0.0f;
+  // A window beyond causal: some key blocks are skipped left of the diagonal, or (not causal)
+  // right of it.
+  bool local() const { return window_left >= 0 || (!causal && window_right >= 0); }
 };
 
 // How validation learns where a pointer lives. The default asks the CUDA runtime; tests
@@ -166,6 +182,9 @@ struct BwdArgs {
   // nullptr: bwd() allocates it with cudaMallocAsync on `stream` and frees it after use.
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
+  // As the forward's (FwdArgs); must match it.
+  int window_left = -1, window_right = -1;
+  float softcap = 0.0f;
 };
 
 struct BwdProblem {
@@ -174,6 +193,8 @@ struct BwdProblem {
   float softmax_scale = 0.0f;
   bool causal = false;
   bool deterministic = false;
+  int window_left = -1, window_right = -1;  // normalized as FwdProblem's
+  float softcap = 0.0f;
 };
 
 // Checks every precondition of bwd() (not the workspace size) and returns the normalized

@@ -56,6 +56,11 @@ typedef struct flash3_fwd_args {
   /* v2: FP8 (float8_e4m3 q, k, v) dequantization scales, float32; data == NULL: none (1). Shapes
    * (batch, nheads_kv) or block scales, as flash3::FwdArgs::q_scale, k_scale, v_scale. */
   flash3_tensor q_scale, k_scale, v_scale;
+  /* v3: sliding window and softcap (see flash3::FwdArgs). */
+  int32_t window;       /* nonzero: window_left, window_right apply; 0: no window (both -1) */
+  int32_t window_left;  /* >= 0, or -1 for no bound on that side */
+  int32_t window_right;
+  float softcap;        /* > 0: softcap * tanh(score / softcap); 0: none */
 } flash3_fwd_args;
 
 /* Backward attention (see flash3::BwdArgs in flash3.h). */
@@ -70,6 +75,11 @@ typedef struct flash3_bwd_args {
                            flash3_bwd_workspace_size() bytes, 256-byte aligned */
   uint64_t workspace_bytes;
   void* stream;         /* a cudaStream_t; NULL: the default stream */
+  /* v2: as the forward's (flash3_fwd_args v3); must match it. */
+  int32_t window;
+  int32_t window_left;
+  int32_t window_right;
+  float softcap;
 } flash3_bwd_args;
 
 /* FP8 quantization for the FP8 forward (see flash3::QuantizeArgs in flash3.h): in (batch, seqlen,
@@ -87,8 +97,10 @@ typedef struct flash3_quantize_fp8_args {
 
 /* The sizes of the first versions: the smallest struct_size accepted. */
 #define FLASH3_FWD_ARGS_SIZE_V1 ((uint32_t)(offsetof(flash3_fwd_args, stream) + sizeof(void*)))
-#define FLASH3_FWD_ARGS_SIZE_V2 ((uint32_t)sizeof(flash3_fwd_args))
+#define FLASH3_FWD_ARGS_SIZE_V2 ((uint32_t)(offsetof(flash3_fwd_args, v_scale) + sizeof(flash3_tensor)))
+#define FLASH3_FWD_ARGS_SIZE_V3 ((uint32_t)sizeof(flash3_fwd_args))
 #define FLASH3_BWD_ARGS_SIZE_V1 ((uint32_t)(offsetof(flash3_bwd_args, stream) + sizeof(void*)))
+#define FLASH3_BWD_ARGS_SIZE_V2 ((uint32_t)sizeof(flash3_bwd_args))
 #define FLASH3_QUANTIZE_FP8_ARGS_SIZE_V1 \
   ((uint32_t)(offsetof(flash3_quantize_fp8_args, stream) + sizeof(void*)))
 

@@ -7,7 +7,8 @@
 
 flash_attn_func and flash_attn_qkvpacked_func follow FlashAttention-3's
 `flash_attn_interface` (names, argument order, defaults, return values); so does the module
-flash3.flash_attn_interface (`import flash3.flash_attn_interface as flash_attn_interface`).
+flash3.flash_attn_interface (`import flash3.flash_attn_interface as flash_attn_interface`),
+sliding windows (window_size) and softcap included, forward and backward.
 They trace under torch.compile (fullgraph, dynamic shapes, CUDA graphs) through the
 torch.library operators torch.ops.flash3.fwd and torch.ops.flash3.bwd (flash3._ops).
 FP8 (inference): flash_attn_func takes float8_e4m3fn q, k, v with q_descale, k_descale,

@@ -6,6 +6,7 @@ at the first call.
 import contextlib
 import ctypes
 import math
+import numbers
 import operator
 import re
 import struct
@@ -27,7 +28,7 @@ FP8_DTYPES = frozenset(t for t in (_E4M3, _E5M2) if t is not None)
 _FLOAT32 = torch.float32
 
 _WORKSPACE_ALIGN = 256  # bytes: flash3::BwdArgs::workspace
-_BWD_WORKSPACE_BYTES = {}  # (q.shape, k.shape, device, causal, deterministic) -> bytes
+_BWD_WORKSPACE_BYTES = {}  # (q.shape, k.shape, device, causal, deterministic, window, softcap) -> bytes
 
 
 def hopper_available():
@@ -47,19 +48,24 @@ def version():
 
 # flash3_tensor (flash3_c.h): void* data; int32 dtype, rank; int64 shape[4], stride[4] (elements).
 # flash3_fwd_args: uint32 struct_size; int32 causal; float softmax_scale; uint32 reserved; then
-# q, k, v, out, lse; void* stream; q_scale, k_scale, v_scale (FP8). flash3_bwd_args: uint32 struct_size; int32 causal,
+# q, k, v, out, lse; void* stream; q_scale, k_scale, v_scale (FP8, v2); int32 window, window_left,
+# window_right; float softcap (v3). flash3_bwd_args: uint32 struct_size; int32 causal,
 # deterministic; float softmax_scale; then q, k, v, out, dout, lse, dq, dk, dv; void* workspace;
-# uint64 workspace_bytes; void* stream. flash3_quantize_fp8_args: uint32 struct_size, reserved;
+# uint64 workspace_bytes; void* stream; int32 window, window_left, window_right; float softcap
+# (v2). flash3_quantize_fp8_args: uint32 struct_size, reserved;
 # in, out, scale; int32 block_rows, hadamard; uint64 seed; void* stream. Each struct is packed whole into a bytes object by one
 # Struct.pack and passed by address (the library only reads it): the cheapest way to fill it
 # from Python (measured: about half the time of packing a ctypes buffer tensor by tensor).
 _TENSOR = "Qii4q4q"
-_FWD = struct.Struct("<IifI" + _TENSOR * 5 + "Q" + _TENSOR * 3)
-_BWD = struct.Struct("<Iiif" + _TENSOR * 9 + "QQQ")
+_MASK = "iiif"  # int32 window, window_left, window_right; float softcap
+_FWD = struct.Struct("<IifI" + _TENSOR * 5 + "Q" + _TENSOR * 3 + _MASK)
+_BWD = struct.Struct("<Iiif" + _TENSOR * 9 + "QQQ" + _MASK)
 _QUANTIZE = struct.Struct("<II" + _TENSOR * 3 + "iiQQ")
 assert (_FWD.size, _BWD.size, _QUANTIZE.size) == (_lib.FWD_ARGS_SIZE, _lib.BWD_ARGS_SIZE,
                                                   _lib.QUANTIZE_FP8_ARGS_SIZE), "flash3 args layout changed"
 assert struct.calcsize("<" + _TENSOR) == ctypes.sizeof(_lib.Tensor) and _lib.FwdArgs.q.offset == 16
+assert (_FWD.size - struct.calcsize("<" + _MASK), _BWD.size - struct.calcsize("<" + _MASK)) == (
+    _lib.FwdArgs.window.offset, _lib.BwdArgs.window.offset)
 _NULL = (0,) * 11  # a flash3_tensor with data NULL: "not given"
 _PAD = ((), (0,), (0, 0), (0, 0, 0), (0, 0, 0, 0))
 
@@ -153,6 +159,55 @@ def _int_arg(name, value, lo, hi, bounds):
     return v
 
 
+_INT32_MAX = 2**31 - 1
+_FLOAT32_MAX = 3.4028234663852886e38
+_FLOAT32_TINY = 1.401298464324817e-45  # the smallest positive float32 (subnormal)
+NO_MASK = (0, -1, -1, 0.0)  # the C fields window, window_left, window_right, softcap: none
+
+
+def window_arg(name, value):
+    """One side of the sliding window (name: window_left or window_right) as an int for the
+    library's int32. Its range (>= -1) is the library's to check (its message names the side); a
+    bound past int32 is clamped to 2^31 - 1, which excludes nothing as it does (seqlens are below
+    2^31), and one below -2^31, which the int32 cannot carry, is refused here."""
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name}: must be an int (>= 0, or -1 for no bound on that side), got "
+                         f"{type(value).__name__}") from None
+    if v > _INT32_MAX:
+        return _INT32_MAX
+    if v < -2**31:
+        raise ValueError(f"{name}: must be >= 0, or -1 for no bound on that side, got {v}")
+    return v
+
+
+def softcap_arg(softcap):
+    """softcap as a float for the library's float32: a real number (not a bool, not a tensor). Its
+    range (finite, in [0, 2048]) is the library's to check, except for what float32 cannot
+    carry: a magnitude beyond float32's largest (refused here; inf and NaN are passed on) or a
+    nonzero one that would round to 0 (no softcap at all) in float32."""
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise ValueError(f"softcap: must be a real number (a float; 0.0: none), got {type(softcap).__name__}")
+    c = float(softcap)
+    if c != 0.0 and math.isfinite(c) and not _FLOAT32_TINY <= abs(c) <= _FLOAT32_MAX:
+        raise ValueError(f"softcap: {softcap!r} is not representable as a float32 (it must be finite and in "
+                         "[0, 2048]; 0.0: none)")
+    return c
+
+
+def mask_fields(window_left=-1, window_right=-1, softcap=0.0):
+    """(window, window_left, window_right, softcap): the C structs' fields (flash3_fwd_args v3,
+    flash3_bwd_args v2) for a sliding window (-1: no bound on that side) and a softcap (0.0:
+    none); window is 1 when either side is bounded. ValueError naming the argument for a type
+    the C fields cannot carry (window_arg, softcap_arg)."""
+    if type(window_left) is int and type(window_right) is int and window_left == window_right == -1 and (
+            type(softcap) is float and softcap == 0.0):
+        return NO_MASK  # the common case, without the checks' cost
+    left, right = window_arg("window_left", window_left), window_arg("window_right", window_right)
+    return (0 if left == right == -1 else 1, left, right, softcap_arg(softcap))
+
+
 def block_rows_arg(block_rows):
     """block_rows as a positive int (the library's C ABI reads 0 as its default, so 0 is refused
     here rather than quietly changed)."""
@@ -198,13 +253,18 @@ def check_scale(name, s, q, shape=None):
 
 
 def forward_into(q, k, v, out, lse=None, softmax_scale=None, causal=False, q_scale=None, k_scale=None,
-                 v_scale=None):
+                 v_scale=None, window_left=-1, window_right=-1, softcap=0.0):
     """Runs the forward pass into caller-given buffers: out like q (bfloat16 for float8_e4m3 q),
     lse float32 (b, h, sq) or None. FP8 (float8_e4m3fn q, k, v): q_scale, k_scale, v_scale are
     float32 dequantization scales, (batch, nheads_kv) or block scales (flash3.h, FwdArgs), or
-    None (1). Raises ValueError with the library's message on invalid arguments, RuntimeError
-    otherwise."""
+    None (1). window_left, window_right: FlashAttention-3's sliding window, query i sees key j
+    iff i + seqlen_k - seqlen_q - window_left <= j <= i + seqlen_k - seqlen_q + window_right,
+    -1: no bound on that side (causal sets window_right to 0). softcap > 0: the scaled score x
+    becomes softcap * tanh(x / softcap) before the softmax (lse is of these logits); 0.0: none;
+    16-bit inputs only. Raises ValueError with the library's message on invalid arguments,
+    RuntimeError otherwise."""
     scale = _scale_arg(softmax_scale)
+    mask = mask_fields(window_left, window_right, softcap)
     try:
         tensors = (*_fields(q), *_fields(k), *_fields(v), *_fields(out), *_fields(lse))
         scales = _NULL * 3 if q_scale is None and k_scale is None and v_scale is None else (
@@ -216,24 +276,26 @@ def forward_into(q, k, v, out, lse=None, softmax_scale=None, causal=False, q_sca
         raise
     lib, buf = _lib.lib(), _lib.err_buffer()
     with _on_device(index):  # on torch's current stream of q's device
-        args = _FWD.pack(_lib.FWD_ARGS_SIZE, 1 if causal else 0, scale, 0, *tensors, _stream(index), *scales)
+        args = _FWD.pack(_lib.FWD_ARGS_SIZE, 1 if causal else 0, scale, 0, *tensors, _stream(index), *scales, *mask)
         rc = lib.flash3_fwd(args, buf, _lib.ERR_LEN)
     _check(rc, buf, "flash3_fwd")
     return out, lse
 
 
 def backward_into(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=None, causal=False,
-                  deterministic=False):
+                  deterministic=False, window_left=-1, window_right=-1, softcap=0.0):
     """Runs the backward pass into caller-given buffers dq (like q), dk, dv (like k, v).
 
     q, k, v, out and lse are the forward's inputs, output and log-sum-exp (float32 (b, h, sq));
-    dout is dLoss/dout, shaped like out. softmax_scale and causal must be the forward's.
+    dout is dLoss/dout, shaped like out. softmax_scale, causal, window_left, window_right and
+    softcap must be the forward's (forward_into).
     deterministic: bitwise-identical gradients from call to call (a little slower).
     The library's scratch memory is a uint8 tensor from PyTorch's caching allocator, used on
     torch's current stream of q's device, where the kernels run. Returns (dq, dk, dv).
     Raises ValueError with the library's message on invalid arguments, RuntimeError otherwise.
     """
     scale = _scale_arg(softmax_scale)
+    mask = mask_fields(window_left, window_right, softcap)
     try:  # the C order: q, k, v, out, dout, lse, dq, dk, dv
         tensors = (*_fields(q), *_fields(k), *_fields(v), *_fields(out), *_fields(dout), *_fields(lse),
                    *_fields(dq), *_fields(dk), *_fields(dv))
@@ -250,13 +312,15 @@ def backward_into(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=None, causa
     head = (_lib.BWD_ARGS_SIZE, 1 if causal else 0, 1 if deterministic else 0, scale)
     with _on_device(index):
         # NOTES: the size depends on the shapes of q and k and the two flags only (bwd_config.h,
-        # BwdWorkspaceLayout), so it is asked once per such key; flash3_bwd checks every
-        # argument itself (and that the workspace is large enough).
-        key = (q.shape, k.shape, index, bool(causal), bool(deterministic))
+        # BwdWorkspaceLayout), so it is asked once per such key; the window and softcap are in
+        # the key as well, since the library's causal flag can come from a window ((-1, 0) is
+        # causal). flash3_bwd checks every argument itself (and that the workspace is large
+        # enough).
+        key = (q.shape, k.shape, index, bool(causal), bool(deterministic), mask)
         size = _BWD_WORKSPACE_BYTES.get(key)
         if size is None:
             nbytes = ctypes.c_uint64(0)
-            rc = lib.flash3_bwd_workspace_size(_BWD.pack(*head, *tensors, 0, 0, 0), ctypes.byref(nbytes),
+            rc = lib.flash3_bwd_workspace_size(_BWD.pack(*head, *tensors, 0, 0, 0, *mask), ctypes.byref(nbytes),
                                                buf, _lib.ERR_LEN)
             _check(rc, buf, "flash3_bwd_workspace_size")
             size = nbytes.value
@@ -268,7 +332,7 @@ def backward_into(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=None, causa
             # allocated on the current stream, so the allocator reuses it only after the kernels
             workspace = torch.empty(size + _WORKSPACE_ALIGN, dtype=torch.uint8, device=q.device)
             ptr = -workspace.data_ptr() % _WORKSPACE_ALIGN + workspace.data_ptr()
-        rc = lib.flash3_bwd(_BWD.pack(*head, *tensors, ptr, size, _stream(index)), buf, _lib.ERR_LEN)
+        rc = lib.flash3_bwd(_BWD.pack(*head, *tensors, ptr, size, _stream(index), *mask), buf, _lib.ERR_LEN)
     del workspace
     _check(rc, buf, "flash3_bwd")
     return dq, dk, dv
@@ -283,12 +347,14 @@ def out_dtype(q):
     return _BFLOAT16 if q.dtype is _E4M3 else q.dtype
 
 
-def fwd(q, k, v, softmax_scale=None, causal=False, want_lse=True, q_scale=None, k_scale=None, v_scale=None):
+def fwd(q, k, v, softmax_scale=None, causal=False, want_lse=True, q_scale=None, k_scale=None, v_scale=None,
+        window_left=-1, window_right=-1, softcap=0.0):
     """(out, lse) of attention over q, k, v: out contiguous, shaped like q and typed like it
     (bfloat16 for float8_e4m3fn q, which takes the dequantization scales q_scale, k_scale,
     v_scale: forward_into); lse float32 (batch, nheads, seqlen_q), contiguous (None when not
-    want_lse). The shapes and layouts are those of the fake implementations of flash3::fwd and
-    flash3::fwd_fp8 (_ops.py): keep them in step."""
+    want_lse). window_left, window_right, softcap: forward_into's. The shapes and layouts are
+    those of the fake implementations of flash3::fwd and flash3::fwd_fp8 (_ops.py): keep them in
+    step."""
     # NOTES: always contiguous, whatever q's layout: an output whose strides followed q's could
     # differ from what the fake promised to a compiled graph when the compiler lays q out anew;
     # empty_like with an explicit format is also the cheapest allocation call (measured).
@@ -302,10 +368,8 @@ def fwd(q, k, v, softmax_scale=None, causal=False, want_lse=True, q_scale=None, 
             raise ValueError(f"q: expected (batch, seqlen_q, nheads, headdim), got shape {tuple(q.shape)}")
         b, sq, h, _ = q.shape
         lse = q.new_empty((b, h, sq), dtype=_FLOAT32)
-    if q_scale is None and k_scale is None and v_scale is None:
-        forward_into(q, k, v, out, lse, softmax_scale, causal)
-    else:
-        forward_into(q, k, v, out, lse, softmax_scale, causal, q_scale, k_scale, v_scale)
+    forward_into(q, k, v, out, lse, softmax_scale, causal, q_scale, k_scale, v_scale, window_left, window_right,
+                 softcap)
     return out, lse
 
 
@@ -370,13 +434,15 @@ def kernel_readable(dout):
     return dout.contiguous()
 
 
-def bwd(dout, q, k, v, out, lse, softmax_scale=None, causal=False, deterministic=False):
-    """(dq, dk, dv), contiguous, shaped and typed like q, k, v (the fake of flash3::bwd)."""
+def bwd(dout, q, k, v, out, lse, softmax_scale=None, causal=False, deterministic=False, window_left=-1,
+        window_right=-1, softcap=0.0):
+    """(dq, dk, dv), contiguous, shaped and typed like q, k, v (the fake of flash3::bwd); the
+    options as backward_into's."""
     dq = torch.empty_like(q, memory_format=_CONTIGUOUS)
     dk = torch.empty_like(k, memory_format=_CONTIGUOUS)
     dv = torch.empty_like(v, memory_format=_CONTIGUOUS)
     return backward_into(kernel_readable(dout), q, k, v, out, lse, dq, dk, dv, softmax_scale, causal,
-                         deterministic)
+                         deterministic, window_left, window_right, softcap)
 
 
 def _kernel_layout(t):

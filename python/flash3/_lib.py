@@ -25,7 +25,7 @@ assert ctypes.sizeof(Tensor) == 80, "flash3_tensor layout changed"
 
 
 class FwdArgs(ctypes.Structure):
-    """flash3_fwd_args (second version): the layout _kernels._FWD packs."""
+    """flash3_fwd_args (third version): the layout _kernels._FWD packs."""
     _fields_ = [
         ("struct_size", ctypes.c_uint32),
         ("causal", ctypes.c_int32),
@@ -34,11 +34,15 @@ class FwdArgs(ctypes.Structure):
         ("q", Tensor), ("k", Tensor), ("v", Tensor), ("out", Tensor), ("lse", Tensor),
         ("stream", ctypes.c_void_p),
         ("q_scale", Tensor), ("k_scale", Tensor), ("v_scale", Tensor),  # v2: FP8 scales
+        ("window", ctypes.c_int32),  # v3: sliding window (nonzero: window_left/right apply), softcap
+        ("window_left", ctypes.c_int32),
+        ("window_right", ctypes.c_int32),
+        ("softcap", ctypes.c_float),
     ]
 
 
 class BwdArgs(ctypes.Structure):
-    """flash3_bwd_args (first version): the layout _kernels._BWD packs."""
+    """flash3_bwd_args (second version): the layout _kernels._BWD packs."""
     _fields_ = [
         ("struct_size", ctypes.c_uint32),
         ("causal", ctypes.c_int32),
@@ -49,6 +53,10 @@ class BwdArgs(ctypes.Structure):
         ("workspace", ctypes.c_void_p),
         ("workspace_bytes", ctypes.c_uint64),
         ("stream", ctypes.c_void_p),
+        ("window", ctypes.c_int32),  # v2: as the forward's (v3); must match it
+        ("window_left", ctypes.c_int32),
+        ("window_right", ctypes.c_int32),
+        ("softcap", ctypes.c_float),
     ]
 
 
@@ -65,11 +73,12 @@ class QuantizeFp8Args(ctypes.Structure):
     ]
 
 
-# struct_size as this package fills the structs (FLASH3_*_ARGS_SIZE_V* in flash3_c.h)
+# struct_size as this package fills the structs (FLASH3_FWD_ARGS_SIZE_V3, FLASH3_BWD_ARGS_SIZE_V2,
+# FLASH3_QUANTIZE_FP8_ARGS_SIZE_V1 in flash3_c.h)
 FWD_ARGS_SIZE = ctypes.sizeof(FwdArgs)
 BWD_ARGS_SIZE = ctypes.sizeof(BwdArgs)
 QUANTIZE_FP8_ARGS_SIZE = ctypes.sizeof(QuantizeFp8Args)
-assert (FWD_ARGS_SIZE, BWD_ARGS_SIZE, QUANTIZE_FP8_ARGS_SIZE) == (664, 760, 272), "flash3 args layout changed"
+assert (FWD_ARGS_SIZE, BWD_ARGS_SIZE, QUANTIZE_FP8_ARGS_SIZE) == (680, 776, 272), "flash3 args layout changed"
 
 _lib = None
 _load_error = None

@@ -1,12 +1,19 @@
 """flash3's operators in torch.library (namespace flash3), for torch.compile, torch.export,
 CUDA graphs (mode="reduce-overhead") and FakeTensor tracing:
 
-    torch.ops.flash3.fwd(q, k, v, softmax_scale=None, causal=False, deterministic=False) -> (out, lse)
+    torch.ops.flash3.fwd(q, k, v, softmax_scale=None, causal=False, deterministic=False,
+                         window_left=-1, window_right=-1, softcap=0.0) -> (out, lse)
     torch.ops.flash3.bwd(dout, q, k, v, out, lse, softmax_scale=None, causal=False,
-                         deterministic=False) -> (dq, dk, dv)
+                         deterministic=False, window_left=-1, window_right=-1, softcap=0.0)
+                         -> (dq, dk, dv)
     torch.ops.flash3.fwd_fp8(q, k, v, q_scale=None, k_scale=None, v_scale=None, softmax_scale=None,
-                             causal=False) -> (out, lse)
+                             causal=False, window_left=-1, window_right=-1, softcap=0.0) -> (out, lse)
     torch.ops.flash3.quantize_fp8(x, block_rows=128, hadamard=False, seed=0) -> (out, scale)
+
+window_left, window_right: FlashAttention-3's sliding window (-1: no bound on that side; the
+library refuses < -1), softcap: > 0 caps the scaled scores (0.0: none; 16-bit inputs only), as
+_kernels.forward_into; the backward must be given the forward's. (Appended with defaults: calls
+written for the earlier schemas work unchanged.)
 
 Both are functional (mutates_args=()): they allocate their outputs with torch (the caching
 allocator, so inside a CUDA graph the graph's pool) and run the library on
@@ -82,12 +89,25 @@ def _define(name, kernel, fake, setup_context=None, backward=None):
 
 # ---- flash3::fwd ---------------------------------------------------------------------------
 
+def _check_mask(window_left, window_right, softcap):
+    """The fakes' type checks of the window and softcap, as the kernels make them (the values
+    are the library's to check, at run time); symbolic values pass."""
+    for name, side in (("window_left", window_left), ("window_right", window_right)):
+        if not isinstance(side, torch.SymInt):
+            _kernels.window_arg(name, side)
+    if not isinstance(softcap, torch.SymFloat):
+        _kernels.softcap_arg(softcap)
+
+
 def _fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: Optional[float] = None, causal: bool = False,
-         deterministic: bool = False) -> tuple[Tensor, Tensor]:
-    return _kernels.fwd(q, k, v, softmax_scale, causal)
+         deterministic: bool = False, window_left: int = -1, window_right: int = -1,
+         softcap: float = 0.0) -> tuple[Tensor, Tensor]:
+    return _kernels.fwd(q, k, v, softmax_scale, causal, True, None, None, None, window_left, window_right, softcap)
 
 
-def _fwd_fake(q, k, v, softmax_scale=None, causal=False, deterministic=False):
+def _fwd_fake(q, k, v, softmax_scale=None, causal=False, deterministic=False, window_left=-1, window_right=-1,
+              softcap=0.0):
+    _check_mask(window_left, window_right, softcap)
     if q.dim() != 4:
         raise ValueError(f"q: expected (batch, seqlen_q, nheads, headdim), got shape {tuple(q.shape)}")
     b, sq, h, _ = q.shape
@@ -97,10 +117,11 @@ def _fwd_fake(q, k, v, softmax_scale=None, causal=False, deterministic=False):
 
 def fwd_setup_context(ctx, inputs, output):
     """Shared by flash3::fwd's autograd and the eager autograd.Function (flash_attn_interface)."""
-    q, k, v, softmax_scale, causal, deterministic = inputs
+    q, k, v, softmax_scale, causal, deterministic, window_left, window_right, softcap = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
+    ctx.window_left, ctx.window_right, ctx.softcap = window_left, window_right, softcap
     ctx.mark_non_differentiable(lse)
     # NOTES: lse has no gradient; materialized, autograd would allocate and zero-fill a float32
     # (batch, nheads, seqlen_q) tensor for it on every backward (docs/perf-log.md, H2).
@@ -113,22 +134,27 @@ def fwd_backward(ctx, dout, dlse):
     called directly where nothing traces and no higher-order gradient is being built, else the
     operator (which has no autograd: asking for a second derivative raises)."""
     if dout is None:  # no gradient reached out: none for q, k, v either
-        return None, None, None, None, None, None
+        return (None,) * 9
     q, k, v, out, lse = ctx.saved_tensors
     run = _kernels.bwd if not _grad_enabled() and direct(dout, q) else bwd
-    dq, dk, dv = run(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.deterministic)
-    return dq, dk, dv, None, None, None
+    dq, dk, dv = run(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.deterministic, ctx.window_left,
+                     ctx.window_right, ctx.softcap)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 # ---- flash3::bwd ---------------------------------------------------------------------------
 
 def _bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
          softmax_scale: Optional[float] = None, causal: bool = False,
-         deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-    return _kernels.bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic)
+         deterministic: bool = False, window_left: int = -1, window_right: int = -1,
+         softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+    return _kernels.bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, window_left, window_right,
+                        softcap)
 
 
-def _bwd_fake(dout, q, k, v, out, lse, softmax_scale=None, causal=False, deterministic=False):
+def _bwd_fake(dout, q, k, v, out, lse, softmax_scale=None, causal=False, deterministic=False, window_left=-1,
+              window_right=-1, softcap=0.0):
+    _check_mask(window_left, window_right, softcap)
     cf = torch.contiguous_format
     return (torch.empty_like(q, memory_format=cf), torch.empty_like(k, memory_format=cf),
             torch.empty_like(v, memory_format=cf))
@@ -138,11 +164,15 @@ def _bwd_fake(dout, q, k, v, out, lse, softmax_scale=None, causal=False, determi
 
 def _fwd_fp8(q: Tensor, k: Tensor, v: Tensor, q_scale: Optional[Tensor] = None, k_scale: Optional[Tensor] = None,
              v_scale: Optional[Tensor] = None, softmax_scale: Optional[float] = None,
-             causal: bool = False) -> tuple[Tensor, Tensor]:
-    return _kernels.fwd(q, k, v, softmax_scale, causal, True, q_scale, k_scale, v_scale)
+             causal: bool = False, window_left: int = -1, window_right: int = -1,
+             softcap: float = 0.0) -> tuple[Tensor, Tensor]:
+    return _kernels.fwd(q, k, v, softmax_scale, causal, True, q_scale, k_scale, v_scale, window_left, window_right,
+                        softcap)
 
 
-def _fwd_fp8_fake(q, k, v, q_scale=None, k_scale=None, v_scale=None, softmax_scale=None, causal=False):
+def _fwd_fp8_fake(q, k, v, q_scale=None, k_scale=None, v_scale=None, softmax_scale=None, causal=False,
+                  window_left=-1, window_right=-1, softcap=0.0):
+    _check_mask(window_left, window_right, softcap)  # softcap > 0 is the library's to refuse (16-bit only)
     _kernels.check_fp8_qkv(q, k, v)
     for name, s in (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)):
         _kernels.check_scale(name, s, q)  # their shapes are the kernel's to check

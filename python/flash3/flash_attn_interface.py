@@ -12,11 +12,19 @@ out (and lse); inference only (no autograd; a backward through it raises). The d
 16-bit q, k, v, float8_e5m2, and float8 mixed with 16-bit tensors raise ValueError naming the
 argument. (flash3.flash_attn_fp8_func quantizes 16-bit inputs itself, with block scales.)
 
+Sliding window and softcap, as FlashAttention-3 (forward and backward, 16-bit; FP8 forward with
+a window): window_size = (left, right) lets query i see key j iff
+i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right; a negative side is
+unbounded ((-1, -1): no window), and causal=True makes right 0 ((-1, 0) is causal). softcap > 0
+replaces each scaled score x by softcap * tanh(x / softcap) before the softmax (softmax_lse is
+of these logits); 0.0: none; finite, at most 2048, float16 / bfloat16 only. A window_size that is
+not a pair of ints, or a softcap that is not a real number, raises ValueError naming it; a
+softcap out of range (negative, too large, NaN, or with float8 inputs) raises the library's
+ValueError naming it. The backward gets the forward's window and softcap.
+
 Arguments flash3 does not support yet raise NotImplementedError naming the argument when given
-a value other than their default: qv (not None), attention_chunk (not 0), softcap (not 0.0),
-window_size other than no window ((-1, -1); a negative side is unbounded) or its causal
-spelling (-1, 0). (Under torch.compile with
-fullgraph=True, dynamo reports the NotImplementedError, with its message, as an unsupported
+a value other than their default: qv (not None), attention_chunk (not 0). (Under torch.compile
+with fullgraph=True, dynamo reports the NotImplementedError, with its message, as an unsupported
 exception; without fullgraph it reaches the caller as it is.)
 Accepted and ignored, because they tune speed only and cannot change flash3's results:
 num_splits (FlashAttention-3 splits the keys across blocks; flash3 picks its own schedule, and
@@ -27,6 +35,8 @@ In eager mode the calls run the library directly (the lowest host time); under t
 torch.export or any FakeTensor / dispatch-mode tracing they call the torch.library operators
 torch.ops.flash3.fwd / bwd (_ops.py), which trace without a graph break.
 """
+import operator
+
 import torch
 
 from . import _kernels, _ops
@@ -47,9 +57,11 @@ class _FlashAttnFunc(torch.autograd.Function):
     # NOTES: forward takes ctx and calls setup_context itself: with a separate setup_context,
     # Function.apply binds the arguments through inspect.signature on every call (about 50 us).
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, causal, deterministic):
-        out, lse = _kernels.fwd(q, k, v, softmax_scale, causal)
-        _ops.fwd_setup_context(ctx, (q, k, v, softmax_scale, causal, deterministic), (out, lse))
+    def forward(ctx, q, k, v, softmax_scale, causal, deterministic, window_left, window_right, softcap):
+        out, lse = _kernels.fwd(q, k, v, softmax_scale, causal, True, None, None, None, window_left, window_right,
+                                softcap)
+        _ops.fwd_setup_context(ctx, (q, k, v, softmax_scale, causal, deterministic, window_left, window_right,
+                                     softcap), (out, lse))
         return out, lse
 
     backward = staticmethod(_ops.fwd_backward)
@@ -61,42 +73,69 @@ def _unsupported(name, value):
                               f"{name}: leave it at its default)")
 
 
-def _check_options(attention_chunk, softcap):
-    if attention_chunk:
-        _unsupported("attention_chunk", attention_chunk)
-    if softcap:
-        _unsupported("softcap", softcap)
+_INT32_MAX = 2**31 - 1
+_SymInt = getattr(torch, "SymInt", ())
+_SymFloat = getattr(torch, "SymFloat", ())
 
 
-def _mask(window_size, causal):
-    """flash3's causal flag for FlashAttention-3's (window_size, causal); raises
-    NotImplementedError naming window_size for a sliding window. As in FlashAttention-3, a
-    negative side is unbounded and causal sets the right side to 0; the sides are not compared
-    with the sequence lengths (a window longer than the sequence is still refused), so the
-    answer never depends on the shapes."""
-    left, right = window_size
-    if causal:
-        right = 0
-    if left < 0 and right < 0:
-        return False
-    if left < 0 and right == 0:
-        return True
-    raise NotImplementedError(f"window_size={tuple(window_size)!r}: sliding-window attention is not "
-                              "supported by flash3 (only (-1, -1), and (-1, 0), which is causal)")
+def _window_side(value, window_size):
+    """One side of window_size as an int, -1 for any negative one (unbounded) and at most
+    2^31 - 1 (the library's int32; a bound that large excludes nothing); a symbolic one under
+    tracing as it is. ValueError naming window_size for what is not an int."""
+    if isinstance(value, _SymInt):
+        return value
+    try:
+        side = operator.index(value)
+    except TypeError:
+        raise ValueError(f"window_size: expected a pair (left, right) of ints (-1: no bound on that side), "
+                         f"got {window_size!r}") from None
+    return -1 if side < 0 else min(side, _INT32_MAX)
 
 
-def _attention(q, k, v, softmax_scale, causal, deterministic, return_attn_probs):
+def _window(window_size, causal):
+    """(causal, window_left, window_right) for flash3 from FlashAttention-3's (window_size,
+    causal): a negative side is unbounded (-1 for the library), causal makes the right side 0,
+    and a right side of 0 is causal (flash3's causal flag, the right side then -1: the library
+    sets it to 0). The sides are not compared with the sequence lengths (the library drops a
+    bound that excludes nothing), so the answer never depends on the shapes."""
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size: expected a pair (left, right) of ints (-1: no bound on that side), "
+                         f"got {window_size!r}") from None
+    left, right = _window_side(left, window_size), _window_side(right, window_size)
+    if left < 0:
+        left = -1
+    if right < 0:
+        right = -1
+    causal = bool(causal) or right == 0
+    return causal, left, -1 if causal else right
+
+
+def _softcap(softcap):
+    """softcap as a float (a symbolic one under tracing as it is); ValueError naming it when it
+    is not a real number. Its range is the library's to check."""
+    if type(softcap) is float or isinstance(softcap, _SymFloat):
+        return softcap
+    return _kernels.softcap_arg(softcap)
+
+
+def _attention(q, k, v, softmax_scale, causal, deterministic, return_attn_probs, window_left=-1, window_right=-1,
+               softcap=0.0):
     if _direct(q, k, v):
         if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            out, lse = _FlashAttnFunc.apply(q, k, v, softmax_scale, causal, deterministic)
+            out, lse = _FlashAttnFunc.apply(q, k, v, softmax_scale, causal, deterministic, window_left, window_right,
+                                            softcap)
         else:
-            out, lse = _kernels.fwd(q, k, v, softmax_scale, causal, return_attn_probs)
+            out, lse = _kernels.fwd(q, k, v, softmax_scale, causal, return_attn_probs, None, None, None, window_left,
+                                    window_right, softcap)
     else:
-        out, lse = _ops.fwd(q, k, v, softmax_scale, causal, deterministic)
+        out, lse = _ops.fwd(q, k, v, softmax_scale, causal, deterministic, window_left, window_right, softcap)
     return (out, lse) if return_attn_probs else out
 
 
-def _fp8_attention(q, k, v, q_descale, k_descale, v_descale, softmax_scale, causal, return_attn_probs):
+def _fp8_attention(q, k, v, q_descale, k_descale, v_descale, softmax_scale, causal, return_attn_probs,
+                   window_left=-1, window_right=-1, softcap=0.0):
     """FlashAttention-3's FP8 forward: float8_e4m3fn q, k, v, descales float32 (batch,
     nheads_kv) or None; out bfloat16. Also where descales come with 16-bit inputs, to refuse them
     naming the argument."""
@@ -114,9 +153,11 @@ def _fp8_attention(q, k, v, q_descale, k_descale, v_descale, softmax_scale, caus
     scales = [s for _, s in descales if s is not None]
     grad = _grad_enabled() and any(t.requires_grad for t in (q, k, v, *scales))
     if _direct(q, k, v, *scales) and not grad:
-        out, lse = _kernels.fwd(q, k, v, softmax_scale, causal, return_attn_probs, q_descale, k_descale, v_descale)
+        out, lse = _kernels.fwd(q, k, v, softmax_scale, causal, return_attn_probs, q_descale, k_descale, v_descale,
+                                window_left, window_right, softcap)
     else:  # also where an input requires grad: the operator has no autograd, its backward raises
-        out, lse = _ops.fwd_fp8(q, k, v, q_descale, k_descale, v_descale, softmax_scale, causal)
+        out, lse = _ops.fwd_fp8(q, k, v, q_descale, k_descale, v_descale, softmax_scale, causal, window_left,
+                                window_right, softcap)
     return (out, lse) if return_attn_probs else out
 
 
@@ -137,29 +178,37 @@ def flash_attn_func(
     sm_margin=0,
     return_attn_probs=False,
 ):
-    """softmax(softmax_scale * q k^T [causal mask]) v, as FlashAttention-3's flash_attn_func.
+    """softmax(softmax_scale * q k^T [softcap] [causal / window mask]) v, as FlashAttention-3's
+    flash_attn_func.
 
     q (batch, seqlen_q, nheads, headdim), k and v (batch, seqlen_k, nheads_kv, headdim): CUDA
     tensors, bf16 or fp16, headdim 64, 128 or 256, nheads a multiple of nheads_kv (GQA/MQA);
     or float8_e4m3fn with q_descale, k_descale, v_descale float32 (batch, nheads_kv) (each
     optional: None is 1; the true q is q * q_descale per (batch, kv head)), out then bfloat16.
     softmax_scale: default 1 / sqrt(headdim). causal: the mask aligned bottom-right: query i
-    sees key j iff j <= i + seqlen_k - seqlen_q; a row that sees no key gives 0.
-    deterministic: bitwise-reproducible gradients (the forward always is).
+    sees key j iff j <= i + seqlen_k - seqlen_q; a row that sees no key gives 0 (lse +inf).
+    window_size (left, right): query i sees key j iff i + seqlen_k - seqlen_q - left <= j <=
+    i + seqlen_k - seqlen_q + right (a negative side: unbounded; causal: right = 0).
+    softcap > 0: scores x = softmax_scale * q.k become softcap * tanh(x / softcap) (0.0: none;
+    16-bit only). deterministic: bitwise-reproducible gradients (the forward always is).
     Returns out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse) when
     return_attn_probs, softmax_lse float32 (batch, nheads, seqlen_q) and not differentiable.
     The unsupported and ignored arguments: see the module's docstring.
     """
     if qv is not None:
         _unsupported("qv", qv)
-    if attention_chunk or softcap:
-        _check_options(attention_chunk, softcap)
+    if attention_chunk:
+        _unsupported("attention_chunk", attention_chunk)
+    left = right = -1
     if window_size != (-1, -1):
-        causal = _mask(window_size, causal)
+        causal, left, right = _window(window_size, causal)
+    if type(softcap) is not float or softcap != 0.0:
+        softcap = _softcap(softcap)
     if q_descale is not None or k_descale is not None or v_descale is not None or q.dtype in _FP8:
         return _fp8_attention(q, k, v, q_descale, k_descale, v_descale, softmax_scale, bool(causal),
-                              return_attn_probs)
-    return _attention(q, k, v, softmax_scale, bool(causal), bool(deterministic), return_attn_probs)
+                              return_attn_probs, left, right, softcap)
+    return _attention(q, k, v, softmax_scale, bool(causal), bool(deterministic), return_attn_probs, left, right,
+                      softcap)
 
 
 def _split_qkv(qkv, num_heads_q):
@@ -187,12 +236,14 @@ class _FlashAttnQKVPackedFunc(torch.autograd.Function):
     dk and dv straight into its parts (no concatenation)."""
 
     @staticmethod
-    def forward(ctx, qkv, softmax_scale, causal, deterministic, num_heads_q):
+    def forward(ctx, qkv, softmax_scale, causal, deterministic, num_heads_q, window_left, window_right, softcap):
         q, k, v = _split_qkv(qkv, num_heads_q)
-        out, lse = _kernels.fwd(q, k, v, softmax_scale, causal)
+        out, lse = _kernels.fwd(q, k, v, softmax_scale, causal, True, None, None, None, window_left, window_right,
+                                softcap)
         ctx.save_for_backward(qkv, out, lse)
         ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
         ctx.num_heads_q = num_heads_q
+        ctx.window_left, ctx.window_right, ctx.softcap = window_left, window_right, softcap
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
         return out, lse
@@ -201,13 +252,13 @@ class _FlashAttnQKVPackedFunc(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, dlse):
         if dout is None:
-            return None, None, None, None, None
+            return (None,) * 8
         qkv, out, lse = ctx.saved_tensors
         dqkv = torch.empty_like(qkv, memory_format=torch.contiguous_format)
         _kernels.backward_into(_kernels.kernel_readable(dout), *_split_qkv(qkv, ctx.num_heads_q), out, lse,
                                *_split_qkv(dqkv, ctx.num_heads_q), ctx.softmax_scale, ctx.causal,
-                               ctx.deterministic)
-        return dqkv, None, None, None, None
+                               ctx.deterministic, ctx.window_left, ctx.window_right, ctx.softcap)
+        return dqkv, None, None, None, None, None, None, None
 
 
 def flash_attn_qkvpacked_func(
@@ -228,18 +279,24 @@ def flash_attn_qkvpacked_func(
     qkv: (batch, seqlen, 3, nheads, headdim), or (batch, seqlen, num_heads_q + 2 * nheads_kv,
     headdim) with num_heads_q given (GQA/MQA). The gradient, when qkv requires grad, is one
     tensor shaped like qkv. Returns out, or (out, softmax_lse) when return_attn_probs.
+    window_size, softcap: as flash_attn_func's.
     FP8 (float8_e4m3fn qkv, descales (batch, nheads_kv)): as flash_attn_func, no gradient.
     """
-    if attention_chunk or softcap:
-        _check_options(attention_chunk, softcap)
+    if attention_chunk:
+        _unsupported("attention_chunk", attention_chunk)
     causal, deterministic = bool(causal), bool(deterministic)
+    left = right = -1
     if window_size != (-1, -1):
-        causal = _mask(window_size, causal)
+        causal, left, right = _window(window_size, causal)
+    if type(softcap) is not float or softcap != 0.0:
+        softcap = _softcap(softcap)
     if q_descale is not None or k_descale is not None or v_descale is not None or qkv.dtype in _FP8:
         q, k, v = _split_qkv(qkv, num_heads_q)
-        return _fp8_attention(q, k, v, q_descale, k_descale, v_descale, softmax_scale, causal, return_attn_probs)
+        return _fp8_attention(q, k, v, q_descale, k_descale, v_descale, softmax_scale, causal, return_attn_probs,
+                              left, right, softcap)
     if _direct(qkv) and _grad_enabled() and qkv.requires_grad:
-        out, lse = _FlashAttnQKVPackedFunc.apply(qkv, softmax_scale, causal, deterministic, num_heads_q)
+        out, lse = _FlashAttnQKVPackedFunc.apply(qkv, softmax_scale, causal, deterministic, num_heads_q, left, right,
+                                                 softcap)
         return (out, lse) if return_attn_probs else out
     q, k, v = _split_qkv(qkv, num_heads_q)
-    return _attention(q, k, v, softmax_scale, causal, deterministic, return_attn_probs)
+    return _attention(q, k, v, softmax_scale, causal, deterministic, return_attn_probs, left, right, softcap)

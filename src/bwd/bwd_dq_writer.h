@@ -80,27 +80,34 @@ __device__ __forceinline__ void bwd_dq_writer(typename Traits::Params const& par
   float* dq_accum = params.dq_accum + (bh * params.m_blocks * groups + group) * Traits::kDQElems;
   int* sem = params.dq_sem != nullptr ? params.dq_sem + bh * params.m_blocks * groups + group : nullptr;
   const int first = g_begin + ((writer - g_begin) % Traits::kDQWriters + Traits::kDQWriters) % Traits::kDQWriters;
+  const int batch = int(bh / params.nheads);
+  const Mask<Traits::kCausal> mask(params.seqlens.of(batch), params.mask);
   for (int i = first; i < g_end; i += Traits::kDQWriters) {
     const int m = m_at(i), buf = i % Traits::kDQStages;
+    // The turn of the group's first key block to visit tile m (0 unless a window skips the
+    // first key blocks): it stores, and the others count their turns from it.
+    int n_first, n_end;
+    mask.template n_block_range<Traits::kBlockM, Traits::kBlockN>(m, n_first, n_end);
+    const int turn0 = (n_first + ((group - n_first % groups) % groups + groups) % groups) / groups;
     named_barrier_sync(Traits::kDQBarThreads, kBwdBarDQFull + i % Traits::kDQFullBars);
     if (lane == 0) {
       float* dst = dq_accum + int64_t(m) * groups * Traits::kDQElems;
       const float* src = shared.smem_dq + buf * Traits::kDQElems;
-      if (sem != nullptr && turn > 0) {
-        // Turn 0 stores (the tiles are not cleared, bwd_config.h). Deterministic: the key
-        // blocks of a group add into query tile m's copy in the order of their turns 0, 1,
-        // 2, ...; default: in any order once turn 0 (key block 0) has stored the tile.
+      if (sem != nullptr && turn > turn0) {
+        // Turn turn0 stores (the tiles are not cleared, bwd_config.h). Deterministic: the key
+        // blocks of a group add into query tile m's copy in the order of their turns turn0,
+        // turn0 + 1, ...; default: in any order once turn0 has stored the tile.
         // NOTES: a short sleep between polls, so that the polling of the writers waiting on
         // a tile does not compete in L2 with the adds they wait for.
         for (;;) {
           const int seen = ld_acquire_gpu(sem + m * groups);
-          if (params.dq_ordered ? seen == turn : seen > 0) break;
+          if (params.dq_ordered ? seen == turn - turn0 : seen > 0) break;
           __nanosleep(128);
         }
         // The acquired store (or adds) before this thread's bulk add (async proxy).
         asm volatile("fence.proxy.async.global;" ::: "memory");
       }
-      if (sem != nullptr && turn == 0) {
+      if (sem != nullptr && turn == turn0) {
         bulk_store_f32(dst, src, Traits::kDQElems * sizeof(float));
       } else {
         bulk_reduce_add_f32(dst, src, Traits::kDQElems * sizeof(float));
@@ -109,7 +116,7 @@ __device__ __forceinline__ void bwd_dq_writer(typename Traits::Params const& par
     }
     __syncwarp();
     if (kContinued || i + Traits::kDQStages < g_end) named_barrier_arrive(Traits::kDQBarThreads, kBwdBarDQEmpty + buf);
-    if (sem != nullptr && lane == 0 && (params.dq_ordered || turn == 0)) bwd_count_bulk_done(sem + m * groups);
+    if (sem != nullptr && lane == 0 && (params.dq_ordered || turn == turn0)) bwd_count_bulk_done(sem + m * groups);
     __syncwarp();
   }
   // This writer is done with the pair's dQ for this key block: once its adds are complete, one

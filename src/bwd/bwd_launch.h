@@ -63,6 +63,12 @@ void launch_bwd_main(const BwdProblem& p, const BwdArgs& args, const BwdWorkspac
   params.seqlen_k_pad = ws.seqlen_k_pad;
   params.softmax_scale = p.softmax_scale;
   params.scale_log2 = float(p.softmax_scale * M_LOG2E);
+  params.softcap_coef_log2 = 0.0f;
+  if (p.softcap > 0.0f) {  // as the forward's (fwd_launch.h); dQ, dK still scaled by softmax_scale
+    params.softcap_coef_log2 = float(-2.0 * double(p.softmax_scale) / p.softcap * M_LOG2E);
+    params.scale_log2 = float(double(p.softcap) * M_LOG2E);
+  }
+  params.mask = Mask<Traits::kCausal>::offsets(SeqLen{p.seqlen_q, p.seqlen_k}, Window{p.window_left, p.window_right});
   // The postprocess waits per pair (dq_done) rather than for the whole main kernel.
   params.dq_done = reinterpret_cast<int*>(base + ws.dq_done);
   // MHA: dK, dV leave through TMA stores (bwd_store_dkdv_tma) where kTmaEpilogue; GQA adds FP32

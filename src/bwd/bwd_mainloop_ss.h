@@ -7,6 +7,7 @@
 #include "bwd/bwd_traits.h"
 #include "common/mask.h"
 #include "common/ptx.h"
+#include "common/softmax.h"
 #include "common/wgmma.h"
 
 namespace flash3::detail {
@@ -89,19 +90,23 @@ __device__ __forceinline__ void bwd_mainloop_ss(typename Traits::Params const& p
   Tensor tScS_rc = make_tensor(tScS.data(), acc_layout_rowcol(tScS.layout()));
   constexpr int kRows = decltype(size<0>(tSrS_rc))::value;
   constexpr int kCols = decltype(size<1>(tSrS_rc))::value;
+  // Softcap first (S becomes t = tanh(coef S), common/softmax.h).
   auto compute_p = [&](int m, int stage) {
     const int row0 = m * kBlockM;
     const float* lse = shared.smem_lse + stage * kBlockM;
-    const bool need_mask = mask.template needs_masking<kBlockN>(row0, col0);
+    const bool need_mask = mask.template needs_masking<kBlockM, kBlockN>(row0, col0);
+    if (params.softcap_coef_log2 != 0.f) apply_softcap(tSrS, params.softcap_coef_log2);
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kRows; ++i) {
       const int r = get<0>(tScS_rc(i, 0));
       const float row_lse = lse[r];
       if (need_mask) {
-        const int limit = mask.key_end(row0 + r) - col0;  // visible key columns: [0, limit) from col0
+        // visible key columns: [lo, hi) from col0
+        const int lo = mask.key_begin(row0 + r) - col0, hi = mask.key_end(row0 + r) - col0;
         CUTLASS_PRAGMA_UNROLL
         for (int j = 0; j < kCols; ++j) {
-          const bool masked = get<1>(tScS_rc(0, j)) >= limit;
+          const int col = get<1>(tScS_rc(0, j));
+          const bool masked = col >= hi || col < lo;
           tSrS_rc(i, j) = masked ? 0.0f : fast_exp2(tSrS_rc(i, j) * params.scale_log2 - row_lse);
         }
       } else {
@@ -110,9 +115,24 @@ __device__ __forceinline__ void bwd_mainloop_ss(typename Traits::Params const& p
       }
     }
   };
-  // dS = P * (dP - D) in place of dP.
+  // dS = P * (dP - D) in place of dP (softcap: times 1 - t^2, softcap_dtanh).
   auto compute_ds = [&](int stage) {
     const float* dpsum = shared.smem_dpsum + stage * kBlockM;
+    if (params.softcap_coef_log2 != 0.f) {
+      const float* lse = shared.smem_lse + stage * kBlockM;
+      const float inv_scale_log2 = 1.f / params.scale_log2;
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kRows; ++i) {
+        const int r = get<0>(tScS_rc(i, 0));
+        const float row_d = dpsum[r], row_lse = lse[r];
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < kCols; ++j) {
+          const float p = tSrS_rc(i, j);
+          tdPrdP_rc(i, j) = p * softcap_dtanh(p, row_lse, inv_scale_log2) * (tdPrdP_rc(i, j) - row_d);
+        }
+      }
+      return;
+    }
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kRows; ++i) {
       const float row_d = dpsum[get<0>(tScS_rc(i, 0))];

@@ -6,6 +6,7 @@
 #include "bwd/bwd_traits.h"
 #include "common/mask.h"
 #include "common/ptx.h"
+#include "common/softmax.h"
 #include "common/wgmma.h"
 
 namespace flash3::detail {
@@ -108,7 +109,8 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
     // versions of every column alive and spilled 120+ registers at head dim 64.
     const int row0 = m * kBlockM;
     const float* lse = shared.smem_lse + stage * kBlockM;
-    if (mask.template needs_masking<kBlockN>(row0, col0)) mask.apply_transposed(tSrS_rc, tScS_rc, row0, col0);
+    if (params.softcap_coef_log2 != 0.f) apply_softcap(tSrS, params.softcap_coef_log2);  // t = tanh(coef S)
+    if (mask.template needs_masking<kBlockM, kBlockN>(row0, col0)) mask.apply_transposed(tSrS_rc, tScS_rc, row0, col0);
     CUTLASS_PRAGMA_UNROLL
     for (int j = 0; j < kCols; ++j) {
       const float col_lse = lse[get<1>(tScS_rc(0, j))];
@@ -122,6 +124,23 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
     const float* dpsum = shared.smem_dpsum + stage * kBlockM;
     Tensor tPrP_rc = make_tensor(tPrP.data(), acc_layout_rowcol(tSrS.layout()));
     cutlass::NumericArrayConverter<Element, float, 2> cvt2;
+    if (params.softcap_coef_log2 != 0.f) {
+      // Softcap: dS^T also times 1 - t^2 (softcap_dtanh), from P and the column's lse.
+      const float* lse = shared.smem_lse + stage * kBlockM;
+      const float inv_scale_log2 = 1.f / params.scale_log2;
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < kCols; ++j) {
+        const int c = get<1>(tScS_rc(0, j));
+        const float d = dpsum[c], col_lse = lse[c];
+        CUTLASS_PRAGMA_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+          const float p = tSrS_rc(r, j);
+          tdPrdP_rc(r, j) = p * softcap_dtanh(p, col_lse, inv_scale_log2) * (tdPrdP_rc(r, j) - d);
+        }
+      }
+      convert_into<Element>(tSrS, tPrP);
+      return;
+    }
     CUTLASS_PRAGMA_UNROLL
     for (int j = 0; j < kCols; j += 2) {
       const float2 d = *reinterpret_cast<const float2*>(dpsum + get<1>(tScS_rc(0, j)));

@@ -7,6 +7,7 @@
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
 #include "bwd/bwd_config.h"
+#include "common/mask.h"
 #include "common/seqlen.h"
 
 namespace flash3::detail {
@@ -207,11 +208,15 @@ struct BwdTraits {
     int64_t dv_row_stride, dv_head_stride, dv_batch_stride;
     int batch;
     SeqLens seqlens;               // read per batch entry: seqlens.of(batch)
+    MaskOffsets mask;              // the sliding window (common/mask.h)
     int nheads, nheads_per_kv;
     int m_blocks, n_blocks;
     int l2_section, l2_big;  // causal block order: sections of (head, batch) pairs (bwd_sections)
     int64_t seqlen_q_pad, seqlen_k_pad;
-    float softmax_scale, scale_log2;
+    // P = exp2(S * scale_log2 - lse_log2); dQ, dK are scaled by softmax_scale at the end.
+    // Softcap (common/softmax.h): S is t = tanh(coef S) and scale_log2 = softcap * log2(e);
+    // softcap_coef_log2 = -2 coef log2(e), 0 without.
+    float softmax_scale, scale_log2, softcap_coef_log2;
     int* tile_counter = nullptr;  // kPersistent: two zeroed ints (TileStream), or null (static order)
     int num_items = 0;            // kPersistent: key blocks x heads x batch
     TmaStoreKV tma_dk{}, tma_dv{};  // kTmaEpilogue, MHA: dK, dV out by TMA (bwd_store_dkdv_tma) ...

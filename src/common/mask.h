@@ -1,12 +1,15 @@
 // flash3: the attention mask, the one place that says which (query, key) pairs are visible. The
-// forward and backward kernels, their schedulers and the launchers all ask it:
-//   n_block_end     the key blocks a query block visits (forward),
+// forward and backward kernels, their schedulers, the dQ writers and the launchers all ask it:
+//   n_block_range   the key blocks a query block visits (forward; the backward's dQ order),
 //   m_block_range   the query blocks a key block visits (backward),
 //   needs_masking   whether a (query block, key block) pair needs element masking,
-//   key_end         the end of the keys one query row sees,
+//   key_begin/end   the keys one query row sees,
 //   apply / apply_transposed   -inf on the invisible scores of S or S^T in registers.
-// Today: no mask (every key below seqlen_k) or causal, aligned bottom-right as in
-// FlashAttention-2/3: query i sees key j iff j <= i + seqlen_k - seqlen_q.
+// Query i sees key j iff j < seqlen_k and, with d = seqlen_k - seqlen_q (masks aligned
+// bottom-right, as in FlashAttention-2/3),
+//   i + d - left <= j <= i + d + right
+// where (left, right) is the sliding window (Window; -1: unbounded on that side) and causal is
+// right = 0. Without a window, both bounds are clamped to values that exclude nothing.
 #pragma once
 
 #if defined(__CUDACC__)
@@ -18,55 +21,99 @@
 
 namespace flash3::detail {
 
+// A sliding window (FlashAttention-3's window_size): -1 means unbounded on that side.
+struct Window {
+  int left = -1, right = -1;
+};
+
+// The window as a mask uses it (Mask::lo_off, hi_off), computed once on the host.
+// NOTES: kernel parameters, so that the kernels read them from the constant bank where they
+// need them: computed in the kernel, the two offsets took two more registers through the whole
+// forward mainloop, and ptxas spilled (head dim 128: 0 -> 132 bytes).
+struct MaskOffsets {
+  int lo_off, hi_off;
+};
+
 template <bool kCausal_>
 struct Mask {
   static constexpr bool kCausal = kCausal_;
   int seqlen_q, seqlen_k;
+  // Query `row` sees keys [row + lo_off, row + hi_off) within [0, seqlen_k):
+  // lo_off = d - left, hi_off = d + right + 1, the window clamped to [0, seqlen_k - 1] on the left
+  // and [0, seqlen_q - 1] on the right (causal: right = 0).
+  int lo_off, hi_off;
 
-  FLASH3_HD explicit Mask(SeqLen len) : seqlen_q(len.q), seqlen_k(len.k) {}
+  FLASH3_HD Mask(SeqLen len, MaskOffsets o) : seqlen_q(len.q), seqlen_k(len.k), lo_off(o.lo_off), hi_off(o.hi_off) {}
+  FLASH3_HD Mask(SeqLen len, Window w) : Mask(len, offsets(len, w)) {}
 
-  // Causal: key j is visible to query i iff j <= i + diagonal().
-  FLASH3_HD int diagonal() const { return seqlen_k - seqlen_q; }
+  // NOTES: the window clamped so that the row arithmetic below stays in 32 bits (validate.cpp
+  // bounds both lengths by 2^30): left >= seqlen_k - 1 and right >= seqlen_q - 1 exclude no key.
+  FLASH3_HD static MaskOffsets offsets(SeqLen len, Window w) {
+    const int max_left = len.k > 0 ? len.k - 1 : 0, max_right = len.q > 0 ? len.q - 1 : 0;
+    const int left = w.left < 0 || w.left > max_left ? max_left : w.left;
+    const int right = kCausal ? 0 : (w.right < 0 || w.right > max_right ? max_right : w.right);
+    return MaskOffsets{len.k - len.q - left, len.k - len.q + right + 1};
+  }
 
-  // The keys query `row` sees: [0, key_end(row)); <= 0 where none.
+  // The keys query `row` sees: [key_begin(row), key_end(row)); empty where end <= begin.
+  FLASH3_HD int key_begin(int row) const {
+    const int begin = row + lo_off;
+    return begin > 0 ? begin : 0;
+  }
   FLASH3_HD int key_end(int row) const {
-    const int end = row + 1 + diagonal();
-    return kCausal && end < seqlen_k ? end : seqlen_k;
+    const int end = row + hi_off;
+    return end < seqlen_k ? end : seqlen_k;
   }
 
-  // Query block m_block (rows [m_block * kBlockM, +kBlockM)) visits key blocks [0, n_block_end):
-  // blocks entirely in the future of its last row are skipped, not computed.
+  // The blocks a range of blocks visits, from one rule: query block m (rows r0..r1) and key block
+  // n (keys c0..c1, both ends clipped to the lengths) hold a visible pair iff
+  //   c0 < r1 + hi_off   and   c1 >= r0 + lo_off,
+  // so that enumerating the pairs by query block (n_block_range) and by key block
+  // (m_block_range) gives the same set (the deterministic dQ order relies on it).
+  // first_reaching: the first block (of kBlock) whose last index reaches `bound`, which (window
+  // bounds >= 0) is always below the length, so the clipping of the last block does not matter;
+  // end_from: the end of the blocks whose first index is below `bound`.
+  template <int kBlock>
+  FLASH3_HD static int first_reaching(int bound) {
+    return bound <= 0 ? 0 : bound / kBlock;
+  }
+  template <int kBlock>
+  FLASH3_HD static int end_from(int bound, int blocks) {
+    if (bound <= 0) return 0;
+    const int end = (bound - 1) / kBlock + 1;
+    return end < blocks ? end : blocks;
+  }
+
+  // Query block m_block visits key blocks [n_begin, n_end) (n_begin >= n_end: none): the blocks
+  // outside the window (and, causal, in the future of its last row) are skipped, not computed.
   template <int kBlockM, int kBlockN>
-  FLASH3_HD int n_block_end(int m_block) const {
-    int n_end = (seqlen_k + kBlockN - 1) / kBlockN;
-    if (kCausal) {
-      const int last_row = ((m_block + 1) * kBlockM < seqlen_q ? (m_block + 1) * kBlockM : seqlen_q) - 1;
-      const int last_col = last_row + diagonal();  // negative: no visible key
-      const int causal_end = last_col < 0 ? 0 : last_col / kBlockN + 1;
-      n_end = causal_end < n_end ? causal_end : n_end;
-    }
-    return n_end;
+  FLASH3_HD void n_block_range(int m_block, int& n_begin, int& n_end) const {
+    const int n_blocks = (seqlen_k + kBlockN - 1) / kBlockN;
+    const int r0 = m_block * kBlockM;
+    const int r1 = ((m_block + 1) * kBlockM < seqlen_q ? (m_block + 1) * kBlockM : seqlen_q) - 1;
+    n_end = end_from<kBlockN>(r1 + hi_off, n_blocks);
+    n_begin = first_reaching<kBlockN>(r0 + lo_off);
+    if (n_begin > n_end) n_begin = n_end;
   }
 
-  // Key block n_block is visited by query blocks [m_begin, m_end): the blocks whose rows all
-  // lie before its first key are skipped.
+  // Key block n_block is visited by query blocks [m_begin, m_end) (m_begin >= m_end: none).
   template <int kBlockM, int kBlockN>
   FLASH3_HD void m_block_range(int n_block, int& m_begin, int& m_end) const {
-    m_end = (seqlen_q + kBlockM - 1) / kBlockM;
-    m_begin = 0;
-    if (kCausal) {
-      const int first_row = n_block * kBlockN - diagonal();  // the first row to see key n_block * kBlockN
-      m_begin = first_row <= 0 ? 0 : (first_row / kBlockM < m_end ? first_row / kBlockM : m_end);
-    }
+    const int m_blocks = (seqlen_q + kBlockM - 1) / kBlockM;
+    const int c0 = n_block * kBlockN;
+    const int c1 = ((n_block + 1) * kBlockN < seqlen_k ? (n_block + 1) * kBlockN : seqlen_k) - 1;
+    m_end = end_from<kBlockM>(c1 - lo_off + 1, m_blocks);
+    m_begin = first_reaching<kBlockM>(c0 - hi_off + 1);
+    if (m_begin > m_end) m_begin = m_end;
   }
 
-  // Whether the block of rows from row0 and kBlockN keys from col0 holds an invisible pair:
-  // keys past the end, or (causal) a key past the first row's diagonal.
-  template <int kBlockN>
+  // Whether the block of kBlockM rows from row0 and kBlockN keys from col0 holds an invisible
+  // pair: keys past the end, right of the first row's window (causal: its diagonal), or left of
+  // the last row's window (the last row below seqlen_q: padding rows are never stored).
+  template <int kBlockM, int kBlockN>
   FLASH3_HD bool needs_masking(int row0, int col0) const {
-    bool need = col0 + kBlockN > seqlen_k;
-    if (kCausal) need |= col0 + kBlockN - 1 > row0 + diagonal();
-    return need;
+    const int last_row = (row0 + kBlockM < seqlen_q ? row0 + kBlockM : seqlen_q) - 1;
+    return col0 + kBlockN > seqlen_k || col0 + kBlockN > row0 + hi_off || col0 < last_row + lo_off;
   }
 
 #if defined(__CUDACC__)
@@ -74,17 +121,16 @@ struct Mask {
   // the tile's first query row / key column. Invisible scores become -inf.
   template <class TensorS, class TensorC>
   __device__ __forceinline__ void apply(TensorS& s, TensorC const& coord, int row0, int col0) const {
-    const int col_limit_k = seqlen_k - col0;  // in-tile columns >= this are past the end
 #pragma unroll
     for (int m = 0; m < cute::size<0>(s); ++m) {
-      int col_limit = col_limit_k;
-      if constexpr (kCausal) {
-        const int row = row0 + cute::get<0>(coord(m, 0));
-        col_limit = min(col_limit, row + 1 + diagonal() - col0);
-      }
+      // Visible in-tile columns: [lo, hi).
+      const int row = row0 + cute::get<0>(coord(m, 0));
+      const int lo = row + lo_off - col0;
+      const int hi = key_end(row) - col0;
 #pragma unroll
       for (int n = 0; n < cute::size<1>(s); ++n) {
-        if (cute::get<1>(coord(m, n)) >= col_limit) s(m, n) = -INFINITY;
+        const int col = cute::get<1>(coord(m, n));
+        if (col >= hi || col < lo) s(m, n) = -INFINITY;
       }
     }
   }
@@ -95,12 +141,14 @@ struct Mask {
   __device__ __forceinline__ void apply_transposed(TensorS& st, TensorC const& coord, int row0, int col0) const {
 #pragma unroll
     for (int j = 0; j < cute::size<1>(st); ++j) {
-      // Keys visible to query column j: [0, limit) relative to col0.
-      int limit = seqlen_k - col0;
-      if constexpr (kCausal) limit = min(limit, row0 + cute::get<1>(coord(0, j)) + diagonal() + 1 - col0);
+      // Keys visible to query column j: [lo, hi) relative to col0.
+      const int row = row0 + cute::get<1>(coord(0, j));
+      const int lo = row + lo_off - col0;
+      const int hi = key_end(row) - col0;
 #pragma unroll
       for (int r = 0; r < cute::size<0>(st); ++r) {
-        if (cute::get<0>(coord(r, 0)) >= limit) st(r, j) = -INFINITY;
+        const int key = cute::get<0>(coord(r, 0));
+        if (key >= hi || key < lo) st(r, j) = -INFINITY;
       }
     }
   }

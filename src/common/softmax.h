@@ -79,6 +79,36 @@ struct OnlineSoftmax {
   }
 };
 
+// Softcap (FlashAttention-3's softcap > 0): the logit softcap * tanh(scale * S / softcap) replaces
+// scale * S. The kernels keep t = tanh(coef * S), coef = scale / softcap, in place of S and run
+// the softmax with softcap as its scale; the backward multiplies dS by 1 - t^2.
+// tanh(coef * x) to about 1e-7 absolute, from coef_log2 = -2 coef log2(e): with e = exp(-2|coef x|)
+// in (0, 1], tanh |coef x| = (1 - e) / (1 + e), two MUFU operations (ex2, rcp).
+// NOTES: the logit's error is softcap times t's absolute error, and the softmax turns it into a
+// relative error of P. tanh.approx.f32 (one MUFU) has a relative error of 2^-11, up to 0.024 in a
+// logit at softcap 50: ten times the rounding of a 16-bit P.
+__device__ __forceinline__ float softcap_tanh(float x, float coef_log2) {
+  const float e = fast_exp2(fabsf(x) * coef_log2);
+  return copysignf(__fdividef(1.f - e, 1.f + e), x);
+}
+
+// t = tanh(coef * S) in place over a tensor of scores (coef_log2 as softcap_tanh's).
+template <class TensorS>
+__device__ __forceinline__ void apply_softcap(TensorS& s, float coef_log2) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < size(s); ++i) s(i) = softcap_tanh(s(i), coef_log2);
+}
+
+// The backward's 1 - t^2 for a softcapped score, from its P = exp2(t * scale_log2 - lse_log2):
+// t = (log2 P + lse_log2) / scale_log2, clamped to [-1, 1] (P = 0 gives t = -inf or NaN, and then
+// the factor's product with P is 0 whatever it is).
+// NOTES: recovered from P rather than kept: a second score tile in registers would cost the
+// backward's tight register budget in every mode, softcap or not; this costs one MUFU (lg2).
+__device__ __forceinline__ float softcap_dtanh(float p, float lse_log2, float inv_scale_log2) {
+  const float t = fminf(fmaxf((__log2f(p) + lse_log2) * inv_scale_log2, -1.f), 1.f);
+  return (1.f - t) * (1.f + t);
+}
+
 // Multiplies each row of a (row, col) view by a per-row factor.
 template <int kRows, class TensorO>
 __device__ __forceinline__ void scale_rows(TensorO& o, const float (&factor)[kRows]) {

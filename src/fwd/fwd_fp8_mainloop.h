@@ -170,7 +170,7 @@ struct FwdFp8Mainloop {
 
     auto softmax_step = [&](int n_block, float coef, float (&rescale)[kRows]) -> bool {
       const int col0 = n_block * kBlockN;
-      if (mask.template needs_masking<kBlockN>(row0, col0)) mask.apply(tSrS_rc, tScS_rc, row0, col0);
+      if (mask.template needs_masking<kBlockM, kBlockN>(row0, col0)) mask.apply(tSrS_rc, tScS_rc, row0, col0);
       return softmax.step(tSrS_rc, coef, rescale);
     };
     auto gemm_qk = [&]() {

@@ -52,7 +52,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   if (warpgroup == 0) {
     // ===================================== producer ======================================
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();  // line 3
-    const FwdScheduler<Traits> scheduler(params.scheduler, params.seqlens);
+    const FwdScheduler<Traits> scheduler(params.scheduler, params.seqlens, params.mask);
     if (Traits::kDynamicTiles && threadIdx.x == 32) return scheduler.run_draws(shared);
     if constexpr (Traits::kFp8) {
       // FP8: warps 2.. transpose V for the PV GEMM (fwd_fp8_transpose.h).
@@ -75,7 +75,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
 
   // ====================================== consumers =======================================
   cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();  // line 12
-  const FwdScheduler<Traits> scheduler(params.scheduler, params.seqlens);
+  const FwdScheduler<Traits> scheduler(params.scheduler, params.seqlens, params.mask);
   const int tidx = threadIdx.x - 128;
   Tensor tOrO = partition_fragment_C(typename Traits::TiledMmaPV{}, Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{});
   const auto views = Mainloop::make_views(shared, tidx);
@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     float lse[Mainloop::kRows];
     // Lines 13-24: O = softmax(Q K^T) V over the piece's key blocks, normalized, and its lse.
     Mainloop::run(params.mainloop, shared, pipeline_k, pipeline_v, read_k, read_v, turns, tidx, tiles_done, views,
-                  Mask<Traits::kCausal>(len), work.tile.m_block * Traits::kBlockM, work.n_lo, work.n_hi, tOrO, lse,
+                  Mask<Traits::kCausal>(len, params.mask), work.tile.m_block * Traits::kBlockM, work.n_lo, work.n_hi, tOrO, lse,
                   work.tile.batch, work.tile.head, work.tile.head / params.nheads_per_kv);
     if constexpr (Traits::kTailPieces) {
       if (work.part >= 0 &&

@@ -38,6 +38,12 @@ typename Traits::Params make_fwd_params(const FwdProblem& p, const FwdArgs& args
   params.load.layout_k = layout_k;
   params.mainloop.softmax_scale = p.softmax_scale;
   params.mainloop.scale_log2 = float(p.softmax_scale * M_LOG2E);
+  params.mainloop.softcap_coef_log2 = 0.0f;
+  if (p.softcap > 0.0f) {  // t = tanh(S * scale / softcap), then the softmax of softcap * t
+    params.mainloop.softcap_coef_log2 = float(-2.0 * double(p.softmax_scale) / p.softcap * M_LOG2E);
+    params.mainloop.softmax_scale = p.softcap;
+    params.mainloop.scale_log2 = float(double(p.softcap) * M_LOG2E);
+  }
   params.epilogue.layout_o = qkv_layout(args.out);
   using ElementOut = typename Traits::ElementOut;
   params.epilogue.tma_o = Traits::make_tma_o(static_cast<ElementOut*>(args.out.data), params.epilogue.layout_o);
@@ -59,6 +65,7 @@ typename Traits::Params make_fwd_params(const FwdProblem& p, const FwdArgs& args
   params.combine.split_o = nullptr;
   params.seqlens.seqlen_q = p.seqlen_q;
   params.seqlens.seqlen_k = p.seqlen_k;
+  params.mask = Mask<Traits::kCausal>::offsets(SeqLen{p.seqlen_q, p.seqlen_k}, Window{p.window_left, p.window_right});
   params.nheads_per_kv = p.nheads / p.nheads_kv;
   if constexpr (Traits::kFp8) {
     // (batch, nheads_kv): one scale per (batch, kv head), block stride 0; rank 3: block scales.
@@ -180,9 +187,9 @@ void run_fwd(const FwdProblem& p, const FwdArgs& args, FwdAblation ablation) {
     int* counter = nullptr;
     const bool persistent = fwd_schedule(p, args, ablation, counter);
     if (is_technique_ablation(ablation)) {
-      if (kDType != DType::kBFloat16 || kHeadDim != 128 || p.causal) {
+      if (kDType != DType::kBFloat16 || kHeadDim != 128 || p.causal || p.local()) {
         throw Error("flash3::fwd: ablation " + std::to_string(int(ablation)) +
-                    " is built for bfloat16, head_dim 128, non-causal only");
+                    " is built for bfloat16, head_dim 128, non-causal without a window only");
       }
       return run_fwd_technique_ablation(p, args, ablation, persistent);
     }
@@ -194,8 +201,8 @@ void run_fwd(const FwdProblem& p, const FwdArgs& args, FwdAblation ablation) {
       }
       launch_fwd<FwdTraits<Element, kHeadDim, true>>(p, args, persistent, counter);
     } else {
-      if constexpr (kHeadDim != 64) {  // FwdTailPieces (fwd_config.h)
-        if (ablation == FwdAblation::kDefault) {
+      if constexpr (kHeadDim != 64) {  // FwdTailPieces (fwd_config.h); a window's tiles differ in length
+        if (ablation == FwdAblation::kDefault && !p.local()) {
           return launch_fwd<FwdTraits<Element, kHeadDim, false>,
                             FwdTraits<Element, kHeadDim, false, FwdTailPieces>>(p, args, persistent, counter);
         }

@@ -20,6 +20,9 @@ using namespace cute;
 
 struct FwdMainloopParams {
   float softmax_scale, scale_log2;  // scale_log2 = softmax_scale * log2(e)
+  // Softcap (common/softmax.h): -2 (scale / softcap) log2(e), and then softmax_scale = softcap;
+  // 0: none.
+  float softcap_coef_log2;
 };
 
 template <int kConsumerThreads>
@@ -111,12 +114,13 @@ struct FwdMainloop {
     OnlineSoftmax<kRows> softmax(p.scale_log2);  // line 13
     clear(tOrO);
 
-    // S = Q K_j^T landed in tSrS: mask it where the block crosses the end of the keys or the
-    // causal diagonal, then the online softmax (lines 18-19), which gives the O rescale factors
+    // S = Q K_j^T landed in tSrS: softcap it (if on), mask it where the block crosses the end of
+    // the keys or the window (causal: the diagonal), then the online softmax (lines 18-19), which gives the O rescale factors
     // and whether any row of the warp needs them (softmax.h).
     auto softmax_step_on = [&](decltype(tSrS_rc)& s_rc, int n_block, float (&rescale)[kRows]) -> bool {
       const int col0 = n_block * kBlockN;
-      if (mask.template needs_masking<kBlockN>(row0, col0)) mask.apply(s_rc, tScS_rc, row0, col0);
+      if (p.softcap_coef_log2 != 0.f) apply_softcap(s_rc, p.softcap_coef_log2);
+      if (mask.template needs_masking<kBlockM, kBlockN>(row0, col0)) mask.apply(s_rc, tScS_rc, row0, col0);
       return softmax.step(s_rc, rescale);
     };
     auto softmax_step = [&](int n_block, float (&rescale)[kRows]) -> bool {

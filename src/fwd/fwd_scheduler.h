@@ -62,12 +62,14 @@ struct FwdScheduler {
   using SharedStorage = FwdSchedulerStorage;
 
   SeqLens seqlens;
+  MaskOffsets mask_offsets;
   int num_m_blocks, nheads, num_tiles, section, tail_first, tiles_end;
   TileStream<Traits::kDynamicTiles> tiles;
   int tail_pieces;  // the tail kernel: how many pieces this block computes
 
-  __device__ FwdScheduler(const Params& p, SeqLens lens)
+  __device__ FwdScheduler(const Params& p, SeqLens lens, MaskOffsets mask)
       : seqlens(lens),
+        mask_offsets(mask),
         num_m_blocks((lens.max_q() + kBlockM - 1) / kBlockM),
         nheads(p.nheads),
         num_tiles(num_m_blocks * p.nheads * p.batch),
@@ -129,10 +131,8 @@ struct FwdScheduler {
   __device__ __forceinline__ void locate(FwdWork& w) const {
     w.tile = tile(w.index);
     if constexpr (!Traits::kTailPieces) {
-      // NOTES: n_lo = 0 is known at compile time here, so the main kernel's code is that of a
-      // kernel without pieces.
-      w.n_lo = 0;
-      w.n_hi = Mask<Traits::kCausal>(seqlens.of(w.tile.batch)).template n_block_end<kBlockM, kBlockN>(w.tile.m_block);
+      Mask<Traits::kCausal>(seqlens.of(w.tile.batch), mask_offsets)
+          .template n_block_range<kBlockM, kBlockN>(w.tile.m_block, w.n_lo, w.n_hi);
     }
   }
   __device__ __forceinline__ bool done(const FwdWork& w) const { return w.index >= tiles_end; }

@@ -30,6 +30,7 @@ struct FwdParams {
   FwdSchedulerParams scheduler;
   FwdCombineParams combine;
   SeqLens seqlens;
+  MaskOffsets mask;   // the sliding window (common/mask.h)
   int nheads_per_kv;  // GQA/MQA: query heads per K/V head
 };
 
