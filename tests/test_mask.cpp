@@ -4,7 +4,8 @@
 // (-1: unbounded; causal: right = 0). The kernels skip the blocks the mask's ranges leave out, so
 // a range that misses a visible pair loses keys; the forward (n_block_range) and the backward
 // (m_block_range) must agree on the set of block pairs exactly, since the deterministic dQ order
-// starts each tile's chain at its first key block (bwd_dq_writer.h).
+// starts each tile's chain at its first key block (bwd_dq_writer.h). The kernels without windows
+// (Mask<..., false>) must follow the rule without one.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -26,12 +27,12 @@ struct Rule {
   }
 };
 
-template <bool kCausal, int kBlockM, int kBlockN>
+template <bool kCausal, bool kWindow, int kBlockM, int kBlockN>
 void check(const Rule& rule) {
   SCOPED_TRACE("sq=" + std::to_string(rule.sq) + " sk=" + std::to_string(rule.sk) + " window=(" +
-               std::to_string(rule.left) + "," + std::to_string(rule.right) + ")" + (kCausal ? " causal" : "") +
+               std::to_string(rule.left) + "," + std::to_string(rule.right) + ")" + (kCausal ? " causal" : "") + (kWindow ? " (window kernel)" : "") +
                " blocks " + std::to_string(kBlockM) + "x" + std::to_string(kBlockN));
-  const Mask<kCausal> mask(SeqLen{rule.sq, rule.sk}, Window{rule.left, rule.right});
+  const Mask<kCausal, kWindow> mask(SeqLen{rule.sq, rule.sk}, Window{rule.left, rule.right});
   const int m_blocks = (rule.sq + kBlockM - 1) / kBlockM, n_blocks = (rule.sk + kBlockN - 1) / kBlockN;
   for (int i = 0; i < rule.sq; ++i) {
     int begin = rule.sk, end = 0;  // the visible keys of row i, as [begin, end)
@@ -97,13 +98,23 @@ TEST(Mask, RangesAndMaskingFollowTheRule) {
         for (bool causal : {false, true}) {
           const Rule rule{sq, sk, left, right, causal};
           if (causal) {
-            check<true, 128, 128>(rule);
-            check<true, 192, 128>(rule);
-            check<true, 64, 128>(rule);
+            check<true, true, 128, 128>(rule);
+            check<true, true, 192, 128>(rule);
+            check<true, true, 64, 128>(rule);
           } else {
-            check<false, 128, 176>(rule);
-            check<false, 64, 64>(rule);
-            check<false, 128, 192>(rule);
+            check<false, true, 128, 176>(rule);
+            check<false, true, 64, 64>(rule);
+            check<false, true, 128, 192>(rule);
+          }
+          // The kernels without windows: the rule without one.
+          if (left == -1 && right == -1) {
+            if (causal) {
+              check<true, false, 128, 128>(rule);
+              check<true, false, 192, 128>(rule);
+            } else {
+              check<false, false, 128, 176>(rule);
+              check<false, false, 64, 64>(rule);
+            }
           }
           if (::testing::Test::HasFatalFailure()) return;
         }
@@ -115,7 +126,7 @@ TEST(Mask, RangesAndMaskingFollowTheRule) {
 // Bounds far beyond the lengths (and the lengths' 2^30 limit) stay in 32-bit arithmetic.
 TEST(Mask, HugeWindowsAndLengthsDoNotOverflow) {
   const int big = 1 << 30;
-  const Mask<false> mask(SeqLen{big, big}, Window{2147483647, 2147483647});
+  const Mask<false, true> mask(SeqLen{big, big}, Window{2147483647, 2147483647});
   int n_begin, n_end, m_begin, m_end;
   mask.n_block_range<128, 128>(big / 128 - 1, n_begin, n_end);
   EXPECT_EQ(n_begin, 0);
@@ -124,7 +135,7 @@ TEST(Mask, HugeWindowsAndLengthsDoNotOverflow) {
   EXPECT_EQ(m_begin, 0);
   EXPECT_EQ(m_end, big / 128);
   EXPECT_FALSE((mask.needs_masking<128, 128>(big - 128, 0)));
-  const Mask<true> causal(SeqLen{1, big}, Window{5, -1});
+  const Mask<true, true> causal(SeqLen{1, big}, Window{5, -1});
   causal.n_block_range<128, 128>(0, n_begin, n_end);
   EXPECT_EQ(n_end, big / 128);
   EXPECT_EQ(n_begin, (big - 1 - 5) / 128);

@@ -550,11 +550,16 @@ class ValidateBwd : public Validate<BwdArgs> {
   BwdArgs fresh() const { return make_bwd_args(2, 128, 256, 8, 2, 128); }
 };
 
-TEST_F(ValidateFwd, SoftcapIsFor16BitInputs) {
+TEST_F(ValidateFwd, WindowAndSoftcapAreFor16BitInputs) {
   for (TensorRef* t : {&a.q, &a.k, &a.v}) t->dtype = DType::kFloat8E4M3;
   EXPECT_NO_THROW(problem(a));
-  a.window_left = 20;  // a window is fine
-  EXPECT_EQ(problem(a).window_left, 20);
+  a.causal = false;
+  a.window_right = 0;  // (-1, 0) is causal: fine
+  EXPECT_TRUE(problem(a).causal);
+  a.window_left = 20;
+  EXPECT_TRUE(fails_with(a, {"window_left is 20 and window_right is 0 but q.dtype is float8_e4m3; sliding windows are "
+                             "built for float16 and bfloat16"}));
+  a.window_left = -1;
   a.softcap = 5.0f;
   EXPECT_TRUE(fails_with(a, {"softcap is 5 but q.dtype is float8_e4m3; softcap is built for float16 and bfloat16"}));
 }

@@ -12,8 +12,8 @@ out (and lse); inference only (no autograd; a backward through it raises). The d
 16-bit q, k, v, float8_e5m2, and float8 mixed with 16-bit tensors raise ValueError naming the
 argument. (flash3.flash_attn_fp8_func quantizes 16-bit inputs itself, with block scales.)
 
-Sliding window and softcap, as FlashAttention-3 (forward and backward, 16-bit; FP8 forward with
-a window): window_size = (left, right) lets query i see key j iff
+Sliding window and softcap, as FlashAttention-3 (forward and backward; float16 and bfloat16 only:
+with float8 inputs the library refuses both, but causal): window_size = (left, right) lets query i see key j iff
 i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right; a negative side is
 unbounded ((-1, -1): no window), and causal=True makes right 0 ((-1, 0) is causal). softcap > 0
 replaces each scaled score x by softcap * tanh(x / softcap) before the softmax (softmax_lse is

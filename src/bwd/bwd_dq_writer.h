@@ -80,15 +80,17 @@ __device__ __forceinline__ void bwd_dq_writer(typename Traits::Params const& par
   float* dq_accum = params.dq_accum + (bh * params.m_blocks * groups + group) * Traits::kDQElems;
   int* sem = params.dq_sem != nullptr ? params.dq_sem + bh * params.m_blocks * groups + group : nullptr;
   const int first = g_begin + ((writer - g_begin) % Traits::kDQWriters + Traits::kDQWriters) % Traits::kDQWriters;
-  const int batch = int(bh / params.nheads);
-  const Mask<Traits::kCausal> mask(params.seqlens.of(batch), params.mask);
   for (int i = first; i < g_end; i += Traits::kDQWriters) {
     const int m = m_at(i), buf = i % Traits::kDQStages;
     // The turn of the group's first key block to visit tile m (0 unless a window skips the
     // first key blocks): it stores, and the others count their turns from it.
-    int n_first, n_end;
-    mask.template n_block_range<Traits::kBlockM, Traits::kBlockN>(m, n_first, n_end);
-    const int turn0 = (n_first + ((group - n_first % groups) % groups + groups) % groups) / groups;
+    int turn0 = 0;
+    if constexpr (Traits::kWindowSoftcap) {
+      const typename Traits::MaskT mask(params.seqlens.of(int(bh / params.nheads)), params.mask);
+      int n_first, n_end;
+      mask.template n_block_range<Traits::kBlockM, Traits::kBlockN>(m, n_first, n_end);
+      turn0 = (n_first + ((group - n_first % groups) % groups + groups) % groups) / groups;
+    }
     named_barrier_sync(Traits::kDQBarThreads, kBwdBarDQFull + i % Traits::kDQFullBars);
     if (lane == 0) {
       float* dst = dq_accum + int64_t(m) * groups * Traits::kDQElems;

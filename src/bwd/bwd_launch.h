@@ -68,7 +68,7 @@ void launch_bwd_main(const BwdProblem& p, const BwdArgs& args, const BwdWorkspac
     params.softcap_coef_log2 = float(-2.0 * double(p.softmax_scale) / p.softcap * M_LOG2E);
     params.scale_log2 = float(double(p.softcap) * M_LOG2E);
   }
-  params.mask = Mask<Traits::kCausal>::offsets(SeqLen{p.seqlen_q, p.seqlen_k}, Window{p.window_left, p.window_right});
+  params.mask = Traits::MaskT::offsets(SeqLen{p.seqlen_q, p.seqlen_k}, Window{p.window_left, p.window_right});
   // The postprocess waits per pair (dq_done) rather than for the whole main kernel.
   params.dq_done = reinterpret_cast<int*>(base + ws.dq_done);
   // MHA: dK, dV leave through TMA stores (bwd_store_dkdv_tma) where kTmaEpilogue; GQA adds FP32
@@ -141,15 +141,22 @@ void run_bwd(const BwdProblem& p, const BwdArgs& args, const BwdWorkspaceLayout&
   bwd_preprocess<Element, kBlockM, kHeadDim><<<dim3(unsigned(aux_blocks)), 256, 0, args.stream>>>(aux);
   check_cuda(cudaGetLastError(), "backward preprocess launch");
   if (p.seqlen_k > 0) {
-    if (p.causal) {
+    // Sliding windows and softcap: kernels of their own (common/mask.h).
+    const bool window_softcap = p.window_left >= 0 || (!p.causal && p.window_right >= 0) || p.softcap > 0.0f;
+    if (window_softcap && p.causal) {
+      launch_bwd_main<BwdTraits<Element, kHeadDim, true, true>>(p, args, ws, base);
+    } else if (window_softcap) {
+      launch_bwd_main<BwdTraits<Element, kHeadDim, false, true>>(p, args, ws, base);
+    } else if (p.causal) {
       launch_bwd_main<BwdTraits<Element, kHeadDim, true>>(p, args, ws, base);
     } else {
       launch_bwd_main<Traits>(p, args, ws, base);
     }
   }
   // The dQ tiles are in the register order of the main kernel's dQ GEMM: one postprocess serves
-  // the causal and non-causal kernels while they share it.
+  // the causal and non-causal kernels (with or without windows) while they share it.
   static_assert(BwdTraits<Element, kHeadDim, true>::kDQFragThreads == Traits::kDQFragThreads);
+  static_assert(BwdTraits<Element, kHeadDim, true, true>::kDQFragThreads == Traits::kDQFragThreads);
   constexpr int kPostSmem = bwd_postprocess_dq_smem<Traits>();
   if constexpr (kPostSmem > 48 * 1024) {
     set_max_dynamic_smem<&bwd_postprocess_dq<Traits>>(kPostSmem,

@@ -20,7 +20,7 @@ template <class Traits, class Pipeline, class AccKV, class MAt>
 __device__ __forceinline__ void bwd_mainloop_ss(typename Traits::Params const& params,
                                                 typename Traits::SharedStorage& shared, Pipeline& pipeline_q,
                                                 Pipeline& pipeline_do, int m_count, MAt const& m_at,
-                                                Mask<Traits::kCausal> const& mask, int col0, int tidx,
+                                                typename Traits::MaskT const& mask, int col0, int tidx,
                                                 AccKV& tdKrdK, AccKV& tdVrdV) {
   using Element = typename Traits::Element;
   using PipelineState = typename Traits::PipelineState;
@@ -95,7 +95,9 @@ __device__ __forceinline__ void bwd_mainloop_ss(typename Traits::Params const& p
     const int row0 = m * kBlockM;
     const float* lse = shared.smem_lse + stage * kBlockM;
     const bool need_mask = mask.template needs_masking<kBlockM, kBlockN>(row0, col0);
-    if (params.softcap_coef_log2 != 0.f) apply_softcap(tSrS, params.softcap_coef_log2);
+    if constexpr (Traits::kWindowSoftcap) {
+      if (params.softcap_coef_log2 != 0.f) apply_softcap(tSrS, params.softcap_coef_log2);
+    }
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kRows; ++i) {
       const int r = get<0>(tScS_rc(i, 0));
@@ -118,7 +120,7 @@ __device__ __forceinline__ void bwd_mainloop_ss(typename Traits::Params const& p
   // dS = P * (dP - D) in place of dP (softcap: times 1 - t^2, softcap_dtanh).
   auto compute_ds = [&](int stage) {
     const float* dpsum = shared.smem_dpsum + stage * kBlockM;
-    if (params.softcap_coef_log2 != 0.f) {
+    if (Traits::kWindowSoftcap && params.softcap_coef_log2 != 0.f) {
       const float* lse = shared.smem_lse + stage * kBlockM;
       const float inv_scale_log2 = 1.f / params.scale_log2;
       CUTLASS_PRAGMA_UNROLL

@@ -29,7 +29,9 @@ struct BwdSecondK {
 template <class Element>
 struct BwdSecondK<Element, 0> {};
 
-template <class Element_, int kHeadDim_, bool kCausal_>
+// kWindowSoftcap: the kernel of sliding windows and softcap (common/mask.h says why it is a
+// kernel of its own).
+template <class Element_, int kHeadDim_, bool kCausal_, bool kWindowSoftcap_ = false>
 struct BwdTraits {
   using Element = Element_;
   using Config = BwdTileConfig<kHeadDim_>;
@@ -38,6 +40,8 @@ struct BwdTraits {
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kStages = Config::kStages;
   static constexpr bool kCausal = kCausal_;
+  static constexpr bool kWindowSoftcap = kWindowSoftcap_;
+  using MaskT = Mask<kCausal, kWindowSoftcap>;
   static constexpr bool kSpreadVisits = Config::kSpreadVisits;  // bwd_scheduler.h
   // Persistent (bwd_scheduler.h, where bwd_config.h says): one block per SM takes blocks of
   // work (key block, head, batch) from a counter, so that the next one's K,

@@ -34,9 +34,15 @@ struct MaskOffsets {
   int lo_off, hi_off;
 };
 
-template <bool kCausal_>
+// kWindow: the kernel is built for sliding windows (and softcap: the FwdWindowSoftcap /
+// kWindowSoftcap kernels). Without it the window's tests compile away, and so does the right
+// bound where not causal: the code is that of a mask of the end of the keys and the diagonal.
+// NOTES: one kernel for both cost 3-14% in the backward at head dims 64 and 128 and up to 10% in
+// the forward (docs/perf-log.md, W1): the window's bounds and softcap's branch in every kernel.
+template <bool kCausal_, bool kWindow_>
 struct Mask {
-  static constexpr bool kCausal = kCausal_;
+  static constexpr bool kCausal = kCausal_, kWindow = kWindow_;
+  static constexpr bool kRightBound = kCausal || kWindow;  // keys right of the window exist
   int seqlen_q, seqlen_k;
   // Query `row` sees keys [row + lo_off, row + hi_off) within [0, seqlen_k):
   // lo_off = d - left, hi_off = d + right + 1, the window clamped to [0, seqlen_k - 1] on the left
@@ -49,6 +55,7 @@ struct Mask {
   // NOTES: the window clamped so that the row arithmetic below stays in 32 bits (validate.cpp
   // bounds both lengths by 2^30): left >= seqlen_k - 1 and right >= seqlen_q - 1 exclude no key.
   FLASH3_HD static MaskOffsets offsets(SeqLen len, Window w) {
+    if (!kWindow) w = Window{};
     const int max_left = len.k > 0 ? len.k - 1 : 0, max_right = len.q > 0 ? len.q - 1 : 0;
     const int left = w.left < 0 || w.left > max_left ? max_left : w.left;
     const int right = kCausal ? 0 : (w.right < 0 || w.right > max_right ? max_right : w.right);
@@ -57,10 +64,12 @@ struct Mask {
 
   // The keys query `row` sees: [key_begin(row), key_end(row)); empty where end <= begin.
   FLASH3_HD int key_begin(int row) const {
+    if (!kWindow) return 0;
     const int begin = row + lo_off;
     return begin > 0 ? begin : 0;
   }
   FLASH3_HD int key_end(int row) const {
+    if (!kRightBound) return seqlen_k;
     const int end = row + hi_off;
     return end < seqlen_k ? end : seqlen_k;
   }
@@ -91,9 +100,12 @@ struct Mask {
     const int n_blocks = (seqlen_k + kBlockN - 1) / kBlockN;
     const int r0 = m_block * kBlockM;
     const int r1 = ((m_block + 1) * kBlockM < seqlen_q ? (m_block + 1) * kBlockM : seqlen_q) - 1;
-    n_end = end_from<kBlockN>(r1 + hi_off, n_blocks);
-    n_begin = first_reaching<kBlockN>(r0 + lo_off);
-    if (n_begin > n_end) n_begin = n_end;
+    n_end = kRightBound ? end_from<kBlockN>(r1 + hi_off, n_blocks) : n_blocks;
+    n_begin = 0;
+    if (kWindow) {
+      n_begin = first_reaching<kBlockN>(r0 + lo_off);
+      if (n_begin > n_end) n_begin = n_end;
+    }
   }
 
   // Key block n_block is visited by query blocks [m_begin, m_end) (m_begin >= m_end: none).
@@ -102,9 +114,12 @@ struct Mask {
     const int m_blocks = (seqlen_q + kBlockM - 1) / kBlockM;
     const int c0 = n_block * kBlockN;
     const int c1 = ((n_block + 1) * kBlockN < seqlen_k ? (n_block + 1) * kBlockN : seqlen_k) - 1;
-    m_end = end_from<kBlockM>(c1 - lo_off + 1, m_blocks);
-    m_begin = first_reaching<kBlockM>(c0 - hi_off + 1);
-    if (m_begin > m_end) m_begin = m_end;
+    m_end = kWindow ? end_from<kBlockM>(c1 - lo_off + 1, m_blocks) : m_blocks;
+    m_begin = 0;
+    if (kRightBound) {
+      m_begin = first_reaching<kBlockM>(c0 - hi_off + 1);
+      if (m_begin > m_end) m_begin = m_end;
+    }
   }
 
   // Whether the block of kBlockM rows from row0 and kBlockN keys from col0 holds an invisible
@@ -113,7 +128,8 @@ struct Mask {
   template <int kBlockM, int kBlockN>
   FLASH3_HD bool needs_masking(int row0, int col0) const {
     const int last_row = (row0 + kBlockM < seqlen_q ? row0 + kBlockM : seqlen_q) - 1;
-    return col0 + kBlockN > seqlen_k || col0 + kBlockN > row0 + hi_off || col0 < last_row + lo_off;
+    return col0 + kBlockN > seqlen_k || (kRightBound && col0 + kBlockN > row0 + hi_off) ||
+           (kWindow && col0 < last_row + lo_off);
   }
 
 #if defined(__CUDACC__)
@@ -130,7 +146,7 @@ struct Mask {
 #pragma unroll
       for (int n = 0; n < cute::size<1>(s); ++n) {
         const int col = cute::get<1>(coord(m, n));
-        if (col >= hi || col < lo) s(m, n) = -INFINITY;
+        if (col >= hi || (kWindow && col < lo)) s(m, n) = -INFINITY;
       }
     }
   }
@@ -148,7 +164,7 @@ struct Mask {
 #pragma unroll
       for (int r = 0; r < cute::size<0>(st); ++r) {
         const int key = cute::get<0>(coord(r, 0));
-        if (key >= hi || key < lo) st(r, j) = -INFINITY;
+        if (key >= hi || (kWindow && key < lo)) st(r, j) = -INFINITY;
       }
     }
   }

@@ -9,6 +9,7 @@
 #include <cutlass/numeric_types.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
+#include "common/mask.h"
 #include "common/seqlen.h"
 #include "fwd/fwd_config.h"
 #include "fwd/fwd_epilogue.h"
@@ -34,6 +35,8 @@ struct FwdFp8Traits {
   static constexpr int kStages = Config::kStages;
   static constexpr int kStagesV = Config::kStages;
   static constexpr bool kCausal = kCausal_;
+  static constexpr bool kWindowSoftcap = false;  // neither is built for FP8
+  using MaskT = Mask<kCausal, false>;
   static constexpr bool kDynamicTiles = kCausal;
   static constexpr bool kPingpong = true;
   static constexpr bool kIntraWGOverlap = true;

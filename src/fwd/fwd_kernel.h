@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     float lse[Mainloop::kRows];
     // Lines 13-24: O = softmax(Q K^T) V over the piece's key blocks, normalized, and its lse.
     Mainloop::run(params.mainloop, shared, pipeline_k, pipeline_v, read_k, read_v, turns, tidx, tiles_done, views,
-                  Mask<Traits::kCausal>(len, params.mask), work.tile.m_block * Traits::kBlockM, work.n_lo, work.n_hi, tOrO, lse,
+                  typename Traits::MaskT(len, params.mask), work.tile.m_block * Traits::kBlockM, work.n_lo, work.n_hi, tOrO, lse,
                   work.tile.batch, work.tile.head, work.tile.head / params.nheads_per_kv);
     if constexpr (Traits::kTailPieces) {
       if (work.part >= 0 &&

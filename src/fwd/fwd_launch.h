@@ -65,7 +65,7 @@ typename Traits::Params make_fwd_params(const FwdProblem& p, const FwdArgs& args
   params.combine.split_o = nullptr;
   params.seqlens.seqlen_q = p.seqlen_q;
   params.seqlens.seqlen_k = p.seqlen_k;
-  params.mask = Mask<Traits::kCausal>::offsets(SeqLen{p.seqlen_q, p.seqlen_k}, Window{p.window_left, p.window_right});
+  params.mask = Traits::MaskT::offsets(SeqLen{p.seqlen_q, p.seqlen_k}, Window{p.window_left, p.window_right});
   params.nheads_per_kv = p.nheads / p.nheads_kv;
   if constexpr (Traits::kFp8) {
     // (batch, nheads_kv): one scale per (batch, kv head), block stride 0; rank 3: block scales.
@@ -187,11 +187,16 @@ void run_fwd(const FwdProblem& p, const FwdArgs& args, FwdAblation ablation) {
     int* counter = nullptr;
     const bool persistent = fwd_schedule(p, args, ablation, counter);
     if (is_technique_ablation(ablation)) {
-      if (kDType != DType::kBFloat16 || kHeadDim != 128 || p.causal || p.local()) {
+      if (kDType != DType::kBFloat16 || kHeadDim != 128 || p.causal || p.local() || p.softcap > 0.0f) {
         throw Error("flash3::fwd: ablation " + std::to_string(int(ablation)) +
-                    " is built for bfloat16, head_dim 128, non-causal without a window only");
+                    " is built for bfloat16, head_dim 128, non-causal without a window or softcap only");
       }
       return run_fwd_technique_ablation(p, args, ablation, persistent);
+    }
+    // Sliding windows and softcap: kernels of their own (common/mask.h), without the tail split.
+    if (p.local() || p.softcap > 0.0f) {
+      if (p.causal) return launch_fwd<FwdTraits<Element, kHeadDim, true, FwdWindowSoftcap>>(p, args, persistent, counter);
+      return launch_fwd<FwdTraits<Element, kHeadDim, false, FwdWindowSoftcap>>(p, args, persistent, counter);
     }
     if (p.causal) {
       if constexpr (kHeadDim == 64) {
@@ -201,8 +206,8 @@ void run_fwd(const FwdProblem& p, const FwdArgs& args, FwdAblation ablation) {
       }
       launch_fwd<FwdTraits<Element, kHeadDim, true>>(p, args, persistent, counter);
     } else {
-      if constexpr (kHeadDim != 64) {  // FwdTailPieces (fwd_config.h); a window's tiles differ in length
-        if (ablation == FwdAblation::kDefault && !p.local()) {
+      if constexpr (kHeadDim != 64) {  // FwdTailPieces (fwd_config.h)
+        if (ablation == FwdAblation::kDefault) {
           return launch_fwd<FwdTraits<Element, kHeadDim, false>,
                             FwdTraits<Element, kHeadDim, false, FwdTailPieces>>(p, args, persistent, counter);
         }

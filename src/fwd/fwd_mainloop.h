@@ -119,7 +119,9 @@ struct FwdMainloop {
     // and whether any row of the warp needs them (softmax.h).
     auto softmax_step_on = [&](decltype(tSrS_rc)& s_rc, int n_block, float (&rescale)[kRows]) -> bool {
       const int col0 = n_block * kBlockN;
-      if (p.softcap_coef_log2 != 0.f) apply_softcap(s_rc, p.softcap_coef_log2);
+      if constexpr (Traits::kWindowSoftcap) {
+        if (p.softcap_coef_log2 != 0.f) apply_softcap(s_rc, p.softcap_coef_log2);
+      }
       if (mask.template needs_masking<kBlockM, kBlockN>(row0, col0)) mask.apply(s_rc, tScS_rc, row0, col0);
       return softmax.step(s_rc, rescale);
     };

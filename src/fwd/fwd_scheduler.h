@@ -131,7 +131,7 @@ struct FwdScheduler {
   __device__ __forceinline__ void locate(FwdWork& w) const {
     w.tile = tile(w.index);
     if constexpr (!Traits::kTailPieces) {
-      Mask<Traits::kCausal>(seqlens.of(w.tile.batch), mask_offsets)
+      typename Traits::MaskT(seqlens.of(w.tile.batch), mask_offsets)
           .template n_block_range<kBlockM, kBlockN>(w.tile.m_block, w.n_lo, w.n_hi);
     }
   }

@@ -55,6 +55,9 @@ struct FwdTraits {
   static constexpr bool kThreeStage = Variant::kThreeStage;
   // The tail kernel of the non-causal split: pieces of tiles (tail_split.h), combined in FP32.
   static constexpr bool kTailPieces = Variant::kTailPieces;
+  // Sliding windows and softcap (fwd_config.h, FwdWindowSoftcap).
+  static constexpr bool kWindowSoftcap = Variant::kWindowSoftcap;
+  using MaskT = Mask<kCausal, kWindowSoftcap>;
 
   // Warpgroup 0 is the producer (TMA); warpgroups 1.. are consumers, 64 query rows each.
   static constexpr int kNumConsumerWG = kBlockM / 64;
