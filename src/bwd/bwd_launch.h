@@ -63,9 +63,9 @@ void launch_bwd_main(const BwdProblem& p, const BwdArgs& args, const BwdWorkspac
   params.seqlen_k_pad = ws.seqlen_k_pad;
   params.softmax_scale = p.softmax_scale;
   params.scale_log2 = float(p.softmax_scale * M_LOG2E);
-  params.softcap_coef_log2 = 0.0f;
+  params.softcap_coef = 0.0f;
   if (p.softcap > 0.0f) {  // as the forward's (fwd_launch.h); dQ, dK still scaled by softmax_scale
-    params.softcap_coef_log2 = float(-2.0 * double(p.softmax_scale) / p.softcap * M_LOG2E);
+    params.softcap_coef = float(double(p.softmax_scale) / p.softcap);
     params.scale_log2 = float(double(p.softcap) * M_LOG2E);
   }
   params.mask = Traits::MaskT::offsets(SeqLen{p.seqlen_q, p.seqlen_k}, Window{p.window_left, p.window_right});

@@ -218,9 +218,9 @@ struct BwdTraits {
     int l2_section, l2_big;  // causal block order: sections of (head, batch) pairs (bwd_sections)
     int64_t seqlen_q_pad, seqlen_k_pad;
     // P = exp2(S * scale_log2 - lse_log2); dQ, dK are scaled by softmax_scale at the end.
-    // Softcap (common/softmax.h): S is t = tanh(coef S) and scale_log2 = softcap * log2(e);
-    // softcap_coef_log2 = -2 coef log2(e), 0 without.
-    float softmax_scale, scale_log2, softcap_coef_log2;
+    // Softcap (common/softmax.h): S is t = tanh(softcap_coef S), softcap_coef = softmax_scale /
+    // softcap (0: no softcap), and scale_log2 = softcap * log2(e).
+    float softmax_scale, scale_log2, softcap_coef;
     int* tile_counter = nullptr;  // kPersistent: two zeroed ints (TileStream), or null (static order)
     int num_items = 0;            // kPersistent: key blocks x heads x batch
     TmaStoreKV tma_dk{}, tma_dv{};  // kTmaEpilogue, MHA: dK, dV out by TMA (bwd_store_dkdv_tma) ...

@@ -82,21 +82,25 @@ struct OnlineSoftmax {
 // Softcap (FlashAttention-3's softcap > 0): the logit softcap * tanh(scale * S / softcap) replaces
 // scale * S. The kernels keep t = tanh(coef * S), coef = scale / softcap, in place of S and run
 // the softmax with softcap as its scale; the backward multiplies dS by 1 - t^2.
-// tanh(coef * x) to about 1e-7 absolute, from coef_log2 = -2 coef log2(e): with e = exp(-2|coef x|)
-// in (0, 1], tanh |coef x| = (1 - e) / (1 + e), two MUFU operations (ex2, rcp).
-// NOTES: the logit's error is softcap times t's absolute error, and the softmax turns it into a
-// relative error of P. tanh.approx.f32 (one MUFU) has a relative error of 2^-11, up to 0.024 in a
-// logit at softcap 50: ten times the rounding of a 16-bit P.
-__device__ __forceinline__ float softcap_tanh(float x, float coef_log2) {
-  const float e = fast_exp2(fabsf(x) * coef_log2);
-  return copysignf(__fdividef(1.f - e, 1.f + e), x);
+// t by tanh.approx.f32 (one MUFU operation; relative error 2^-11, as FlashAttention-3's): a logit's
+// error is then up to softcap x 2^-11, the size of the 16-bit rounding of the logit that plain
+// attention in the input dtype makes (the tests' yardstick, tests/reference.h), which the tests
+// hold at softcap 1 to 50.
+// NOTES: an exact tanh, (1 - e) / (1 + e) with e = exp(-2|coef x|), takes two MUFU operations (ex2,
+// rcp) besides the softmax's own ex2, one per score already being the tensor cores' pace at head
+// dim 128: softcap then cost 1.5-1.9x there, against 1.2-1.5x now; e on the FMA pipe instead
+// (a polynomial) was slower still (docs/perf-log.md, W2-W3).
+__device__ __forceinline__ float softcap_tanh(float x, float coef) {
+  float t;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(x * coef));
+  return t;
 }
 
-// t = tanh(coef * S) in place over a tensor of scores (coef_log2 as softcap_tanh's).
+// t = tanh(coef * S) in place over a tensor of scores.
 template <class TensorS>
-__device__ __forceinline__ void apply_softcap(TensorS& s, float coef_log2) {
+__device__ __forceinline__ void apply_softcap(TensorS& s, float coef) {
   CUTLASS_PRAGMA_UNROLL
-  for (int i = 0; i < size(s); ++i) s(i) = softcap_tanh(s(i), coef_log2);
+  for (int i = 0; i < size(s); ++i) s(i) = softcap_tanh(s(i), coef);
 }
 
 // The backward's 1 - t^2 for a softcapped score, from its P = exp2(t * scale_log2 - lse_log2):

@@ -38,9 +38,9 @@ typename Traits::Params make_fwd_params(const FwdProblem& p, const FwdArgs& args
   params.load.layout_k = layout_k;
   params.mainloop.softmax_scale = p.softmax_scale;
   params.mainloop.scale_log2 = float(p.softmax_scale * M_LOG2E);
-  params.mainloop.softcap_coef_log2 = 0.0f;
+  params.mainloop.softcap_coef = 0.0f;
   if (p.softcap > 0.0f) {  // t = tanh(S * scale / softcap), then the softmax of softcap * t
-    params.mainloop.softcap_coef_log2 = float(-2.0 * double(p.softmax_scale) / p.softcap * M_LOG2E);
+    params.mainloop.softcap_coef = float(double(p.softmax_scale) / p.softcap);
     params.mainloop.softmax_scale = p.softcap;
     params.mainloop.scale_log2 = float(double(p.softcap) * M_LOG2E);
   }

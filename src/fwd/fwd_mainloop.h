@@ -20,9 +20,8 @@ using namespace cute;
 
 struct FwdMainloopParams {
   float softmax_scale, scale_log2;  // scale_log2 = softmax_scale * log2(e)
-  // Softcap (common/softmax.h): -2 (scale / softcap) log2(e), and then softmax_scale = softcap;
-  // 0: none.
-  float softcap_coef_log2;
+  // Softcap (common/softmax.h): scale / softcap, and then softmax_scale = softcap; 0: none.
+  float softcap_coef;
 };
 
 template <int kConsumerThreads>
@@ -120,7 +119,7 @@ struct FwdMainloop {
     auto softmax_step_on = [&](decltype(tSrS_rc)& s_rc, int n_block, float (&rescale)[kRows]) -> bool {
       const int col0 = n_block * kBlockN;
       if constexpr (Traits::kWindowSoftcap) {
-        if (p.softcap_coef_log2 != 0.f) apply_softcap(s_rc, p.softcap_coef_log2);
+        if (p.softcap_coef != 0.f) apply_softcap(s_rc, p.softcap_coef);
       }
       if (mask.template needs_masking<kBlockM, kBlockN>(row0, col0)) mask.apply(s_rc, tScS_rc, row0, col0);
       return softmax.step(s_rc, rescale);
