@@ -45,7 +45,6 @@ version), FA3's library and schemas, options, and per part the rows with every r
 import argparse
 import datetime
 import json
-import lzma
 import os
 import shutil
 import statistics
@@ -56,7 +55,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from timing import (BWD_FLOPS_FACTOR, HIDDEN, MISMATCH, SPIN_CYCLES, TOKENS, first_line, fmt,  # noqa: E402
-                    ints, log, rel_diff, sha256, time_call_ms)
+                    hopper_torch, ints, load_fa3, log, rel_diff, round_robin, sha256)
 
 SKIPPABLE = ("window", "softcap", "check")
 AREA_TARGET = 1.10     # flash3 (t_window / t_causal) / area ratio at most this
@@ -340,19 +339,11 @@ def report(data):
 
 # ---- GPU -------------------------------------------------------------------------------------
 
-def load_fa3(torch, path, tmp):
-    """torch.ops.flash_attn_3 and its info, or (None, None) where path is 'none' or missing."""
+def load_fa3_or_none(torch, path, tmp):
+    """timing.load_fa3, or (None, None) where path is 'none' or missing."""
     if not path or path == "none" or not os.path.isfile(path):
         return None, None
-    so = path
-    if path.endswith(".xz"):
-        so = os.path.join(tmp, "fa3_anchor.so")
-        with lzma.open(path) as f, open(so, "wb") as g:
-            shutil.copyfileobj(f, g)
-    torch.ops.load_library(so)
-    fa3 = torch.ops.flash_attn_3
-    return fa3, {"path": os.path.abspath(path), "sha256": sha256(so),
-                 "schema_fwd": str(fa3.fwd.default._schema), "schema_bwd": str(fa3.bwd.default._schema)}
+    return load_fa3(torch, path, tmp)
 
 
 def flash3_info(flash3):
@@ -370,30 +361,6 @@ def flash3_info(flash3):
     return {"lib": os.path.abspath(path) if path else None, "sha256": sha256(path) if path and os.path.isfile(path)
             else None, "version": flash3.version(), "FLASH3_LIB": os.environ.get("FLASH3_LIB"),
             "hopper_available": ok, "why": why}
-
-
-def round_robin(torch, calls, warmup, reps, spin, errors):
-    """times[impl] = reps CUDA-event times (ms): warmup calls each, then each repetition times every
-    implementation once, the order rotated by one per repetition. A failing one is dropped."""
-    names = [n for n in calls if n not in errors]
-    for n in list(names):
-        try:
-            for _ in range(warmup):
-                calls[n]()
-        except Exception as e:  # noqa: BLE001 - recorded, the others go on
-            errors[n] = first_line(e)
-            names.remove(n)
-    times = {n: [] for n in names}
-    for rep in range(reps):
-        j = rep % len(names) if names else 0
-        for n in names[j:] + names[:j]:
-            if n in errors:
-                continue
-            try:
-                times[n].append(time_call_ms(torch, calls[n], spin))
-            except Exception as e:  # noqa: BLE001
-                errors[n] = first_line(e)
-    return {n: t for n, t in times.items() if n not in errors}
 
 
 def first(r):
@@ -569,20 +536,14 @@ def main(argv=None):
         with open(a.report) as f:
             report(json.load(f))
         return 0
-    try:
-        import torch
-    except ImportError:
-        log("bench_mask: torch is not installed")
-        return 2
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        cap = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
-        log(f"bench_mask: no Hopper GPU (cuda available: {torch.cuda.is_available()}, capability: {cap})")
+    torch = hopper_torch("bench_mask")
+    if torch is None:
         return 2
     sys.path.insert(0, os.path.join(HERE, "..", "python"))
     import flash3
     tmp = tempfile.mkdtemp(prefix="bench_mask_")
     try:
-        fa3, fa3_info = load_fa3(torch, a.fa3, tmp)
+        fa3, fa3_info = load_fa3_or_none(torch, a.fa3, tmp)
     finally:
         shutil.rmtree(tmp, True)  # a loaded library stays mapped once unlinked
     f3 = flash3_info(flash3)
@@ -592,8 +553,8 @@ def main(argv=None):
         log(f"FA3: not loaded ({a.fa3!r} missing or 'none'): flash3 alone, no FA3 ratios and no checks")
     else:
         log(f"FA3: {fa3_info['path']} (sha256 {fa3_info['sha256'][:12]})")
-        log(f"FA3 fwd schema: {fa3_info['schema_fwd']}")
-        log(f"FA3 bwd schema: {fa3_info['schema_bwd']}")
+        log(f"FA3 fwd schema: {fa3_info['fwd_schema']}")
+        log(f"FA3 bwd schema: {fa3_info['bwd_schema']}")
     opts = {k: (sorted(v) if isinstance(v, set) else v) for k, v in vars(a).items()}
     data = {
         "what": "flash3 beside FlashAttention-3, sliding window and softcap, bf16, one process, round robin",

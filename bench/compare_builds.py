@@ -73,7 +73,7 @@ import time
 
 from timing import (sha256, BWD_FLOPS_FACTOR, DEFAULT_HDIMS, DEFAULT_SEQLENS, MISMATCH, SPIN_CYCLES,
                     first_line, fmt, gemm_tflops, geomean, ints, log, rel_diff, sdpa, spin_kernel,
-                    sweep_points, tflops, time_call_ms)
+                    sweep_points, tflops, load_fa3, round_robin, hopper_torch)
 
 PASSES = ("fwd", "bwd")
 FLOOR = 0.01  # the rule's smallest allowed slowdown
@@ -381,14 +381,6 @@ def load_build(name, pkg_dir, lib, tmp):
     return mod, info
 
 
-def load_fa3(torch, path, tmp):
-    so = path
-    if path.endswith(".xz"):
-        so = copy_or_unpack(path, os.path.join(tmp, "fa3_anchor.so"))
-    torch.ops.load_library(so)
-    return torch.ops.flash_attn_3, {"path": os.path.abspath(path), "sha256": sha256(so)}
-
-
 # ---- implementations ---------------------------------------------------------------------------
 
 def first(r):
@@ -465,30 +457,6 @@ def check_point(torch, pss, results, builds, ref):
             mismatch.append(name)
         check[name] = c
     return check, mismatch
-
-
-def round_robin(torch, calls, warmup, reps, spin_cycles, errors):
-    """times[impl] = reps CUDA-event times (ms): warmup calls each, then each repetition times every
-    implementation once, the order rotated by one per repetition. A failing one is dropped."""
-    names = list(calls)
-    for n in list(names):
-        try:
-            for _ in range(warmup):
-                calls[n]()
-        except Exception as e:  # noqa: BLE001 - recorded, the others go on
-            errors[n] = first_line(e)
-            names.remove(n)
-    times = {n: [] for n in names}
-    for r in range(reps):
-        j = r % len(names) if names else 0
-        for n in names[j:] + names[:j]:
-            if n in errors:
-                continue
-            try:
-                times[n].append(time_call_ms(torch, calls[n], spin_cycles))
-            except Exception as e:  # noqa: BLE001
-                errors[n] = first_line(e)
-    return {n: t for n, t in times.items() if n not in errors}
 
 
 def setup_point(torch, dev, pss, impls, d, causal, s, b, h, want_results):
@@ -596,14 +564,8 @@ def main(argv=None):
         with open(a.report) as f:
             report(json.load(f))
         return 0
-    try:
-        import torch
-    except ImportError:
-        log("compare_builds: torch is not installed")
-        return 2
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        cap = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
-        log(f"compare_builds: no Hopper GPU (cuda available: {torch.cuda.is_available()}, capability: {cap})")
+    torch = hopper_torch("compare_builds")
+    if torch is None:
         return 2
     dev = torch.device("cuda")
     tmp = tempfile.mkdtemp(prefix="compare_builds_")

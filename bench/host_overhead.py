@@ -53,7 +53,6 @@ import contextlib
 import cProfile
 import datetime
 import json
-import lzma
 import os
 import pstats
 import shutil
@@ -63,8 +62,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import (sha256, HIDDEN, MISMATCH, SPIN_CYCLES, first_line, fmt, geomean, ints, log, rel_diff,  # noqa: E402
-                    time_call_ms)
+from timing import (HIDDEN, MISMATCH, SPIN_CYCLES, first_line, fmt, geomean, ints, log, rel_diff,  # noqa: E402
+                    time_call_ms, load_fa3)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PASSES = ("fwd", "fwd_bwd")
@@ -130,19 +129,6 @@ def gpu_us(torch, fn, calls, host_us_per_call):
 
 
 # ---- implementations -----------------------------------------------------------------------------
-
-def load_fa3(torch, path, tmp):
-    """torch.ops.flash_attn_3 from path (a .so, or a .so.xz unpacked into tmp); (ops, info)."""
-    so = path
-    if path.endswith(".xz"):
-        so = os.path.join(tmp, "fa3_anchor.so")
-        with lzma.open(path) as f, open(so, "wb") as g:
-            shutil.copyfileobj(f, g)
-    torch.ops.load_library(so)
-    fa3 = torch.ops.flash_attn_3
-    return fa3, {"path": os.path.abspath(path), "sha256": sha256(so),
-                 "fwd_schema": str(fa3.fwd.default._schema), "bwd_schema": str(fa3.bwd.default._schema)}
-
 
 def fa3_autograd_fn(torch, fa3):
     class FA3Func(torch.autograd.Function):

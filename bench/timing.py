@@ -9,7 +9,10 @@ GPU busy while the host launches, so host launch overhead is hidden (every imple
 Needs no torch at import: the functions that time take the torch module as an argument.
 """
 import hashlib
+import lzma
 import math
+import os
+import shutil
 import statistics
 
 TOKENS, HIDDEN = 16384, 2048
@@ -119,3 +122,57 @@ def rel_diff(got, ref):
     n = r.norm().item()
     d = (g - r).norm().item()
     return d / n if n else d
+
+
+def load_fa3(torch, path, tmp):
+    """torch.ops.flash_attn_3 from path (a .so, or a .so.xz unpacked into the folder tmp), and its
+    info (path, sha256, schemas): (ops, info)."""
+    so = path
+    if path.endswith(".xz"):
+        so = os.path.join(tmp, "fa3_anchor.so")
+        with lzma.open(path) as f, open(so, "wb") as g:
+            shutil.copyfileobj(f, g)
+    torch.ops.load_library(so)
+    fa3 = torch.ops.flash_attn_3
+    return fa3, {"path": os.path.abspath(path), "sha256": sha256(so),
+                 "fwd_schema": str(fa3.fwd.default._schema), "bwd_schema": str(fa3.bwd.default._schema)}
+
+
+def round_robin(torch, calls, warmup, reps, spin_cycles, errors):
+    """times[impl] = reps CUDA-event times (ms): warmup calls each, then each repetition times every
+    implementation once, the order rotated by one per repetition. One that fails (or is already
+    in errors) is dropped, its first error line recorded in errors."""
+    names = [n for n in calls if n not in errors]
+    for n in list(names):
+        try:
+            for _ in range(warmup):
+                calls[n]()
+        except Exception as e:  # noqa: BLE001 - recorded, the others go on
+            errors[n] = first_line(e)
+            names.remove(n)
+    times = {n: [] for n in names}
+    for r in range(reps):
+        j = r % len(names) if names else 0
+        for n in names[j:] + names[:j]:
+            if n in errors:
+                continue
+            try:
+                times[n].append(time_call_ms(torch, calls[n], spin_cycles))
+            except Exception as e:  # noqa: BLE001
+                errors[n] = first_line(e)
+    return {n: t for n, t in times.items() if n not in errors}
+
+
+def hopper_torch(name):
+    """The torch module where a Hopper GPU is there to time on; else None, after saying why
+    (`name` starts the message)."""
+    try:
+        import torch
+    except ImportError:
+        log(f"{name}: torch is not installed")
+        return None
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        cap = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+        log(f"{name}: no Hopper GPU (cuda available: {torch.cuda.is_available()}, capability: {cap})")
+        return None
+    return torch

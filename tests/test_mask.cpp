@@ -27,6 +27,12 @@ struct Rule {
   }
 };
 
+// A block range [begin, end) within [0, blocks].
+::testing::AssertionResult in_bounds(int begin, int end, int blocks) {
+  if (begin >= 0 && begin <= end && end <= blocks) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "range [" << begin << ", " << end << ") outside [0, " << blocks << "]";
+}
+
 template <bool kCausal, bool kWindow, int kBlockM, int kBlockN>
 void check(const Rule& rule) {
   SCOPED_TRACE("sq=" + std::to_string(rule.sq) + " sk=" + std::to_string(rule.sk) + " window=(" +
@@ -53,9 +59,7 @@ void check(const Rule& rule) {
   for (int m = 0; m < m_blocks; ++m) {
     int n_begin, n_end;
     mask.template n_block_range<kBlockM, kBlockN>(m, n_begin, n_end);
-    ASSERT_GE(n_begin, 0);
-    ASSERT_LE(n_begin, n_end);
-    ASSERT_LE(n_end, n_blocks);
+    ASSERT_TRUE(in_bounds(n_begin, n_end, n_blocks)) << "query block " << m;
     for (int n = 0; n < n_blocks; ++n) {
       bool any = false, all = true;
       for (int i = m * kBlockM; i < std::min((m + 1) * kBlockM, rule.sq); ++i) {
@@ -77,9 +81,7 @@ void check(const Rule& rule) {
   for (int n = 0; n < n_blocks; ++n) {
     int m_begin, m_end;
     mask.template m_block_range<kBlockM, kBlockN>(n, m_begin, m_end);
-    ASSERT_GE(m_begin, 0);
-    ASSERT_LE(m_begin, m_end);
-    ASSERT_LE(m_end, m_blocks);
+    ASSERT_TRUE(in_bounds(m_begin, m_end, m_blocks)) << "key block " << n;
     for (int m = 0; m < m_blocks; ++m) {
       ASSERT_EQ(m >= m_begin && m < m_end, bool(pair[m][n]))
           << "key block " << n << ", query block " << m << ": m_block_range and n_block_range disagree";

@@ -325,43 +325,26 @@ TYPED_TEST(Validate, HugeScale) {
 // is causal, and a bound that excludes nothing (left >= seqlen_k - 1, right >= seqlen_q - 1)
 // becomes -1.
 TYPED_TEST(Validate, WindowIsNormalized) {
-  auto& a = this->a;  // seqlen_q 128, seqlen_k 256
-  a.causal = false;
-  auto p = problem(a);
-  EXPECT_EQ(p.window_left, -1);
-  EXPECT_EQ(p.window_right, -1);
-  EXPECT_FALSE(p.causal);
-  a.window_left = 10;
-  a.window_right = 20;
-  p = problem(a);
-  EXPECT_EQ(p.window_left, 10);
-  EXPECT_EQ(p.window_right, 20);
-  EXPECT_FALSE(p.causal);
-  a.window_left = -1;
-  a.window_right = 0;
-  p = problem(a);
-  EXPECT_TRUE(p.causal);
-  EXPECT_EQ(p.window_left, -1);
-  EXPECT_EQ(p.window_right, 0);
-  a.causal = true;
-  a.window_left = 10;
-  a.window_right = 5;
-  p = problem(a);
-  EXPECT_TRUE(p.causal);
-  EXPECT_EQ(p.window_left, 10);
-  EXPECT_EQ(p.window_right, 0);
-  a.causal = false;
-  a.window_left = 255;
-  a.window_right = 127;
-  p = problem(a);
-  EXPECT_EQ(p.window_left, -1);
-  EXPECT_EQ(p.window_right, -1);
-  EXPECT_FALSE(p.causal);
-  a.window_left = 254;
-  a.window_right = 126;
-  p = problem(a);
-  EXPECT_EQ(p.window_left, 254);
-  EXPECT_EQ(p.window_right, 126);
+  struct Row {
+    bool causal;
+    int left, right;     // given
+    bool want_causal;
+    int want_left, want_right;
+  };
+  const Row rows[] = {  // seqlen_q 128, seqlen_k 256
+      {false, -1, -1, false, -1, -1}, {false, 10, 20, false, 10, 20}, {false, -1, 0, true, -1, 0},
+      {true, 10, 5, true, 10, 0},     {false, 255, 127, false, -1, -1}, {false, 254, 126, false, 254, 126},
+  };
+  for (const Row& r : rows) {
+    auto& a = this->a;
+    a.causal = r.causal;
+    a.window_left = r.left;
+    a.window_right = r.right;
+    const auto p = problem(a);
+    EXPECT_EQ(p.causal, r.want_causal) << r.left << "," << r.right;
+    EXPECT_EQ(p.window_left, r.want_left) << r.left << "," << r.right;
+    EXPECT_EQ(p.window_right, r.want_right) << r.left << "," << r.right;
+  }
 }
 
 TYPED_TEST(Validate, WindowBelowMinusOne) {
