@@ -103,12 +103,12 @@ __device__ __forceinline__ void bwd_mainloop_ss(typename Traits::Params const& p
       const int r = get<0>(tScS_rc(i, 0));
       const float row_lse = lse[r];
       if (need_mask) {
-        // visible key columns: [lo, hi) from col0
+        // visible key columns: [lo, hi) from col0 (one unsigned test per score, as Mask::apply's)
         const int lo = mask.key_begin(row0 + r) - col0, hi = mask.key_end(row0 + r) - col0;
+        const unsigned width = hi > lo ? unsigned(hi - lo) : 0u;
         CUTLASS_PRAGMA_UNROLL
         for (int j = 0; j < kCols; ++j) {
-          const int col = get<1>(tScS_rc(0, j));
-          const bool masked = col >= hi || col < lo;
+          const bool masked = unsigned(get<1>(tScS_rc(0, j)) - lo) >= width;
           tSrS_rc(i, j) = masked ? 0.0f : fast_exp2(tSrS_rc(i, j) * params.scale_log2 - row_lse);
         }
       } else {

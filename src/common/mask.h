@@ -141,12 +141,21 @@ struct Mask {
     for (int m = 0; m < cute::size<0>(s); ++m) {
       // Visible in-tile columns: [lo, hi).
       const int row = row0 + cute::get<0>(coord(m, 0));
-      const int lo = row + lo_off - col0;
       const int hi = key_end(row) - col0;
+      if constexpr (kWindow) {
+        // One unsigned test per score: col - lo < hi - lo. NOTES: two tests per score made ptxas
+        // spill 132 bytes in the head dim 128 window kernel.
+        const int lo = row + lo_off - col0;
+        const unsigned width = hi > lo ? unsigned(hi - lo) : 0u;
 #pragma unroll
-      for (int n = 0; n < cute::size<1>(s); ++n) {
-        const int col = cute::get<1>(coord(m, n));
-        if (col >= hi || (kWindow && col < lo)) s(m, n) = -INFINITY;
+        for (int n = 0; n < cute::size<1>(s); ++n) {
+          if (unsigned(cute::get<1>(coord(m, n)) - lo) >= width) s(m, n) = -INFINITY;
+        }
+      } else {
+#pragma unroll
+        for (int n = 0; n < cute::size<1>(s); ++n) {
+          if (cute::get<1>(coord(m, n)) >= hi) s(m, n) = -INFINITY;
+        }
       }
     }
   }
@@ -157,14 +166,15 @@ struct Mask {
   __device__ __forceinline__ void apply_transposed(TensorS& st, TensorC const& coord, int row0, int col0) const {
 #pragma unroll
     for (int j = 0; j < cute::size<1>(st); ++j) {
-      // Keys visible to query column j: [lo, hi) relative to col0.
+      // Keys visible to query column j: [lo, hi) relative to col0 (one test per score, as apply's).
       const int row = row0 + cute::get<1>(coord(0, j));
-      const int lo = row + lo_off - col0;
       const int hi = key_end(row) - col0;
+      const int lo = kWindow ? row + lo_off - col0 : 0;
+      const unsigned width = hi > lo ? unsigned(hi - lo) : 0u;
 #pragma unroll
       for (int r = 0; r < cute::size<0>(st); ++r) {
         const int key = cute::get<0>(coord(r, 0));
-        if (key >= hi || (kWindow && key < lo)) st(r, j) = -INFINITY;
+        if (kWindow ? unsigned(key - lo) >= width : key >= hi) st(r, j) = -INFINITY;
       }
     }
   }
