@@ -622,6 +622,15 @@ TEST(BwdGpuSmall, DeterministicRepeats) {
   FLASH3_REQUIRE_HOPPER();
   expect_repeatable(deterministic({DType::kFloat16, 64, true, 1, 300, 400, 4, 1}), 70, 3);
   expect_repeatable(deterministic({DType::kBFloat16, 256, false, 1, 200, 130, 2, 2}), 71, 3);
+  // The window kernels (first key block of a dQ tile's chain past key block 0) and softcap.
+  Case c = deterministic({DType::kBFloat16, 128, true, 1, 300, 400, 4, 2});
+  c.window_left = 70;
+  c.softcap = 10.0f;
+  expect_repeatable(c, 72, 3);
+  c = deterministic({DType::kFloat16, 64, false, 1, 250, 200, 4, 4});
+  c.window_left = 30;
+  c.window_right = 90;
+  expect_repeatable(c, 73, 3);
 }
 
 // The C ABI computes what the C++ API computes (bitwise, in deterministic mode).

@@ -285,6 +285,22 @@ TEST(FwdGpuWindow, SoftcapAndLongWindows) {
 }
 
 // ---- small cases: strided (padded) tensors; also the subset run under compute-sanitizer -------
+// The window kernels on small strided problems (also under compute-sanitizer).
+TEST(FwdGpuSmall, WindowAndSoftcapStrided) {
+  FLASH3_REQUIRE_HOPPER();
+  uint64_t seed = 8383;
+  for (int d : {64, 128, 256}) {
+    for (bool causal : {false, true}) {
+      Case c{d == 128 ? DType::kFloat16 : DType::kBFloat16, d, causal, 2, 77, 150, 4, 2, /*pad=*/8};
+      c.window_left = 40;
+      c.window_right = causal ? 0 : 25;
+      c.softcap = 7.0;
+      run_case(c, seed++);
+      if (HasFatalFailure()) return;
+    }
+  }
+}
+
 TEST(FwdGpuSmall, PaddedStridesAndRaggedShapes) {
   FLASH3_REQUIRE_HOPPER();
   uint64_t seed = 99;
