@@ -38,7 +38,7 @@ fi
 if has test || has quick; then
   filter='*'; has quick && ! has test && filter='FwdGpuSmall.*:*bf16_d128*'
   t0=$(date +%s)
-  timeout ${GTEST_TIMEOUT:-300} ./build/flash3_tests --gtest_filter="$filter" --gtest_brief=1 --gtest_output=json:"$OUT/gtest.json" > "$OUT/gtest.log" 2>&1
+  timeout ${GTEST_TIMEOUT:-400} ./build/flash3_tests --gtest_filter="$filter" --gtest_brief=1 --gtest_output=json:"$OUT/gtest.json" > "$OUT/gtest.log" 2>&1
   log "gtest rc=$? in $(( $(date +%s) - t0 )) s: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$OUT/gtest.log" | tr '\n' ' ')"
   grep -E "FAILED|Failure|error" "$OUT/gtest.log" | head -30
   FLASH3_LIB="$root/build/libflash3.so" PYTHONPATH="$root/python" timeout 420 python3 -m pytest -q -x tests/ > "$OUT/pytest.log" 2>&1
