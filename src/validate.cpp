@@ -427,7 +427,7 @@ FwdProblem validate_fwd(const FwdArgs& args, PointerInspector inspect) {
   if (fp8 && p.softcap > 0.0f) {
     c.fail("softcap is ", p.softcap, " but q.dtype is float8_e4m3; softcap is built for float16 and bfloat16");
   }
-  if (fp8 && p.local()) {
+  if (fp8 && has_window(p)) {
     c.fail("window_left is ", args.window_left, " and window_right is ", args.window_right,
            " but q.dtype is float8_e4m3; sliding windows are built for float16 and bfloat16");
   }

@@ -120,10 +120,14 @@ struct FwdProblem {
   bool write_lse = false;
   int window_left = -1, window_right = -1;
   float softcap = 0.0f;
-  // A window beyond causal: some key blocks are skipped left of the diagonal, or (not causal)
-  // right of it.
-  bool local() const { return window_left >= 0 || (!causal && window_right >= 0); }
 };
+
+// Whether a normalized problem (FwdProblem, BwdProblem) has a window beyond causal: key blocks
+// skipped left of the diagonal, or (not causal) right of it.
+template <class Problem>
+bool has_window(const Problem& p) {
+  return p.window_left >= 0 || (!p.causal && p.window_right >= 0);
+}
 
 // How validation learns where a pointer lives. The default asks the CUDA runtime; tests
 // inject their own so that every rule can be checked on a machine without a GPU.

@@ -187,14 +187,14 @@ void run_fwd(const FwdProblem& p, const FwdArgs& args, FwdAblation ablation) {
     int* counter = nullptr;
     const bool persistent = fwd_schedule(p, args, ablation, counter);
     if (is_technique_ablation(ablation)) {
-      if (kDType != DType::kBFloat16 || kHeadDim != 128 || p.causal || p.local() || p.softcap > 0.0f) {
+      if (kDType != DType::kBFloat16 || kHeadDim != 128 || p.causal || window_softcap_kernels(p)) {
         throw Error("flash3::fwd: ablation " + std::to_string(int(ablation)) +
                     " is built for bfloat16, head_dim 128, non-causal without a window or softcap only");
       }
       return run_fwd_technique_ablation(p, args, ablation, persistent);
     }
     // Sliding windows and softcap: kernels of their own (common/mask.h), without the tail split.
-    if (p.local() || p.softcap > 0.0f) {
+    if (window_softcap_kernels(p)) {
       if (p.causal) return launch_fwd<FwdTraits<Element, kHeadDim, true, FwdWindowSoftcap>>(p, args, persistent, counter);
       return launch_fwd<FwdTraits<Element, kHeadDim, false, FwdWindowSoftcap>>(p, args, persistent, counter);
     }
