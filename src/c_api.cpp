@@ -26,6 +26,14 @@ static_assert(offsetof(flash3_fwd_args, q) == 16 && offsetof(flash3_bwd_args, q)
 static_assert(FLASH3_FWD_ARGS_SIZE_V2 == FLASH3_FWD_ARGS_SIZE_V1 + 3 * sizeof(flash3_tensor), "flash3_fwd_args v2 layout");
 static_assert(FLASH3_FWD_ARGS_SIZE_V3 == FLASH3_FWD_ARGS_SIZE_V2 + 16, "flash3_fwd_args v3 layout");
 static_assert(FLASH3_BWD_ARGS_SIZE_V2 == FLASH3_BWD_ARGS_SIZE_V1 + 16, "flash3_bwd_args v2 layout");
+static_assert(offsetof(flash3_fwd_args, cu_seqlens_q) == FLASH3_FWD_ARGS_SIZE_V3 &&
+                  FLASH3_FWD_ARGS_SIZE_V4 == FLASH3_FWD_ARGS_SIZE_V3 + 4 * sizeof(flash3_tensor) + 16,
+              "flash3_fwd_args v4 layout");
+static_assert(offsetof(flash3_bwd_args, cu_seqlens_q) == FLASH3_BWD_ARGS_SIZE_V2 &&
+                  FLASH3_BWD_ARGS_SIZE_V3 == FLASH3_BWD_ARGS_SIZE_V2 + 4 * sizeof(flash3_tensor) + 16,
+              "flash3_bwd_args v3 layout");
+static_assert(sizeof(flash3_fwd_args) == FLASH3_FWD_ARGS_SIZE_V4, "flash3_fwd_args is v4 (update when appending)");
+static_assert(sizeof(flash3_bwd_args) == FLASH3_BWD_ARGS_SIZE_V3, "flash3_bwd_args is v3 (update when appending)");
 static_assert(FLASH3_QUANTIZE_FP8_ARGS_SIZE_V1 == 8 + 3 * sizeof(flash3_tensor) + 24,
               "flash3_quantize_fp8_args v1 layout");
 static_assert(offsetof(flash3_quantize_fp8_args, in) == 8, "flash3_quantize_fp8_args header");
@@ -106,10 +114,25 @@ void set_mask(const C& a, Args& args) {
   args.softcap = a.softcap;
 }
 
+// The variable-length fields (fwd v4, bwd v3; zero in an older struct: none, values checked).
+template <class C, class Args>
+void set_varlen(const C& a, Args& args) {
+  args.cu_seqlens_q = to_ref(&a.cu_seqlens_q);
+  args.cu_seqlens_k = to_ref(&a.cu_seqlens_k);
+  args.seqused_q = to_ref(&a.seqused_q);
+  args.seqused_k = to_ref(&a.seqused_k);
+  args.max_seqlen_q = a.max_seqlen_q;
+  args.max_seqlen_k = a.max_seqlen_k;
+  args.check_seqlens = a.no_seqlens_check == 0;
+}
+
 flash3::FwdArgs fwd_args(const flash3_fwd_args* c) {
   const flash3_fwd_args a = read_args(c, FLASH3_FWD_ARGS_SIZE_V1, "flash3::fwd: ", "flash3_fwd_args");
   if (a.reserved != 0) {
     throw flash3::Error("flash3::fwd: args->reserved is " + std::to_string(a.reserved) + "; it must be 0");
+  }
+  if (a.reserved_v4 != 0) {
+    throw flash3::Error("flash3::fwd: args->reserved_v4 is " + std::to_string(a.reserved_v4) + "; it must be 0");
   }
   flash3::FwdArgs args;
   args.q = to_ref(&a.q);
@@ -124,11 +147,15 @@ flash3::FwdArgs fwd_args(const flash3_fwd_args* c) {
   args.causal = a.causal != 0;
   args.stream = static_cast<cudaStream_t>(a.stream);
   set_mask(a, args);
+  set_varlen(a, args);
   return args;
 }
 
 flash3::BwdArgs bwd_args(const flash3_bwd_args* c) {
   const flash3_bwd_args a = read_args(c, FLASH3_BWD_ARGS_SIZE_V1, "flash3::bwd: ", "flash3_bwd_args");
+  if (a.reserved_v3 != 0) {
+    throw flash3::Error("flash3::bwd: args->reserved_v3 is " + std::to_string(a.reserved_v3) + "; it must be 0");
+  }
   flash3::BwdArgs args;
   args.q = to_ref(&a.q);
   args.k = to_ref(&a.k);
@@ -146,6 +173,7 @@ flash3::BwdArgs bwd_args(const flash3_bwd_args* c) {
   args.workspace_bytes = static_cast<size_t>(a.workspace_bytes);
   args.stream = static_cast<cudaStream_t>(a.stream);
   set_mask(a, args);
+  set_varlen(a, args);
   return args;
 }
 

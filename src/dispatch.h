@@ -18,10 +18,11 @@ void run_fwd(const FwdProblem& problem, const FwdArgs& args, FwdAblation ablatio
 template <DType kDType, int kHeadDim>
 void run_bwd(const BwdProblem& problem, const BwdArgs& args, const BwdWorkspaceLayout& ws, char* base);
 
-// Whether a problem runs the kernels of sliding windows and softcap (common/mask.h).
+// Whether a problem runs the general kernels: variable lengths, sliding windows, softcap
+// (common/mask.h).
 template <class Problem>
-bool window_softcap_kernels(const Problem& p) {
-  return has_window(p) || p.softcap > 0.0f;
+bool general_kernels(const Problem& p) {
+  return p.varlen || has_window(p) || p.softcap > 0.0f;
 }
 
 // Calls visit(std::integral_constant<DType, kDType>, std::integral_constant<int, kHeadDim>) for

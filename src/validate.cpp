@@ -4,6 +4,8 @@
 // what is allowed.
 #include "flash3/flash3.h"
 
+#include <cuda_runtime_api.h>
+
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -13,6 +15,7 @@
 #include <vector>
 
 #include "common/seqlen.h"
+#include "varlen_check.h"
 
 namespace flash3 {
 namespace {
@@ -65,18 +68,62 @@ std::string text(const Dim& x);
 std::string text(const Layout& x);
 std::string text(const Name& x);
 
-// An argument, the names of its dims, and the rank it must have.
+// An argument, the names of its dims, and the rank it must have. A tensor whose layout
+// cu_seqlens_q or cu_seqlens_k selects (q, k, v, out, lse, and the gradients) also has `cu`, that
+// argument's name, and the other layout (alt_dims, alt_rank); `packed`: the layout is the packed
+// one (cu_seqlens given).
 struct Arg {
   const char* name;
   const TensorRef& t;
   const char* const* dims;
   int rank;
+  const char* cu = nullptr;
+  const char* const* alt_dims = nullptr;
+  int alt_rank = 0;
+  bool packed = false;
 };
 const char* const kQDims[] = {"batch", "seqlen_q", "nheads", "head_dim"};
 const char* const kKDims[] = {"batch", "seqlen_k", "nheads_kv", "head_dim"};
 const char* const kLseDims[] = {"batch", "nheads", "seqlen_q"};
+const char* const kQPackedDims[] = {"total_q", "nheads", "head_dim"};
+const char* const kKPackedDims[] = {"total_k", "nheads_kv", "head_dim"};
+const char* const kLsePackedDims[] = {"nheads", "total_q"};
 const char* const kQScaleDims[] = {"batch", "nheads", "q_blocks"};
 const char* const kKScaleDims[] = {"batch", "nheads_kv", "kv_blocks"};
+const char* const kCuDims[] = {"batch + 1"};
+const char* const kUsedDims[] = {"batch"};
+
+// q, out, dout, dq (q_side) or k, v, dk, dv: (total, heads, head_dim) when packed (cu_seqlens of
+// their side given), else (batch, seqlen, heads, head_dim).
+Arg side_arg(const char* name, const TensorRef& t, bool q_side, bool packed) {
+  const char* cu = q_side ? "cu_seqlens_q" : "cu_seqlens_k";
+  const char* const* unpacked = q_side ? kQDims : kKDims;
+  const char* const* dims = q_side ? kQPackedDims : kKPackedDims;
+  if (packed) return Arg{name, t, dims, 3, cu, unpacked, 4, true};
+  return Arg{name, t, unpacked, 4, cu, dims, 3, false};
+}
+// lse: (nheads, total_q) with cu_seqlens_q, else (batch, nheads, seqlen_q).
+Arg lse_arg(const TensorRef& t, bool packed) {
+  if (packed) return Arg{"lse", t, kLsePackedDims, 2, "cu_seqlens_q", kLseDims, 3, true};
+  return Arg{"lse", t, kLseDims, 3, "cu_seqlens_q", kLsePackedDims, 2, false};
+}
+
+// Whether an optional tensor argument is given: data or a rank (a zero TensorRef is not).
+bool given(const TensorRef& t) { return t.data != nullptr || t.rank != 0; }
+
+// The variable-length arguments of FwdArgs or BwdArgs.
+struct Varlen {
+  const TensorRef &cu_q, &cu_k, &used_q, &used_k;
+  int max_q, max_k;
+  bool packed_q, packed_k;  // cu_seqlens_q / cu_seqlens_k given
+  bool any;                 // any of the four given
+};
+template <class A>
+Varlen varlen_of(const A& a) {
+  const bool pq = given(a.cu_seqlens_q), pk = given(a.cu_seqlens_k);
+  return Varlen{a.cu_seqlens_q, a.cu_seqlens_k, a.seqused_q, a.seqused_k, a.max_seqlen_q, a.max_seqlen_k, pq, pk,
+                pq || pk || given(a.seqused_q) || given(a.seqused_k)};
+}
 
 // "q.shape[3] (head_dim)".
 struct Dim {
@@ -88,11 +135,12 @@ std::string text(const Dim& x) {
 }
 // "(batch, seqlen_q, nheads, head_dim)".
 struct Layout {
-  const Arg& a;
+  const char* const* dims;
+  int rank;
 };
 std::string text(const Layout& x) {
   std::string s;
-  for (int d = 0; d < x.a.rank; ++d) s += std::string(d ? ", " : "(") + x.a.dims[d];
+  for (int d = 0; d < x.rank; ++d) s += std::string(d ? ", " : "(") + x.dims[d];
   return s + ")";
 }
 // A dtype name, or the code of a value that is not a DType.
@@ -126,10 +174,19 @@ class Checker {
     throw Error(msg);
   }
 
+  // Each of `all` has its rank; the message of a tensor with two layouts names both.
   void ranks(const Args& all) const {
     for (const Arg* a : all) {
-      if (a->t.rank != a->rank) {
-        fail(a->name, ".rank is ", a->t.rank, "; ", a->name, " must have rank ", a->rank, " ", Layout{*a});
+      if (a->t.rank == a->rank) continue;
+      const Layout layout{a->dims, a->rank}, alt{a->alt_dims, a->alt_rank};
+      if (a->cu == nullptr) {
+        fail(a->name, ".rank is ", a->t.rank, "; ", a->name, " must have rank ", a->rank, " ", layout);
+      } else if (a->packed) {
+        fail(a->name, ".rank is ", a->t.rank, "; with ", a->cu, ", ", a->name, " must have rank ", a->rank, " ",
+             layout, " (rank ", a->alt_rank, " ", alt, " without ", a->cu, ")");
+      } else {
+        fail(a->name, ".rank is ", a->t.rank, "; ", a->name, " must have rank ", a->rank, " ", layout, " (rank ",
+             a->alt_rank, " ", alt, " with ", a->cu, ")");
       }
     }
   }
@@ -209,30 +266,117 @@ class Checker {
       fail(Dim{a, da}, " is ", a.t.shape[da], " but ", Dim{b, db}, " is ", b.t.shape[db], "; ", rule);
     }
   }
+  // a and b have the same rank (one layout).
   void same_shape(const Arg& a, const Arg& b, const char* rule) const {
-    for (int d = 0; d < 4; ++d) same(a, d, b, d, rule);
+    for (int d = 0; d < a.rank; ++d) same(a, d, b, d, rule);
   }
 
+  // The batch (where neither side is packed; else varlen_batch) and the head_dim.
   void qk_shapes(const Arg& q, const Arg& k) const {
-    same(k, 0, q, 0, "q and k must have the same batch");
-    same(k, 3, q, 3, "q and k must have the same head_dim");
+    if (!q.packed && !k.packed) same(k, 0, q, 0, "q and k must have the same batch");
+    same(k, k.rank - 1, q, q.rank - 1, "q and k must have the same head_dim");
   }
   void lse_shape(const Arg& lse, const Arg& q) const {
+    if (lse.packed) {
+      const char* rule = "with cu_seqlens_q, lse must be (nheads, total_q)";
+      same(lse, 0, q, 1, rule);
+      same(lse, 1, q, 0, rule);
+      return;
+    }
     const char* rule = "lse must be (batch, nheads, seqlen_q)";
     same(lse, 0, q, 0, rule);
     same(lse, 1, q, 2, rule);
     same(lse, 2, q, 1, rule);
   }
 
+  // The heads and head_dim: the last two dims in either layout.
   void heads(const Arg& q, const Arg& k) const {
-    const int64_t head_dim = q.t.shape[3], nheads = q.t.shape[2], nheads_kv = k.t.shape[2];
+    const int qh = q.rank - 2, kh = k.rank - 2, qd = q.rank - 1;
+    const int64_t head_dim = q.t.shape[qd], nheads = q.t.shape[qh], nheads_kv = k.t.shape[kh];
     if (!is_supported_head_dim(static_cast<int>(head_dim))) {
-      fail(Dim{q, 3}, " is ", head_dim, "; supported head dims are 64, 128, 256");
+      fail(Dim{q, qd}, " is ", head_dim, "; supported head dims are 64, 128, 256");
     }
-    if (nheads_kv < 1) fail(Dim{k, 2}, " is ", nheads_kv, "; k and v need at least one head");
+    if (nheads_kv < 1) fail(Dim{k, kh}, " is ", nheads_kv, "; k and v need at least one head");
     if (nheads < 1 || nheads % nheads_kv != 0) {
-      fail(Dim{q, 2}, " is ", nheads, " and ", Dim{k, 2}, " is ", nheads_kv,
+      fail(Dim{q, qh}, " is ", nheads, " and ", Dim{k, kh}, " is ", nheads_kv,
            "; nheads must be a positive multiple of nheads_kv");
+    }
+  }
+
+  // cu_seqlens_q / cu_seqlens_k (given where non-null) and seqused_q / seqused_k: rank 1, int32,
+  // contiguous; cu_seqlens batch + 1 >= 1 entries, the same on both sides, seqused batch entries.
+  // A side without cu_seqlens has batch as the dim 0 of q (k). Returns batch.
+  int64_t varlen_batch(const Arg* cu_q, const Arg* cu_k, const Arg* used_q, const Arg* used_k, const Arg& q,
+                       const Arg& k) const {
+    Args given;
+    for (const Arg* a : {cu_q, cu_k, used_q, used_k}) {
+      if (a != nullptr) given.push_back(a);
+    }
+    for (const Arg* a : given) {
+      if (a->t.rank != 1) {
+        fail(a->name, ".rank is ", a->t.rank, "; ", a->name, " must have rank 1 ", Layout{a->dims, 1});
+      }
+      if (a->t.dtype != DType::kInt32) fail(a->name, ".dtype is ", Name{a->t.dtype}, "; ", a->name, " must be int32");
+    }
+    sizes(given);
+    for (const Arg* a : given) {
+      if (a->t.shape[0] > 1 && a->t.stride[0] != 1) {
+        fail(a->name, ".stride[0] is ", a->t.stride[0], "; ", a->name, " must be contiguous (stride 1)");
+      }
+    }
+    for (const Arg* cu : {cu_q, cu_k}) {
+      if (cu != nullptr && cu->t.shape[0] < 1) {
+        fail(cu->name, ".shape[0] is 0; ", cu->name, " must have batch + 1 entries (at least 1)");
+      }
+    }
+    int64_t batch = q.t.shape[0];
+    std::string from = "q.shape[0]";
+    if (cu_q != nullptr && cu_k != nullptr) {
+      if (cu_k->t.shape[0] != cu_q->t.shape[0]) {
+        fail("cu_seqlens_k.shape[0] is ", cu_k->t.shape[0], " but cu_seqlens_q.shape[0] is ", cu_q->t.shape[0],
+             "; cu_seqlens_q and cu_seqlens_k must both have batch + 1 entries");
+      }
+    }
+    if (cu_q != nullptr || cu_k != nullptr) {
+      const Arg& cu = cu_q != nullptr ? *cu_q : *cu_k;
+      const Arg* other = cu_q == nullptr ? &q : cu_k == nullptr ? &k : nullptr;  // a side not packed
+      batch = cu.t.shape[0] - 1;
+      from = std::string(cu.name) + ".shape[0] - 1";
+      if (other != nullptr && other->t.shape[0] != batch) {
+        fail(Dim{*other, 0}, " is ", other->t.shape[0], " but ", cu.name, ".shape[0] is ", cu.t.shape[0], "; ",
+             other->name, " must have batch = ", cu.name, ".shape[0] - 1 = ", batch, " sequences");
+      }
+    }
+    for (const Arg* used : {used_q, used_k}) {
+      if (used != nullptr && used->t.shape[0] != batch) {
+        fail(used->name, ".shape[0] is ", used->t.shape[0], " but batch is ", batch, " (", from, "); ", used->name,
+             " must have batch entries");
+      }
+    }
+    return batch;
+  }
+
+  // max_seqlen_q / max_seqlen_k of a packed side (`a`: q or k): in [0, kMaxSeqlen] and at most the
+  // packed length.
+  void max_seqlen(const char* name, int max, const Arg& a) const {
+    if (max < 0) fail(name, " is ", max, "; it must be >= 0 (at least every sequence's length)");
+    if (max > kMaxSeqlen) {
+      fail(name, " is ", max, "; it must be at most ", int64_t{kMaxSeqlen},
+           " (2^30): the kernels index rows in 32 bits");
+    }
+    if (max > a.t.shape[0]) {
+      fail(name, " is ", max, " but ", Dim{a, 0}, " is ", a.t.shape[0],
+           "; no sequence is longer than the packed length");
+    }
+  }
+
+  // The rows of a side that is not packed in a variable-length problem, batch x seqlen, fit in
+  // int32 as a packed one's do (the kernels keep both sides' row counts in int).
+  void unpacked_rows(const Arg& a) const {
+    const int64_t rows = a.t.shape[0] * a.t.shape[1];  // each < 2^31
+    if (rows > std::numeric_limits<int32_t>::max()) {
+      fail(a.name, " has ", Dim{a, 0}, " x ", Dim{a, 1}, " = ", a.t.shape[0], " x ", a.t.shape[1], " = ", rows,
+           " rows; with cu_seqlens or seqused the rows of each side must fit in int32 (at most 2147483647)");
     }
   }
 
@@ -292,9 +436,11 @@ class Checker {
     p.softcap = softcap;
   }
 
-  // seqlen_q and seqlen_k at most kMaxSeqlen (32-bit row arithmetic in the kernels).
+  // seqlen_q and seqlen_k at most kMaxSeqlen (32-bit row arithmetic in the kernels), where not
+  // packed (packed: max_seqlen).
   void seqlens(const Arg& q, const Arg& k) const {
     for (const Dim& x : {Dim{q, 1}, Dim{k, 1}}) {
+      if (x.a.packed) continue;
       const int64_t s = x.a.t.shape[1];
       if (s > kMaxSeqlen) {
         fail(x, " is ", s, "; ", x.a.dims[1], " must be at most ", int64_t{kMaxSeqlen},
@@ -303,16 +449,27 @@ class Checker {
     }
   }
 
-  // ceil(seqlen / kMinTile) x nheads x batch at most kMaxTiles, seqlen the dim 1 of `a`
-  // (q: query tiles, k: key tiles); nheads is q's.
-  void tiles(const Arg& a, const Arg& q) const {
-    const int64_t seqlen = a.t.shape[1], nheads = q.t.shape[2], batch = q.t.shape[0];
+  // The tiles of `a` (q: query tiles, k: key tiles) at most kMaxTiles, nheads q's: ceil(seqlen /
+  // kMinTile) x nheads x batch, seqlen the dim 1 of `a`; packed, (total / kMinTile + batch) x
+  // nheads, which bounds the sum over sequences of ceil(length / kMinTile) x nheads.
+  void tiles(const Arg& a, int64_t nheads, int64_t batch, const char* what) const {
+    if (a.packed) {
+      const int64_t total = a.t.shape[0], blocks = total / kMinTile;
+      // blocks + batch < 2^32, nheads >= 1 (heads())
+      if (nheads > 0 && blocks + batch > kMaxTiles / nheads) {
+        fail(Dim{a, 0}, " is ", total, " with nheads ", nheads, " and batch ", batch, ": (", a.dims[0],
+             " / 64 + batch) x nheads = (", blocks, " + ", batch, ") x ", nheads, " ", what, " tiles, more than the ",
+             kMaxTiles, " (2^30) the kernels count in 32 bits");
+      }
+      return;
+    }
+    const int64_t seqlen = a.t.shape[1];
     const int64_t blocks = (seqlen + kMinTile - 1) / kMinTile;
     // each factor < 2^31: blocks x nheads < 2^57, then compare before the last multiply
     const int64_t per_batch = blocks * nheads;
     if (batch > 0 && per_batch > kMaxTiles / batch) {
       fail(Dim{a, 1}, " is ", seqlen, " with nheads ", nheads, " and batch ", batch, ": ceil(", a.dims[1],
-           " / 64) x nheads x batch = ", blocks, " x ", nheads, " x ", batch, " ", &a == &q ? "query" : "key",
+           " / 64) x nheads x batch = ", blocks, " x ", nheads, " x ", batch, " ", what,
            " tiles, more than the ", kMaxTiles, " (2^30) the kernels count in 32 bits");
     }
   }
@@ -340,24 +497,70 @@ class Checker {
       pointer(std::string(a->name) + ".data", a->t.data, a == lse ? 4 : 16, inspect, "data pointers");
     }
   }
+  // cu_seqlens and seqused (those given; called when batch > 0): non-null, 4-byte aligned device
+  // memory.
+  void int32_pointers(const Args& args, PointerInspector inspect) const {
+    for (const Arg* a : args) {
+      if (a->t.data == nullptr) fail(a->name, ".data is null; ", a->name, " needs a device pointer");
+      pointer(std::string(a->name) + ".data", a->t.data, 4, inspect, "int32 pointers");
+    }
+  }
 
  private:
   const char* op_;
 };
 
-// The fields FwdProblem and BwdProblem share, from q's and k's shapes.
+// The Args of cu_seqlens_q/k and seqused_q/k.
+struct VarlenArgs {
+  const Arg cu_q, cu_k, used_q, used_k;
+  explicit VarlenArgs(const Varlen& v)
+      : cu_q{"cu_seqlens_q", v.cu_q, kCuDims, 1},
+        cu_k{"cu_seqlens_k", v.cu_k, kCuDims, 1},
+        used_q{"seqused_q", v.used_q, kUsedDims, 1},
+        used_k{"seqused_k", v.used_k, kUsedDims, 1} {}
+  // a, or null where not given.
+  static const Arg* if_given(const Arg& a) { return given(a.t) ? &a : nullptr; }
+  // Those given, in the order cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k.
+  Args all() const {
+    Args r;
+    for (const Arg* a : {&cu_q, &cu_k, &used_q, &used_k}) {
+      if (given(a->t)) r.push_back(a);
+    }
+    return r;
+  }
+};
+
+// The variable-length rules both passes share, after the ranks, dtypes, sizes and qk_shapes:
+// cu_seqlens and seqused (varlen_batch), max_seqlen of a packed side, the rows of a side not
+// packed. Returns batch (q's dim 0 without variable lengths).
+int64_t varlen_shapes(const Checker& c, const Varlen& vl, const VarlenArgs& va, const Arg& q, const Arg& k) {
+  if (!vl.any) return q.t.shape[0];
+  const int64_t batch = c.varlen_batch(va.if_given(va.cu_q), va.if_given(va.cu_k), va.if_given(va.used_q),
+                                       va.if_given(va.used_k), q, k);
+  if (q.packed) c.max_seqlen("max_seqlen_q", vl.max_q, q);
+  else c.unpacked_rows(q);
+  if (k.packed) c.max_seqlen("max_seqlen_k", vl.max_k, k);
+  else c.unpacked_rows(k);
+  return batch;
+}
+
+// The fields FwdProblem and BwdProblem share, from the (checked) shapes: the lengths are
+// max_seqlen on a packed side, else dim 1; total the packed rows, else batch x seqlen.
 template <class Problem>
-Problem problem(DType dtype, const TensorRef& q, const TensorRef& k, float scale, bool causal) {
+Problem problem(DType dtype, const Arg& q, const Arg& k, const Varlen& vl, int64_t batch, float scale, bool causal) {
   Problem p;
   p.dtype = dtype;
-  p.batch = static_cast<int>(q.shape[0]);
-  p.seqlen_q = static_cast<int>(q.shape[1]);
-  p.seqlen_k = static_cast<int>(k.shape[1]);
-  p.nheads = static_cast<int>(q.shape[2]);
-  p.nheads_kv = static_cast<int>(k.shape[2]);
-  p.head_dim = static_cast<int>(q.shape[3]);
+  p.batch = static_cast<int>(batch);
+  p.seqlen_q = q.packed ? vl.max_q : static_cast<int>(q.t.shape[1]);
+  p.seqlen_k = k.packed ? vl.max_k : static_cast<int>(k.t.shape[1]);
+  p.nheads = static_cast<int>(q.t.shape[q.rank - 2]);
+  p.nheads_kv = static_cast<int>(k.t.shape[k.rank - 2]);
+  p.head_dim = static_cast<int>(q.t.shape[q.rank - 1]);
   p.softmax_scale = scale;
   p.causal = causal;
+  p.varlen = vl.any;
+  p.total_q = q.packed ? q.t.shape[0] : batch * p.seqlen_q;
+  p.total_k = k.packed ? k.t.shape[0] : batch * p.seqlen_k;
   return p;
 }
 
@@ -365,15 +568,22 @@ Problem problem(DType dtype, const TensorRef& q, const TensorRef& k, float scale
 
 FwdProblem validate_fwd(const FwdArgs& args, PointerInspector inspect) {
   const Checker c("flash3::fwd: ");
-  const Arg q{"q", args.q, kQDims, 4}, k{"k", args.k, kKDims, 4}, v{"v", args.v, kKDims, 4},
-      out{"out", args.out, kQDims, 4}, lse{"lse", args.lse, kLseDims, 3};
+  const Varlen vl = varlen_of(args);
+  const VarlenArgs va(vl);
+  const Arg q = side_arg("q", args.q, true, vl.packed_q), k = side_arg("k", args.k, false, vl.packed_k),
+            v = side_arg("v", args.v, false, vl.packed_k), out = side_arg("out", args.out, true, vl.packed_q),
+            lse = lse_arg(args.lse, vl.packed_q);
   const bool write_lse = args.lse.data != nullptr;
   const Arg* lse_if = write_lse ? &lse : nullptr;
   Args all = {&q, &k, &v, &out};
   if (write_lse) all.push_back(&lse);
 
-  c.ranks(all);
   const bool fp8 = args.q.dtype == DType::kFloat8E4M3;
+  if (fp8 && vl.any) {  // before ranks(), which would name a packed rank instead
+    c.fail(va.all().front()->name, " is given but q.dtype is float8_e4m3; variable-length batches (cu_seqlens, "
+           "seqused) are built for float16 and bfloat16");
+  }
+  c.ranks(all);
   const DType dtype = fp8 ? DType::kFloat8E4M3
                           : c.dtypes(q, {&k, &v, &out}, lse_if, "q, k, v and out must have the same dtype",
                                    ", float8_e4m3 (with bfloat16 out)");
@@ -389,6 +599,7 @@ FwdProblem validate_fwd(const FwdArgs& args, PointerInspector inspect) {
   }
   c.sizes(all);
   c.qk_shapes(q, k);
+  const int64_t batch = varlen_shapes(c, vl, va, q, k);
   c.same_shape(v, k, "k and v must have the same shape");
   c.same_shape(out, q, "out must have the same shape as q");
   if (write_lse) c.lse_shape(lse, q);
@@ -400,15 +611,18 @@ FwdProblem validate_fwd(const FwdArgs& args, PointerInspector inspect) {
     c.strides(all, lse_if, dtype);
   }
   c.seqlens(q, k);
-  c.tiles(q, q);
-  const float scale = c.scale(args.softmax_scale, args.q.shape[3], kMaxSoftmaxScale,
+  c.tiles(q, q.t.shape[q.rank - 2], batch, "query");
+  const float scale = c.scale(args.softmax_scale, q.t.shape[q.rank - 1], kMaxSoftmaxScale,
                               "2^11: beyond, float32 exponents of the softmax are not exact");
+  FwdProblem p = problem<FwdProblem>(dtype, q, k, vl, batch, scale, args.causal);
+  p.write_lse = write_lse;
 
   // Pointers last, and only when there is something to compute.
-  if (args.q.shape[0] > 0 && args.q.shape[1] > 0) {
+  if (p.batch > 0 && p.seqlen_q > 0) {
     c.pointers(all, lse_if, inspect);
+    c.int32_pointers(va.all(), inspect);
     if (fp8) {
-      const int64_t batch = args.q.shape[0], nheads = args.q.shape[2], nheads_kv = args.k.shape[2];
+      const int64_t nheads = args.q.shape[2], nheads_kv = args.k.shape[2];
       if (args.q_scale.data || args.q_scale.rank) {
         c.fp8_scale(q_scale, batch, nheads_kv, nheads, args.q.shape[1], kFp8BlockQ, inspect);
       }
@@ -421,8 +635,6 @@ FwdProblem validate_fwd(const FwdArgs& args, PointerInspector inspect) {
     }
   }
 
-  FwdProblem p = problem<FwdProblem>(dtype, args.q, args.k, scale, args.causal);
-  p.write_lse = write_lse;
   c.mask(args.window_left, args.window_right, args.softcap, p);
   if (fp8 && p.softcap > 0.0f) {
     c.fail("softcap is ", p.softcap, " but q.dtype is float8_e4m3; softcap is built for float16 and bfloat16");
@@ -436,10 +648,14 @@ FwdProblem validate_fwd(const FwdArgs& args, PointerInspector inspect) {
 
 BwdProblem validate_bwd(const BwdArgs& args, PointerInspector inspect) {
   const Checker c("flash3::bwd: ");
-  const Arg q{"q", args.q, kQDims, 4}, k{"k", args.k, kKDims, 4}, v{"v", args.v, kKDims, 4},
-      out{"out", args.out, kQDims, 4}, dout{"dout", args.dout, kQDims, 4},
-      lse{"lse", args.lse, kLseDims, 3}, dq{"dq", args.dq, kQDims, 4}, dk{"dk", args.dk, kKDims, 4},
-      dv{"dv", args.dv, kKDims, 4};
+  const Varlen vl = varlen_of(args);
+  const VarlenArgs va(vl);
+  const bool pq = vl.packed_q, pk = vl.packed_k;
+  const Arg q = side_arg("q", args.q, true, pq), k = side_arg("k", args.k, false, pk),
+            v = side_arg("v", args.v, false, pk), out = side_arg("out", args.out, true, pq),
+            dout = side_arg("dout", args.dout, true, pq), lse = lse_arg(args.lse, pq),
+            dq = side_arg("dq", args.dq, true, pq), dk = side_arg("dk", args.dk, false, pk),
+            dv = side_arg("dv", args.dv, false, pk);
   const Args all = {&q, &k, &v, &out, &dout, &lse, &dq, &dk, &dv};
 
   c.ranks(all);
@@ -447,6 +663,7 @@ BwdProblem validate_bwd(const BwdArgs& args, PointerInspector inspect) {
                                "q, k, v, out, dout, dq, dk and dv must have the same dtype");
   c.sizes(all);
   c.qk_shapes(q, k);
+  const int64_t batch = varlen_shapes(c, vl, va, q, k);
   c.same_shape(v, k, "k and v must have the same shape");
   c.same_shape(out, q, "out must have the same shape as q");
   c.same_shape(dout, q, "dout must have the same shape as q");
@@ -457,9 +674,10 @@ BwdProblem validate_bwd(const BwdArgs& args, PointerInspector inspect) {
   c.heads(q, k);
   c.strides(all, &lse, dtype);
   c.seqlens(q, k);
-  c.tiles(q, q);
-  c.tiles(k, q);
-  const float scale = c.scale(args.softmax_scale, args.q.shape[3], kMaxSoftmaxScale,
+  const int64_t nheads = q.t.shape[q.rank - 2];
+  c.tiles(q, nheads, batch, "query");
+  c.tiles(k, nheads, batch, "key");
+  const float scale = c.scale(args.softmax_scale, q.t.shape[q.rank - 1], kMaxSoftmaxScale,
                               "2^11: beyond, the backward cannot recompute P exactly from the float32 lse");
 
   // The gradients are written while the inputs are read (and dq's partial sums are added in
@@ -475,16 +693,126 @@ BwdProblem validate_bwd(const BwdArgs& args, PointerInspector inspect) {
   }
 
   // Pointers last. Every non-empty tensor is checked, k, v, dk and dv also when seqlen_q == 0
-  // (then dk = dv = 0 are the gradients), q, out, dout, lse and dq also when seqlen_k == 0.
+  // (then dk = dv = 0 are the gradients), q, out, dout, lse and dq also when seqlen_k == 0;
+  // cu_seqlens and seqused when batch > 0.
   c.pointers(all, &lse, inspect);
+  if (batch > 0) c.int32_pointers(va.all(), inspect);
   if (args.workspace != nullptr) {
     c.pointer("workspace", args.workspace, 256, inspect, "workspace (cudaMalloc gives 256)");
   }
 
-  BwdProblem p = problem<BwdProblem>(dtype, args.q, args.k, scale, args.causal);
+  BwdProblem p = problem<BwdProblem>(dtype, q, k, vl, batch, scale, args.causal);
   p.deterministic = args.deterministic;
   c.mask(args.window_left, args.window_right, args.softcap, p);
   return p;
 }
 
+namespace detail {
+
+void check_seqlen_values(const char* op, int batch, const SeqlenSide& q, const SeqlenSide& k) {
+  const Checker c(op);
+  struct Side {
+    const SeqlenSide& s;
+    const char *cu, *used, *max, *total, *dim1;
+  };
+  const Side sides[] = {
+      {q, "cu_seqlens_q", "seqused_q", "max_seqlen_q", "q.shape[0] (total_q)", "q.shape[1] (seqlen_q)"},
+      {k, "cu_seqlens_k", "seqused_k", "max_seqlen_k", "k.shape[0] (total_k)", "k.shape[1] (seqlen_k)"},
+  };
+  for (const Side& x : sides) {
+    const int* cu = x.s.cu_seqlens;
+    if (cu == nullptr) continue;
+    if (cu[0] != 0) c.fail(x.cu, "[0] is ", cu[0], "; ", x.cu, " must start at 0");
+    for (int b = 0; b < batch; ++b) {
+      if (cu[b + 1] < cu[b]) {
+        c.fail(x.cu, "[", b + 1, "] is ", cu[b + 1], ", below ", x.cu, "[", b, "] = ", cu[b],
+               "; cu_seqlens must be non-decreasing");
+      }
+    }
+    if (cu[batch] != x.s.total) {
+      c.fail(x.cu, "[", batch, "] is ", cu[batch], " but ", x.total, " is ", x.s.total, "; the last entry of ", x.cu,
+             " must be the packed length");
+    }
+    for (int b = 0; b < batch; ++b) {
+      const int64_t len = int64_t{cu[b + 1]} - cu[b];
+      if (len > x.s.max_seqlen) {
+        c.fail(x.cu, "[", b + 1, "] - ", x.cu, "[", b, "] = ", cu[b + 1], " - ", cu[b], " = ", len,
+               " (the length of sequence ", b, ") but ", x.max, " is ", x.s.max_seqlen, "; ", x.max,
+               " must be at least every sequence's length");
+      }
+    }
+  }
+  for (const Side& x : sides) {
+    const int* used = x.s.seqused;
+    if (used == nullptr) continue;
+    const int* cu = x.s.cu_seqlens;
+    for (int b = 0; b < batch; ++b) {
+      if (used[b] < 0) c.fail(x.used, "[", b, "] is ", used[b], "; seqused must be >= 0");
+      if (cu != nullptr && used[b] > int64_t{cu[b + 1]} - cu[b]) {
+        c.fail(x.used, "[", b, "] is ", used[b], " but sequence ", b, " has length ", x.cu, "[", b + 1, "] - ", x.cu,
+               "[", b, "] = ", int64_t{cu[b + 1]} - cu[b], "; seqused must be at most the sequence's length");
+      }
+      if (cu == nullptr && used[b] > x.s.max_seqlen) {
+        c.fail(x.used, "[", b, "] is ", used[b], " but ", x.dim1, " is ", x.s.max_seqlen,
+               "; seqused must be at most the sequence's length");
+      }
+    }
+  }
+}
+
+namespace {
+
+// Throws flash3::CudaError naming the step of copy_and_check unless err is cudaSuccess.
+void check_step(cudaError_t err, const char* op, const char* what) {
+  if (err != cudaSuccess) {
+    throw CudaError(std::string(op) + what + " (the check of cu_seqlens and seqused values; check_seqlens = false "
+                    "skips it) failed: " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")");
+  }
+}
+
+// Copies the given cu_seqlens and seqused to the host on args.stream, waits for them, and checks
+// them (check_seqlen_values); `compute`: whether the call has anything to compute.
+template <class Args, class Problem>
+void copy_and_check(const char* op, const Args& args, const Problem& p, bool compute) {
+  if (!p.varlen || !args.check_seqlens || !compute || p.batch <= 0) return;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  const cudaError_t err = cudaStreamIsCapturing(args.stream, &capture);
+  if (err == cudaErrorStreamCaptureImplicit || err == cudaErrorStreamCaptureUnsupported) {
+    cudaGetLastError();  // the legacy stream while another stream is captured: as captured
+    return;
+  }
+  check_step(err, op, "cudaStreamIsCapturing");
+  if (capture != cudaStreamCaptureStatusNone) return;
+  const size_t batch = static_cast<size_t>(p.batch);
+  const TensorRef* src[4] = {&args.cu_seqlens_q, &args.cu_seqlens_k, &args.seqused_q, &args.seqused_k};
+  const size_t counts[4] = {batch + 1, batch + 1, batch, batch};
+  const char* names[4] = {"cudaMemcpyAsync(cu_seqlens_q)", "cudaMemcpyAsync(cu_seqlens_k)",
+                          "cudaMemcpyAsync(seqused_q)", "cudaMemcpyAsync(seqused_k)"};
+  std::vector<int> host(4 * batch + 2);
+  const int* at[4] = {nullptr, nullptr, nullptr, nullptr};
+  size_t offset = 0;
+  for (int i = 0; i < 4; ++i) {
+    if (!given(*src[i])) continue;
+    at[i] = host.data() + offset;
+    check_step(cudaMemcpyAsync(host.data() + offset, src[i]->data, counts[i] * sizeof(int), cudaMemcpyDeviceToHost,
+                               args.stream),
+               op, names[i]);
+    offset += counts[i];
+  }
+  check_step(cudaStreamSynchronize(args.stream), op, "cudaStreamSynchronize");
+  check_seqlen_values(op, p.batch, SeqlenSide{at[0], at[2], p.total_q, p.seqlen_q},
+                      SeqlenSide{at[1], at[3], p.total_k, p.seqlen_k});
+}
+
+}  // namespace
+
+void check_seqlens_on_device(const FwdArgs& args, const FwdProblem& p) {
+  copy_and_check("flash3::fwd: ", args, p, p.seqlen_q > 0);
+}
+
+void check_seqlens_on_device(const BwdArgs& args, const BwdProblem& p) {
+  copy_and_check("flash3::bwd: ", args, p, true);
+}
+
+}  // namespace detail
 }  // namespace flash3

@@ -1,10 +1,12 @@
-"""CPU stand-ins for flash3's library calls (forward_into, backward_into, quantize_fp8_into), for
-the tests that run without a GPU: the attention math in float64, written into the caller's
-buffers as the library would (rows that see no key: out 0, lse +inf; dq 0; FP8 inputs
-dequantized by their scales first), and the FP8 block quantization (with the Hadamard rotation
-of src/quant/hadamard.h) computed as the kernel does, in float32 where it rounds. Everything
-above them (the operators, their fakes and autograd, the eager paths, the allocation of
-outputs and the handling of dout) is flash3's own code.
+"""CPU stand-ins for flash3's library calls (forward_into, backward_into, forward_varlen_into,
+backward_varlen_into, quantize_fp8_into), for the tests that run without a GPU: the attention
+math in float64, written into the caller's buffers as the library would (rows that see no key:
+out 0, lse +inf; dq 0; FP8 inputs dequantized by their scales first; variable-length batches one
+sequence at a time, out and lse rows past seqused_q untouched, gradient rows past seqused 0),
+and the FP8 block quantization (with the Hadamard rotation of src/quant/hadamard.h) computed as
+the kernel does, in float32 where it rounds. Everything above them (the operators, their fakes
+and autograd, the eager paths, the allocation of outputs and the handling of dout) is flash3's
+own code.
 
     calls = stand_in.install(monkeypatch)   # each call appends (name, dict of its arguments)
 """
@@ -80,28 +82,41 @@ def attention_grads(dout, q, k, v, softmax_scale=None, causal=False, window=(-1,
     return dq, dk.reshape(b, sk, hk, rep, d).sum(3), dv.reshape(b, sk, hk, rep, d).sum(3)
 
 
-def _sequences(cu_seqlens_q, cu_seqlens_k):
+def _sequences(cu_seqlens_q, cu_seqlens_k, seqused_q=None, seqused_k=None):
+    """The rows (slices of the packed tensors) of q and of k of each sequence, cut to the first
+    seqused[b] rows where seqused is given (clamped to the sequence, as the library does)."""
     cq, ck = [int(x) for x in cu_seqlens_q], [int(x) for x in cu_seqlens_k]
-    return [(slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])) for i in range(len(cq) - 1)]
+    uq = None if seqused_q is None else [int(x) for x in seqused_q]
+    uk = None if seqused_k is None else [int(x) for x in seqused_k]
+
+    def rows(cu, used, b):
+        n = cu[b + 1] - cu[b] if used is None else min(max(used[b], 0), cu[b + 1] - cu[b])
+        return slice(cu[b], cu[b] + n)
+
+    return [(rows(cq, uq, b), rows(ck, uk, b)) for b in range(len(cq) - 1)]
 
 
-def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **kwargs):
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q=None, seqused_k=None, **kwargs):
     """attention over a packed batch (FlashAttention-3's varlen layout), one sequence at a time:
     q (total_q, h, d), k and v (total_k, hk, d) split by the int32 offsets cu_seqlens_q/k (batch
-    + 1 each); out (total_q, h, d) and lse (h, total_q) in float64."""
-    outs, lses = [], []
-    for sq, sk in _sequences(cu_seqlens_q, cu_seqlens_k):
-        o, lse = attention(q[sq][None], k[sk][None], v[sk][None], **kwargs)
-        outs.append(o[0])
-        lses.append(lse[0])
-    return torch.cat(outs), torch.cat(lses, dim=1)
+    + 1 each), cut to seqused_q/k (batch each, optional); out (total_q, h, d) and lse (h,
+    total_q) in float64, rows past seqused_q as a row that sees no key (out 0, lse +inf)."""
+    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), float("inf"), dtype=torch.float64, device=q.device)
+    for sq, sk in _sequences(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
+        o, l = attention(q[sq][None], k[sk][None], v[sk][None], **kwargs)
+        out[sq], lse[:, sq] = o[0], l[0]
+    return out, lse
 
 
-def attention_grads_varlen(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, **kwargs):
-    """attention_grads over a packed batch, as attention_varlen: (dq, dk, dv) in float64."""
-    grads = [attention_grads(dout[sq][None], q[sq][None], k[sk][None], v[sk][None], **kwargs)
-             for sq, sk in _sequences(cu_seqlens_q, cu_seqlens_k)]
-    return tuple(torch.cat([g[n][0] for g in grads]) for n in range(3))
+def attention_grads_varlen(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q=None, seqused_k=None, **kwargs):
+    """attention_grads over a packed batch, as attention_varlen: (dq, dk, dv) in float64, 0 in the
+    rows past seqused."""
+    grads = [torch.zeros(t.shape, dtype=torch.float64, device=t.device) for t in (q, k, v)]
+    for sq, sk in _sequences(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
+        dq, dk, dv = attention_grads(dout[sq][None], q[sq][None], k[sk][None], v[sk][None], **kwargs)
+        grads[0][sq], grads[1][sk], grads[2][sk] = dq[0], dk[0], dv[0]
+    return tuple(grads)
 
 
 # ---- FP8 -----------------------------------------------------------------------------------------
@@ -169,8 +184,8 @@ def dequantize(t, scale, block, heads_kv):
 
 def install(monkeypatch):
     """Puts the stand-ins in place of flash3._kernels.forward_into / backward_into /
-    quantize_fp8_into (what flash3's kernels, operators and autograd call); returns the list the
-    calls are logged in."""
+    forward_varlen_into / backward_varlen_into / quantize_fp8_into (what flash3's kernels,
+    operators and autograd call); returns the list the calls are logged in."""
     calls = []
 
     def forward_into(q, k, v, out, lse=None, softmax_scale=None, causal=False, q_scale=None, k_scale=None,
@@ -205,7 +220,40 @@ def install(monkeypatch):
         scale.copy_(s)
         return out, scale
 
+    def forward_varlen_into(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                            seqused_q=None, seqused_k=None, softmax_scale=None, causal=False, window_left=-1,
+                            window_right=-1, softcap=0.0, check_seqlens=True):
+        calls.append(("fwd_varlen", dict(q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q,
+                                         cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                                         max_seqlen_k=max_seqlen_k, seqused_q=seqused_q, seqused_k=seqused_k,
+                                         softmax_scale=softmax_scale, causal=causal, window_left=window_left,
+                                         window_right=window_right, softcap=softcap, check_seqlens=check_seqlens)))
+        kw = dict(softmax_scale=softmax_scale, causal=causal, window=(window_left, window_right), softcap=softcap)
+        for sq, sk in _sequences(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):  # rows past seqused: untouched
+            o, l = attention(q[sq][None], k[sk][None], v[sk][None], **kw)
+            out[sq] = o[0]
+            if lse is not None:
+                lse[:, sq] = l[0]
+        return out, lse
+
+    def backward_varlen_into(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                             max_seqlen_k, seqused_q=None, seqused_k=None, softmax_scale=None, causal=False,
+                             deterministic=False, window_left=-1, window_right=-1, softcap=0.0, check_seqlens=True):
+        calls.append(("bwd_varlen", dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=dq, dk=dk, dv=dv,
+                                         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_q=seqused_q,
+                                         seqused_k=seqused_k, softmax_scale=softmax_scale, causal=causal,
+                                         deterministic=deterministic, window_left=window_left,
+                                         window_right=window_right, softcap=softcap, check_seqlens=check_seqlens)))
+        kw = dict(softmax_scale=softmax_scale, causal=causal, window=(window_left, window_right), softcap=softcap)
+        grads = attention_grads_varlen(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, **kw)
+        for buf, g in zip((dq, dk, dv), grads):  # rows past seqused: 0
+            buf.copy_(g)
+        return dq, dk, dv
+
     monkeypatch.setattr(flash3._kernels, "forward_into", forward_into)
     monkeypatch.setattr(flash3._kernels, "backward_into", backward_into)
     monkeypatch.setattr(flash3._kernels, "quantize_fp8_into", quantize_fp8_into)
+    monkeypatch.setattr(flash3._kernels, "forward_varlen_into", forward_varlen_into)
+    monkeypatch.setattr(flash3._kernels, "backward_varlen_into", backward_varlen_into)
     return calls

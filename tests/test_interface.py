@@ -2,7 +2,8 @@
 against a literal copy of FlashAttention-3's parameter lists), NotImplementedError for what
 flash3 does not support, the ignored speed hints, flash_attn_qkvpacked_func, window_size and
 softcap with FlashAttention-3's meaning (forward and backward), and a module written against
-FlashAttention-3's names run unchanged with flash3 in its place.
+FlashAttention-3's names run unchanged with flash3 in its place. (flash_attn_varlen_func beyond
+its signature: tests/test_varlen.py.)
 
 Tests parametrized over [cpu] run without a GPU (the library calls stood in for by the math on
 the CPU: tests/stand_in.py) and over [cuda] on a Hopper GPU with libflash3.so (skipped
@@ -31,6 +32,13 @@ FA3_FLASH_ATTN_FUNC = [
     ("attention_chunk", 0), ("softcap", 0.0), ("num_splits", 1), ("pack_gqa", None),
     ("deterministic", False), ("sm_margin", 0), ("return_attn_probs", False),
 ]
+FA3_FLASH_ATTN_VARLEN_FUNC = [
+    ("q", _), ("k", _), ("v", _), ("cu_seqlens_q", _), ("cu_seqlens_k", _), ("max_seqlen_q", _),
+    ("max_seqlen_k", _), ("seqused_q", None), ("seqused_k", None), ("softmax_scale", None), ("causal", False),
+    ("qv", None), ("q_descale", None), ("k_descale", None), ("v_descale", None), ("window_size", (-1, -1)),
+    ("attention_chunk", 0), ("softcap", 0.0), ("num_splits", 1), ("pack_gqa", None), ("deterministic", False),
+    ("sm_margin", 0), ("return_attn_probs", False),
+]
 FA3_FLASH_ATTN_QKVPACKED_FUNC = [
     ("qkv", _), ("softmax_scale", None), ("causal", False), ("q_descale", None), ("k_descale", None),
     ("v_descale", None), ("window_size", (-1, -1)), ("attention_chunk", 0), ("softcap", 0.0),
@@ -39,8 +47,9 @@ FA3_FLASH_ATTN_QKVPACKED_FUNC = [
 
 
 @pytest.mark.parametrize("func, fa3", [(flash3.flash_attn_func, FA3_FLASH_ATTN_FUNC),
-                                       (flash3.flash_attn_qkvpacked_func, FA3_FLASH_ATTN_QKVPACKED_FUNC)],
-                         ids=["flash_attn_func", "flash_attn_qkvpacked_func"])
+                                       (flash3.flash_attn_qkvpacked_func, FA3_FLASH_ATTN_QKVPACKED_FUNC),
+                                       (flash3.flash_attn_varlen_func, FA3_FLASH_ATTN_VARLEN_FUNC)],
+                         ids=["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func"])
 def test_cpu_signature_is_fa3s(func, fa3):
     params = list(inspect.signature(func).parameters.values())
     assert [(p.name, p.default) for p in params] == fa3
@@ -54,7 +63,9 @@ def test_cpu_module_alias():
     assert via_from is flash_attn_interface
     assert flash_attn_interface.flash_attn_func is flash3.flash_attn_func
     assert flash_attn_interface.flash_attn_qkvpacked_func is flash3.flash_attn_qkvpacked_func
-    assert set(flash_attn_interface.__all__) == {"flash_attn_func", "flash_attn_qkvpacked_func"}
+    assert flash_attn_interface.flash_attn_varlen_func is flash3.flash_attn_varlen_func
+    assert set(flash_attn_interface.__all__) == {"flash_attn_func", "flash_attn_qkvpacked_func",
+                                                 "flash_attn_varlen_func"}
     assert flash3._IGNORED == ("num_splits", "pack_gqa", "sm_margin")
 
 
@@ -329,6 +340,14 @@ def attend_packed(qkv):
 
 def attend_local_capped(q, k, v):
     return flash_attn_func(q, k, v, None, False, None, None, None, None, (32, 8), 0, 30.0)
+
+
+def attend_varlen_every_argument(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    return flash_attn_interface.flash_attn_varlen_func(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None, seqused_k=None,
+        softmax_scale=None, causal=True, qv=None, q_descale=None, k_descale=None, v_descale=None,
+        window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False,
+        sm_margin=0, return_attn_probs=True)
 '''
 
 
@@ -350,6 +369,11 @@ def test_drop_in_module_runs_unchanged(device, monkeypatch, tmp_path):
     qkv = _randn((2, 100, 3, 4, 64), device, gen)
     assert_attention(*qkv.unbind(2), True, user.attend_packed(qkv))
     assert_attention(q, k, v, False, user.attend_local_capped(q, k, v), window=(32, 8), softcap=30.0)
+    # the batch as a variable-length one of two sequences of 100: the batch's attention
+    cu = torch.tensor([0, 100, 200], dtype=torch.int32, device=device)
+    out, lse = user.attend_varlen_every_argument(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, 100, 100)
+    assert out.shape == (200, 8, 64) and lse.shape == (8, 200)
+    assert_attention(q, k, v, True, out.view(q.shape), lse.view(8, 2, 100).transpose(0, 1))
     torch.manual_seed(0)
     model = user.SelfAttention(256, 4, 2).to(device=device, dtype=_dtype(device))
     x = _randn((2, 100, 256), device, gen).requires_grad_()

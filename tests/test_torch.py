@@ -643,20 +643,21 @@ int probe_bwd_workspace_size(const flash3_bwd_args* a, uint64_t* bytes, char* er
 
 def test_cpu_packed_args_match_c_header(tmp_path, monkeypatch):
     """The structs forward_into and backward_into pack have the layout of include/flash3/flash3_c.h
-    as a C compiler lays it out (flash3_fwd_args v3, flash3_bwd_args v2): the sizes, the offsets
-    of the window and softcap fields, and the values a C function reads from the packed bytes
-    (the library stood in for by that function; CPU tensors let through as CUDA ones)."""
+    as a C compiler lays it out (flash3_fwd_args up to v3, flash3_bwd_args up to v2: the fields
+    before the variable-length ones, tests/test_varlen.py): the sizes, the offsets of the window
+    and softcap fields, and the values a C function reads from the packed bytes (the library
+    stood in for by that function; CPU tensors let through as CUDA ones)."""
     import ctypes
     import shutil
     import subprocess
     from flash3 import _kernels, _lib
     # without a compiler: the ctypes mirror at least (sizes, and packed bytes read back)
-    assert (_lib.FWD_ARGS_SIZE, _lib.BWD_ARGS_SIZE) == (_kernels._FWD.size, _kernels._BWD.size) == (680, 776)
+    assert (_lib.FWD_ARGS_SIZE_V3, _lib.BWD_ARGS_SIZE_V2) == (_kernels._FWD.size, _kernels._BWD.size) == (680, 776)
     packed = _lib.FwdArgs.from_buffer_copy(_kernels._FWD.pack(680, 1, 0.5, 0, *(0,) * 55, 7, *(0,) * 33,
-                                                              *_kernels.mask_fields(5, -1, 2.5)))
+                                                              *_kernels.mask_fields(5, -1, 2.5)) + bytes(336))
     assert (packed.stream, packed.window, packed.window_left, packed.window_right, packed.softcap) == (7, 1, 5, -1, 2.5)
     packed = _lib.BwdArgs.from_buffer_copy(_kernels._BWD.pack(776, 0, 1, 0.5, *(0,) * 99, 0, 0, 9,
-                                                              *_kernels.mask_fields(-1, 3, 0.0)))
+                                                              *_kernels.mask_fields(-1, 3, 0.0)) + bytes(336))
     assert (packed.stream, packed.window, packed.window_left, packed.window_right, packed.softcap) == (9, 1, -1, 3, 0.0)
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
@@ -673,8 +674,8 @@ def test_cpu_packed_args_match_c_header(tmp_path, monkeypatch):
     layout = [probe.probe_layout(i) for i in range(14)]
     fwd_size, fwd_v3, fwd_v2, *fwd_offsets = layout[:7]
     bwd_size, bwd_v2, bwd_v1, *bwd_offsets = layout[7:]
-    assert fwd_size == fwd_v3 == _lib.FWD_ARGS_SIZE == _kernels._FWD.size == fwd_v2 + 16
-    assert bwd_size == bwd_v2 == _lib.BWD_ARGS_SIZE == _kernels._BWD.size == bwd_v1 + 16
+    assert fwd_v3 == _lib.FWD_ARGS_SIZE_V3 == _kernels._FWD.size == fwd_v2 + 16 and fwd_size == _lib.FWD_ARGS_SIZE
+    assert bwd_v2 == _lib.BWD_ARGS_SIZE_V2 == _kernels._BWD.size == bwd_v1 + 16 and bwd_size == _lib.BWD_ARGS_SIZE
     assert fwd_offsets == [getattr(_lib.FwdArgs, f).offset for f in ("window", "window_left", "window_right", "softcap")]
     assert bwd_offsets == [getattr(_lib.BwdArgs, f).offset for f in ("window", "window_left", "window_right", "softcap")]
 

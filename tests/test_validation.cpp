@@ -1,6 +1,8 @@
 // validate_fwd and validate_bwd on the CPU: a fake PointerInspector stands in for the CUDA
 // runtime, so every rule is checked without a GPU. Each rule has one test that checks the
-// message names the argument and the value it got. Also the C ABI's error reporting.
+// message names the argument and the value it got. Also the checks of the values of cu_seqlens
+// and seqused (host arrays; their device copy where a GPU is present) and the C ABI's error
+// reporting.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -18,6 +20,7 @@
 #include "flash3/flash3.h"
 #include "error_check.h"
 #include "flash3/flash3_c.h"
+#include "varlen_check.h"
 
 namespace {
 
@@ -693,6 +696,623 @@ TEST_F(ValidateBwd, WorkspaceIsOptionalAndChecked) {
   EXPECT_TRUE(fails_with(a, {"workspace (0xa00000) is not a pointer the CUDA runtime knows"}));
 }
 
+// ---- variable-length batches: shapes (validate_fwd, validate_bwd) ------------------------------
+
+// The tensors of each side: q, out (dout, dq) and k, v (dk, dv).
+std::vector<TensorRef*> q_side(FwdArgs& a) { return {&a.q, &a.out}; }
+std::vector<TensorRef*> q_side(BwdArgs& a) { return {&a.q, &a.out, &a.dout, &a.dq}; }
+std::vector<TensorRef*> k_side(FwdArgs& a) { return {&a.k, &a.v}; }
+std::vector<TensorRef*> k_side(BwdArgs& a) { return {&a.k, &a.v, &a.dk, &a.dv}; }
+
+// Fake addresses of cu_seqlens_q/k and seqused_q/k.
+constexpr uintptr_t kCuQ = 0xB00000, kCuK = 0xB10000, kUsedQ = 0xB20000, kUsedK = 0xB30000;
+
+TensorRef int32_vector(uintptr_t address, int64_t n) {
+  return TensorRef::contiguous(fake_ptr(address), DType::kInt32, {n});
+}
+
+// A valid variable-length batch of 3 sequences, 8 heads, 2 kv heads, head dim 128: a packed side
+// has 300 query rows (max_seqlen_q 128) or 500 keys (max_seqlen_k 256); a side not packed is
+// (3, 128, ...) or (3, 256, ...). seqused where asked.
+template <class Args>
+Args make_varlen(bool pack_q, bool pack_k, bool used_q = false, bool used_k = false) {
+  Args a = make<Args>(3, 128, 256, 8, 2, 128);
+  if (pack_q) {
+    for (TensorRef* t : q_side(a)) *t = TensorRef::contiguous(t->data, t->dtype, {300, 8, 128});
+    a.lse = TensorRef::contiguous(a.lse.data, DType::kFloat32, {8, 300});
+    a.cu_seqlens_q = int32_vector(kCuQ, 4);
+    a.max_seqlen_q = 128;
+  }
+  if (pack_k) {
+    for (TensorRef* t : k_side(a)) *t = TensorRef::contiguous(t->data, t->dtype, {500, 2, 128});
+    a.cu_seqlens_k = int32_vector(kCuK, 4);
+    a.max_seqlen_k = 256;
+  }
+  if (used_q) a.seqused_q = int32_vector(kUsedQ, 3);
+  if (used_k) a.seqused_k = int32_vector(kUsedK, 3);
+  return a;
+}
+
+template <class Args>
+class ValidateVarlen : public Validate<Args> {
+ protected:
+  Args a = make_varlen<Args>(true, true);
+  static constexpr bool kFwd = std::is_same_v<Args, FwdArgs>;
+  static constexpr int kTensors = kFwd ? 5 : 9;  // the pointers of a fixed-length problem
+};
+TYPED_TEST_SUITE(ValidateVarlen, BothArgs, ArgsName);
+
+TYPED_TEST(ValidateVarlen, PackedSidesFillTheProblem) {
+  const auto p = problem(this->a);
+  EXPECT_TRUE(p.varlen);
+  EXPECT_EQ(p.batch, 3);
+  EXPECT_EQ(p.seqlen_q, 128);
+  EXPECT_EQ(p.seqlen_k, 256);
+  EXPECT_EQ(p.total_q, 300);
+  EXPECT_EQ(p.total_k, 500);
+  EXPECT_EQ(p.nheads, 8);
+  EXPECT_EQ(p.nheads_kv, 2);
+  EXPECT_EQ(p.head_dim, 128);
+  EXPECT_FLOAT_EQ(p.softmax_scale, 1.0f / std::sqrt(128.0f));
+  EXPECT_EQ(g_calls, this->kTensors + 2);  // and cu_seqlens_q, cu_seqlens_k
+}
+
+TYPED_TEST(ValidateVarlen, OneSidePacked) {
+  auto p = problem(make_varlen<TypeParam>(true, false));
+  EXPECT_TRUE(p.varlen);
+  EXPECT_EQ(p.batch, 3);
+  EXPECT_EQ(p.seqlen_q, 128);
+  EXPECT_EQ(p.total_q, 300);
+  EXPECT_EQ(p.seqlen_k, 256);  // k's dim 1
+  EXPECT_EQ(p.total_k, 3 * 256);
+  p = problem(make_varlen<TypeParam>(false, true));
+  EXPECT_EQ(p.batch, 3);
+  EXPECT_EQ(p.seqlen_q, 128);
+  EXPECT_EQ(p.total_q, 3 * 128);
+  EXPECT_EQ(p.seqlen_k, 256);
+  EXPECT_EQ(p.total_k, 500);
+}
+
+TYPED_TEST(ValidateVarlen, SequsedAlone) {
+  auto& a = this->a;
+  a = make_varlen<TypeParam>(false, false, true, true);
+  a.max_seqlen_q = -5;  // ignored without cu_seqlens_q
+  a.max_seqlen_k = std::numeric_limits<int>::max();
+  const auto p = problem(a);
+  EXPECT_TRUE(p.varlen);
+  EXPECT_EQ(p.batch, 3);
+  EXPECT_EQ(p.seqlen_q, 128);
+  EXPECT_EQ(p.seqlen_k, 256);
+  EXPECT_EQ(p.total_q, 3 * 128);
+  EXPECT_EQ(p.total_k, 3 * 256);
+  EXPECT_EQ(g_calls, this->kTensors + 2);  // and seqused_q, seqused_k
+  a = make_varlen<TypeParam>(true, true, true, true);
+  EXPECT_EQ(problem(a).batch, 3);
+}
+
+TYPED_TEST(ValidateVarlen, FixedLengthsHaveTotals) {
+  const auto p = problem(make<TypeParam>(2, 128, 256, 8, 2, 128));
+  EXPECT_FALSE(p.varlen);
+  EXPECT_EQ(p.total_q, 2 * 128);
+  EXPECT_EQ(p.total_k, 2 * 256);
+}
+
+// batch 0, both sides packed (cu_seqlens of one entry, empty tensors), seqused_q of no entry; all
+// data null.
+template <class Args>
+Args empty_varlen() {
+  Args a = make<Args>(0, 0, 0, 8, 2, 128, /*with_data=*/false);
+  for (TensorRef* t : q_side(a)) *t = TensorRef::contiguous(nullptr, t->dtype, {0, 8, 128});
+  for (TensorRef* t : k_side(a)) *t = TensorRef::contiguous(nullptr, t->dtype, {0, 2, 128});
+  a.lse = TensorRef::contiguous(nullptr, DType::kFloat32, {8, 0});
+  a.cu_seqlens_q = a.cu_seqlens_k = TensorRef::contiguous(nullptr, DType::kInt32, {1});
+  a.seqused_q = TensorRef::contiguous(nullptr, DType::kInt32, {0});
+  return a;
+}
+
+// batch 0: nothing to compute, no pointer read.
+TYPED_TEST(ValidateVarlen, EmptyBatch) {
+  const auto p = problem(empty_varlen<TypeParam>());
+  EXPECT_TRUE(p.varlen);
+  EXPECT_EQ(p.batch, 0);
+  EXPECT_EQ(p.total_q, 0);
+  EXPECT_EQ(p.total_k, 0);
+  EXPECT_EQ(g_calls, 0);
+}
+
+// Sequences of length 0 only (batch > 0, max_seqlen 0): valid.
+TYPED_TEST(ValidateVarlen, ZeroLengthSequences) {
+  auto& a = this->a;
+  for (TensorRef* t : q_side(a)) t->shape[0] = 0;
+  a.lse.shape[1] = 0;
+  a.max_seqlen_q = 0;
+  const auto p = problem(a);
+  EXPECT_EQ(p.batch, 3);
+  EXPECT_EQ(p.seqlen_q, 0);
+  EXPECT_EQ(p.total_q, 0);
+}
+
+TYPED_TEST(ValidateVarlen, RankOfPackedTensors) {
+  auto& a = this->a;
+  const std::string names[] = {"q", "out", "dout", "dq"};  // the order of q_side
+  for (size_t i = 0; i < q_side(a).size(); ++i) {
+    a = make_varlen<TypeParam>(true, true);
+    const std::string& name = names[i];
+    q_side(a)[i]->rank = 4;
+    EXPECT_TRUE(fails_with(a, {name + ".rank is 4; with cu_seqlens_q, " + name +
+                                   " must have rank 3 (total_q, nheads, head_dim) (rank 4 (batch, seqlen_q, nheads, "
+                                   "head_dim) without cu_seqlens_q)"}));
+  }
+  a = make_varlen<TypeParam>(true, true);
+  a.v.rank = 4;
+  EXPECT_TRUE(fails_with(a, {"v.rank is 4; with cu_seqlens_k, v must have rank 3 (total_k, nheads_kv, head_dim) "
+                             "(rank 4 (batch, seqlen_k, nheads_kv, head_dim) without cu_seqlens_k)"}));
+  a = make_varlen<TypeParam>(true, true);
+  a.lse.rank = 3;
+  EXPECT_TRUE(fails_with(a, {"lse.rank is 3; with cu_seqlens_q, lse must have rank 2 (nheads, total_q) (rank 3 "
+                             "(batch, nheads, seqlen_q) without cu_seqlens_q)"}));
+  // packed tensors without cu_seqlens: the message says which argument packs them
+  a = make_varlen<TypeParam>(true, false);
+  a.cu_seqlens_q = TensorRef{};
+  EXPECT_TRUE(fails_with(a, {"q.rank is 3; q must have rank 4 (batch, seqlen_q, nheads, head_dim) (rank 3 "
+                             "(total_q, nheads, head_dim) with cu_seqlens_q)"}));
+  a = make_varlen<TypeParam>(false, true);
+  a.cu_seqlens_k = TensorRef{};
+  EXPECT_TRUE(fails_with(a, {"k.rank is 3; k must have rank 4 (batch, seqlen_k, nheads_kv, head_dim) (rank 3 "
+                             "(total_k, nheads_kv, head_dim) with cu_seqlens_k)"}));
+}
+
+TYPED_TEST(ValidateVarlen, CuSeqlensRankDtypeStrideAndSize) {
+  auto& a = this->a;
+  a.cu_seqlens_q = TensorRef::contiguous(fake_ptr(kCuQ), DType::kInt32, {4, 1});
+  EXPECT_TRUE(fails_with(a, {"cu_seqlens_q.rank is 2; cu_seqlens_q must have rank 1 (batch + 1)"}));
+  a = make_varlen<TypeParam>(true, true);
+  a.cu_seqlens_k.dtype = DType::kFloat32;
+  EXPECT_TRUE(fails_with(a, {"cu_seqlens_k.dtype is float32; cu_seqlens_k must be int32"}));
+  a = make_varlen<TypeParam>(true, true);
+  a.cu_seqlens_q.stride[0] = 2;
+  EXPECT_TRUE(fails_with(a, {"cu_seqlens_q.stride[0] is 2; cu_seqlens_q must be contiguous (stride 1)"}));
+  a = make_varlen<TypeParam>(true, true);
+  a.cu_seqlens_k.shape[0] = -1;
+  EXPECT_TRUE(fails_with(a, {"cu_seqlens_k.shape[0] (batch + 1) is -1; sizes must be >= 0"}));
+  a = make_varlen<TypeParam>(true, true);
+  a.cu_seqlens_q.shape[0] = a.cu_seqlens_k.shape[0] = 0;
+  EXPECT_TRUE(fails_with(a, {"cu_seqlens_q.shape[0] is 0; cu_seqlens_q must have batch + 1 entries (at least 1)"}));
+}
+
+TYPED_TEST(ValidateVarlen, BatchIsTheSameOnBothSides) {
+  auto& a = this->a;
+  a.cu_seqlens_k.shape[0] = 5;
+  EXPECT_TRUE(fails_with(a, {"cu_seqlens_k.shape[0] is 5 but cu_seqlens_q.shape[0] is 4; cu_seqlens_q and "
+                             "cu_seqlens_k must both have batch + 1 entries"}));
+  a = make_varlen<TypeParam>(true, false);
+  for (TensorRef* t : k_side(a)) t->shape[0] = 2;
+  EXPECT_TRUE(fails_with(a, {"k.shape[0] (batch) is 2 but cu_seqlens_q.shape[0] is 4; k must have batch = "
+                             "cu_seqlens_q.shape[0] - 1 = 3 sequences"}));
+  a = make_varlen<TypeParam>(false, true);
+  for (TensorRef* t : q_side(a)) t->shape[0] = 4;
+  a.lse.shape[0] = 4;
+  EXPECT_TRUE(fails_with(a, {"q.shape[0] (batch) is 4 but cu_seqlens_k.shape[0] is 4; q must have batch = "
+                             "cu_seqlens_k.shape[0] - 1 = 3 sequences"}));
+}
+
+TYPED_TEST(ValidateVarlen, Seqused) {
+  auto& a = this->a;
+  a = make_varlen<TypeParam>(true, true, true, false);
+  a.seqused_q.shape[0] = 2;
+  EXPECT_TRUE(fails_with(a, {"seqused_q.shape[0] is 2 but batch is 3 (cu_seqlens_q.shape[0] - 1); seqused_q must "
+                             "have batch entries"}));
+  a = make_varlen<TypeParam>(false, true, false, true);
+  a.seqused_k.shape[0] = 4;
+  EXPECT_TRUE(fails_with(a, {"seqused_k.shape[0] is 4 but batch is 3 (cu_seqlens_k.shape[0] - 1)"}));
+  a = make_varlen<TypeParam>(false, false, false, true);
+  a.seqused_k.shape[0] = 4;
+  EXPECT_TRUE(fails_with(a, {"seqused_k.shape[0] is 4 but batch is 3 (q.shape[0]); seqused_k must have batch "
+                             "entries"}));
+  a = make_varlen<TypeParam>(false, false, true, false);
+  a.seqused_q.dtype = DType::kFloat16;
+  EXPECT_TRUE(fails_with(a, {"seqused_q.dtype is float16; seqused_q must be int32"}));
+  a = make_varlen<TypeParam>(false, false, true, false);
+  a.seqused_q = TensorRef::contiguous(fake_ptr(kUsedQ), DType::kInt32, {3, 1});
+  EXPECT_TRUE(fails_with(a, {"seqused_q.rank is 2; seqused_q must have rank 1 (batch)"}));
+  a = make_varlen<TypeParam>(false, false, true, false);
+  a.seqused_q.stride[0] = 0;
+  EXPECT_TRUE(fails_with(a, {"seqused_q.stride[0] is 0; seqused_q must be contiguous (stride 1)"}));
+  a = make<TypeParam>(1, 128, 256, 8, 2, 128);  // one entry: its stride is never used
+  a.seqused_q = int32_vector(kUsedQ, 1);
+  a.seqused_q.stride[0] = 5;
+  EXPECT_TRUE(problem(a).varlen);
+}
+
+TYPED_TEST(ValidateVarlen, MaxSeqlen) {
+  auto& a = this->a;
+  a.max_seqlen_q = -1;
+  EXPECT_TRUE(fails_with(a, {"max_seqlen_q is -1; it must be >= 0"}));
+  a = make_varlen<TypeParam>(true, true);
+  a.max_seqlen_k = 501;
+  EXPECT_TRUE(fails_with(a, {"max_seqlen_k is 501 but k.shape[0] (total_k) is 500; no sequence is longer than the "
+                             "packed length"}));
+  a.max_seqlen_k = 500;
+  EXPECT_EQ(problem(a).seqlen_k, 500);
+  // beyond kMaxSeqlen: 2^30 + 2 packed keys
+  a = make_varlen<TypeParam>(true, true);
+  for (TensorRef* t : k_side(a)) *t = TensorRef::contiguous(t->data, t->dtype, {(int64_t{1} << 30) + 2, 2, 128});
+  a.max_seqlen_k = (1 << 30) + 1;
+  EXPECT_TRUE(fails_with(a, {"max_seqlen_k is 1073741825; it must be at most 1073741824 (2^30)"}));
+  a.max_seqlen_k = 1 << 30;
+  EXPECT_EQ(problem(a).seqlen_k, 1 << 30);
+}
+
+// Rows past int32: a packed dim 0 by the size rule, a side not packed (batch x seqlen) by name.
+TYPED_TEST(ValidateVarlen, RowsFitInInt32) {
+  auto& a = this->a;
+  for (TensorRef* t : q_side(a)) *t = TensorRef::contiguous(t->data, t->dtype, {int64_t{1} << 31, 8, 128});
+  a.lse = TensorRef::contiguous(a.lse.data, DType::kFloat32, {8, int64_t{1} << 31});
+  EXPECT_TRUE(fails_with(a, {"q.shape[0] (total_q) is 2147483648; sizes must fit in int32"}));
+  a = make<TypeParam>(int64_t{1} << 16, int64_t{1} << 16, 64, 1, 1, 64);
+  a.seqused_k = int32_vector(kUsedK, int64_t{1} << 16);
+  EXPECT_TRUE(fails_with(a, {"q has q.shape[0] (batch) x q.shape[1] (seqlen_q) = 65536 x 65536 = 4294967296 rows; "
+                             "with cu_seqlens or seqused the rows of each side must fit in int32"}));
+  a.seqused_k = TensorRef{};  // fixed lengths: no such bound
+  EXPECT_NO_THROW(problem(a));
+}
+
+// (total / 64 + batch) x nheads tiles of a packed side at most 2^30: query tiles in both passes,
+// key tiles in the backward.
+TYPED_TEST(ValidateVarlen, TileCounts) {
+  auto& a = this->a;
+  auto shape = [&](int64_t total_q, int64_t total_k) {
+    a = make_varlen<TypeParam>(true, true);
+    for (TensorRef* t : q_side(a)) *t = TensorRef::contiguous(t->data, t->dtype, {total_q, 64, 64});
+    for (TensorRef* t : k_side(a)) *t = TensorRef::contiguous(t->data, t->dtype, {total_k, 1, 64});
+    a.lse = TensorRef::contiguous(a.lse.data, DType::kFloat32, {64, total_q});
+    a.max_seqlen_q = a.max_seqlen_k = 64;
+  };
+  shape((int64_t{1} << 30) - 3 * 64, 64);  // (2^24 - 3 + 3) x 64 = 2^30 query tiles
+  EXPECT_NO_THROW(problem(a));
+  shape(int64_t{1} << 30, 64);  // (2^24 + 3) x 64
+  EXPECT_TRUE(fails_with(a, {"q.shape[0] (total_q) is 1073741824 with nheads 64 and batch 3: (total_q / 64 + batch) "
+                             "x nheads = (16777216 + 3) x 64 query tiles, more than the 1073741824 (2^30)"}));
+  shape(64, int64_t{1} << 30);
+  if (this->kFwd) {
+    EXPECT_NO_THROW(problem(a));  // the forward counts query tiles only
+  } else {
+    EXPECT_TRUE(fails_with(a, {"k.shape[0] (total_k) is 1073741824 with nheads 64 and batch 3: (total_k / 64 + batch) "
+                               "x nheads = (16777216 + 3) x 64 key tiles"}));
+  }
+}
+
+TYPED_TEST(ValidateVarlen, PackedShapes) {
+  auto& a = this->a;
+  a.v.shape[0] = 499;
+  EXPECT_TRUE(fails_with(a, {"v.shape[0] (total_k) is 499 but k.shape[0] (total_k) is 500; k and v must have the "
+                             "same shape"}));
+  a = make_varlen<TypeParam>(true, true);
+  a.out.shape[1] = 4;
+  EXPECT_TRUE(fails_with(a, {"out.shape[1] (nheads) is 4 but q.shape[1] (nheads) is 8; out must have the same "
+                             "shape as q"}));
+  a = make_varlen<TypeParam>(true, true);
+  for (TensorRef* t : k_side(a)) *t = TensorRef::contiguous(t->data, t->dtype, {500, 2, 64});
+  EXPECT_TRUE(fails_with(a, {"k.shape[2] (head_dim) is 64 but q.shape[2] (head_dim) is 128"}));
+  a = make_varlen<TypeParam>(true, false);  // head_dim across layouts
+  for (TensorRef* t : k_side(a)) *t = TensorRef::contiguous(t->data, t->dtype, {3, 256, 2, 64});
+  EXPECT_TRUE(fails_with(a, {"k.shape[3] (head_dim) is 64 but q.shape[2] (head_dim) is 128"}));
+  a = make_varlen<TypeParam>(true, true);
+  for (TensorRef* t : q_side(a)) *t = TensorRef::contiguous(t->data, t->dtype, {300, 6, 128});
+  for (TensorRef* t : k_side(a)) *t = TensorRef::contiguous(t->data, t->dtype, {500, 4, 128});
+  a.lse = TensorRef::contiguous(a.lse.data, DType::kFloat32, {6, 300});
+  EXPECT_TRUE(fails_with(a, {"q.shape[1] (nheads) is 6 and k.shape[1] (nheads_kv) is 4", "multiple"}));
+  a = make_varlen<TypeParam>(true, true);
+  for (TensorRef* t : q_side(a)) *t = TensorRef::contiguous(t->data, t->dtype, {300, 8, 96});
+  for (TensorRef* t : k_side(a)) *t = TensorRef::contiguous(t->data, t->dtype, {500, 2, 96});
+  EXPECT_TRUE(fails_with(a, {"q.shape[2] (head_dim) is 96; supported head dims are 64, 128, 256"}));
+}
+
+TYPED_TEST(ValidateVarlen, PackedLse) {
+  auto& a = this->a;
+  a.lse.shape[1] = 299;
+  EXPECT_TRUE(fails_with(a, {"lse.shape[1] (total_q) is 299 but q.shape[0] (total_q) is 300; with cu_seqlens_q, "
+                             "lse must be (nheads, total_q)"}));
+  a = make_varlen<TypeParam>(true, true);
+  a.lse.shape[0] = 2;
+  EXPECT_TRUE(fails_with(a, {"lse.shape[0] (nheads) is 2 but q.shape[1] (nheads) is 8"}));
+  a = make_varlen<TypeParam>(true, true);
+  a.lse.stride[1] = 2;
+  EXPECT_TRUE(fails_with(a, {"lse.stride[1] is 2", "stride 1"}));
+  a = make_varlen<TypeParam>(true, true);
+  a.lse.stride[0] = 301;  // lse's other strides need only be positive
+  EXPECT_NO_THROW(problem(a));
+}
+
+TYPED_TEST(ValidateVarlen, PackedStrides) {
+  auto& a = this->a;
+  a.q.stride[2] = 2;
+  EXPECT_TRUE(fails_with(a, {"q.stride[2] is 2", "stride 1"}));
+  a = make_varlen<TypeParam>(true, true);
+  a.k.stride[0] = 260;
+  EXPECT_TRUE(fails_with(a, {"k.stride[0] (total_k) is 260 elements (520 bytes)", "multiples of 8 elements"}));
+  a = make_varlen<TypeParam>(true, true);
+  for (TensorRef* t : k_side(a)) t->stride[0] = 3 * 2 * 128;  // rows of a packed kv buffer
+  EXPECT_NO_THROW(problem(a));
+}
+
+TYPED_TEST(ValidateVarlen, Pointers) {
+  auto& a = this->a;
+  a.cu_seqlens_q.data = nullptr;
+  EXPECT_TRUE(fails_with(a, {"cu_seqlens_q.data is null; cu_seqlens_q needs a device pointer"}));
+  a = make_varlen<TypeParam>(true, true, true, true);
+  a.cu_seqlens_k.data = fake_ptr(kCuK + 2);
+  EXPECT_TRUE(fails_with(a, {"cu_seqlens_k.data is 0xb10002, not 4-byte aligned"}));
+  a = make_varlen<TypeParam>(true, true, true, true);
+  a.seqused_q.data = fake_ptr(kUsedQ + 4);  // 4 bytes is enough
+  EXPECT_NO_THROW(problem(a));
+  g_host = a.seqused_k.data;
+  EXPECT_TRUE(fails_with(a, {"seqused_k.data points to host memory"}));
+  g_host = nullptr;
+  g_unknown = a.cu_seqlens_q.data;
+  EXPECT_TRUE(fails_with(a, {"cu_seqlens_q.data (0xb00000) is not a pointer the CUDA runtime knows"}));
+}
+
+// A bound that excludes nothing in the longest sequences excludes nothing in any: windows are
+// normalized with max_seqlen_q / max_seqlen_k.
+TYPED_TEST(ValidateVarlen, WindowIsNormalizedWithTheLongestLengths) {
+  auto& a = this->a;  // max_seqlen_q 128, max_seqlen_k 256 (totals 300, 500)
+  a.causal = false;
+  a.window_left = 255;
+  a.window_right = 127;
+  auto p = problem(a);
+  EXPECT_EQ(p.window_left, -1);
+  EXPECT_EQ(p.window_right, -1);
+  a.window_left = 254;
+  a.window_right = 126;
+  p = problem(a);
+  EXPECT_EQ(p.window_left, 254);
+  EXPECT_EQ(p.window_right, 126);
+}
+
+TEST_F(ValidateFwd, VarlenIsFor16BitInputs) {
+  a = make_varlen<FwdArgs>(true, true);
+  for (TensorRef* t : {&a.q, &a.k, &a.v}) t->dtype = DType::kFloat8E4M3;
+  EXPECT_TRUE(fails_with(a, {"cu_seqlens_q is given but q.dtype is float8_e4m3; variable-length batches "
+                             "(cu_seqlens, seqused) are built for float16 and bfloat16"}));
+  a = make_args(3, 128, 256, 8, 2, 128);
+  for (TensorRef* t : {&a.q, &a.k, &a.v}) t->dtype = DType::kFloat8E4M3;
+  a.seqused_k = int32_vector(kUsedK, 3);
+  EXPECT_TRUE(fails_with(a, {"seqused_k is given but q.dtype is float8_e4m3"}));
+}
+
+TEST_F(ValidateFwd, VarlenLseIsOptional) {
+  a = make_varlen<FwdArgs>(true, false);
+  a.lse = TensorRef{};
+  EXPECT_FALSE(problem(a).write_lse);
+  EXPECT_EQ(g_calls, 5);  // q, k, v, out, cu_seqlens_q
+}
+
+TEST_F(ValidateFwd, VarlenWithNoQueriesSkipsPointerChecks) {
+  a = make_varlen<FwdArgs>(true, true);
+  for (TensorRef* t : q_side(a)) *t = TensorRef::contiguous(nullptr, t->dtype, {0, 8, 128});
+  a.lse = TensorRef::contiguous(nullptr, DType::kFloat32, {8, 0});
+  a.max_seqlen_q = 0;
+  a.cu_seqlens_q.data = nullptr;
+  EXPECT_EQ(problem(a).seqlen_q, 0);
+  EXPECT_EQ(g_calls, 0);
+}
+
+TEST_F(ValidateBwd, VarlenGradientsFollowTheirSide) {
+  a = make_varlen<BwdArgs>(true, true);
+  a.dq.shape[0] = 301;
+  EXPECT_TRUE(fails_with(a, {"dq.shape[0] (total_q) is 301 but q.shape[0] (total_q) is 300; dq must have the same "
+                             "shape as q"}));
+  a = make_varlen<BwdArgs>(true, true);
+  a.dk.rank = 4;
+  EXPECT_TRUE(fails_with(a, {"dk.rank is 4; with cu_seqlens_k, dk must have rank 3 (total_k, nheads_kv, head_dim)"}));
+  a = make_varlen<BwdArgs>(true, true);
+  a.dout.stride[1] = 4;
+  EXPECT_TRUE(fails_with(a, {"dout.stride[1] (nheads) is 4 elements (8 bytes)"}));
+}
+
+// ---- variable-length batches: the values (check_seqlen_values, on host arrays) -----------------
+
+using flash3::detail::check_seqlen_values;
+using flash3::detail::SeqlenSide;
+
+// check_seqlen_values throws flash3::Error whose message starts with op and contains parts.
+::testing::AssertionResult values_fail(const char* op, int batch, const SeqlenSide& q, const SeqlenSide& k,
+                                       std::initializer_list<std::string> parts) {
+  return flash3::testing::throws_error([&] { check_seqlen_values(op, batch, q, k); }, op, parts);
+}
+
+// 3 sequences: queries 100, 0, 200 rows of 300 (max 200); keys 0, 250, 250 of 500 (max 250).
+struct GoodValues {
+  std::vector<int> cu_q = {0, 100, 100, 300}, cu_k = {0, 0, 250, 500};
+  std::vector<int> used_q = {0, 0, 150}, used_k = {0, 250, 1};
+  SeqlenSide q() const { return SeqlenSide{cu_q.data(), used_q.data(), 300, 200}; }
+  SeqlenSide k() const { return SeqlenSide{cu_k.data(), used_k.data(), 500, 250}; }
+};
+
+TEST(SeqlenValues, AcceptsValidValues) {
+  GoodValues v;
+  EXPECT_NO_THROW(check_seqlen_values("flash3::fwd: ", 3, v.q(), v.k()));
+  // max_seqlen above every length; seqused at the lengths
+  v.used_q = {100, 0, 200};
+  EXPECT_NO_THROW(check_seqlen_values("flash3::fwd: ", 3, SeqlenSide{v.cu_q.data(), v.used_q.data(), 300, 1000},
+                                      v.k()));
+  // no seqused; one side not packed (seqused up to its dim 1)
+  EXPECT_NO_THROW(check_seqlen_values("flash3::fwd: ", 3, SeqlenSide{v.cu_q.data(), nullptr, 300, 200},
+                                      SeqlenSide{nullptr, v.used_k.data(), 768, 256}));
+  // every sequence empty, seqused 0
+  const std::vector<int> zeros = {0, 0, 0, 0};
+  EXPECT_NO_THROW(check_seqlen_values("flash3::bwd: ", 3, SeqlenSide{zeros.data(), zeros.data(), 0, 0},
+                                      SeqlenSide{zeros.data(), zeros.data(), 0, 0}));
+  // batch 0: cu_seqlens {0}
+  EXPECT_NO_THROW(check_seqlen_values("flash3::fwd: ", 0, SeqlenSide{zeros.data(), nullptr, 0, 0},
+                                      SeqlenSide{zeros.data(), nullptr, 0, 0}));
+  // nothing given
+  EXPECT_NO_THROW(check_seqlen_values("flash3::fwd: ", 3, SeqlenSide{}, SeqlenSide{}));
+}
+
+TEST(SeqlenValues, CuSeqlensStartsAtZero) {
+  GoodValues v;
+  v.cu_q[0] = 5;
+  EXPECT_TRUE(values_fail("flash3::fwd: ", 3, v.q(), v.k(), {"cu_seqlens_q[0] is 5; cu_seqlens_q must start at 0"}));
+  v = GoodValues{};
+  v.cu_k[0] = -1;
+  EXPECT_TRUE(values_fail("flash3::bwd: ", 3, v.q(), v.k(), {"cu_seqlens_k[0] is -1; cu_seqlens_k must start at 0"}));
+}
+
+TEST(SeqlenValues, CuSeqlensNonDecreasing) {
+  GoodValues v;
+  v.cu_q = {0, 120, 100, 300};
+  EXPECT_TRUE(values_fail("flash3::fwd: ", 3, v.q(), v.k(),
+                          {"flash3::fwd: cu_seqlens_q[2] is 100, below cu_seqlens_q[1] = 120; cu_seqlens must be "
+                           "non-decreasing"}));
+  v = GoodValues{};
+  v.cu_k = {0, 0, 600, 500};
+  EXPECT_TRUE(values_fail("flash3::bwd: ", 3, v.q(), v.k(), {"cu_seqlens_k[3] is 500, below cu_seqlens_k[2] = 600"}));
+}
+
+TEST(SeqlenValues, CuSeqlensEndsAtThePackedLength) {
+  GoodValues v;
+  v.cu_k[3] = 499;
+  EXPECT_TRUE(values_fail("flash3::fwd: ", 3, v.q(), v.k(),
+                          {"cu_seqlens_k[3] is 499 but k.shape[0] (total_k) is 500; the last entry of cu_seqlens_k "
+                           "must be the packed length"}));
+  v = GoodValues{};
+  EXPECT_TRUE(values_fail("flash3::fwd: ", 3, SeqlenSide{v.cu_q.data(), nullptr, 301, 200}, v.k(),
+                          {"cu_seqlens_q[3] is 300 but q.shape[0] (total_q) is 301"}));
+}
+
+TEST(SeqlenValues, SequenceLongerThanMaxSeqlen) {
+  GoodValues v;
+  EXPECT_TRUE(values_fail("flash3::fwd: ", 3, SeqlenSide{v.cu_q.data(), nullptr, 300, 199}, v.k(),
+                          {"cu_seqlens_q[3] - cu_seqlens_q[2] = 300 - 100 = 200 (the length of sequence 2) but "
+                           "max_seqlen_q is 199; max_seqlen_q must be at least every sequence's length"}));
+  EXPECT_TRUE(values_fail("flash3::bwd: ", 3, v.q(), SeqlenSide{v.cu_k.data(), nullptr, 500, 0},
+                          {"cu_seqlens_k[2] - cu_seqlens_k[1] = 250 - 0 = 250 (the length of sequence 1) but "
+                           "max_seqlen_k is 0"}));
+}
+
+TEST(SeqlenValues, SequsedNegative) {
+  GoodValues v;
+  v.used_k[1] = -1;
+  EXPECT_TRUE(values_fail("flash3::fwd: ", 3, v.q(), v.k(), {"seqused_k[1] is -1; seqused must be >= 0"}));
+}
+
+TEST(SeqlenValues, SequsedBeyondTheSequence) {
+  GoodValues v;
+  v.used_q[0] = 101;
+  EXPECT_TRUE(values_fail("flash3::fwd: ", 3, v.q(), v.k(),
+                          {"seqused_q[0] is 101 but sequence 0 has length cu_seqlens_q[1] - cu_seqlens_q[0] = 100; "
+                           "seqused must be at most the sequence's length"}));
+  v = GoodValues{};
+  v.used_q[1] = 1;  // a sequence of length 0
+  EXPECT_TRUE(values_fail("flash3::fwd: ", 3, v.q(), v.k(), {"seqused_q[1] is 1 but sequence 1 has length"}));
+  v = GoodValues{};  // without cu_seqlens: at most the dim 1
+  EXPECT_TRUE(values_fail("flash3::bwd: ", 3, v.q(), SeqlenSide{nullptr, v.used_k.data(), 3 * 249, 249},
+                          {"seqused_k[1] is 250 but k.shape[1] (seqlen_k) is 249; seqused must be at most the "
+                           "sequence's length"}));
+}
+
+TEST(SeqlenValues, LengthsNearInt32DoNotOverflow) {
+  const int big = std::numeric_limits<int>::max();
+  const std::vector<int> cu = {0, big}, used = {big};
+  EXPECT_NO_THROW(check_seqlen_values("flash3::fwd: ", 1, SeqlenSide{cu.data(), used.data(), big, big},
+                                      SeqlenSide{cu.data(), used.data(), big, big}));
+  EXPECT_TRUE(values_fail("flash3::fwd: ", 1, SeqlenSide{cu.data(), used.data(), big, big - 1}, SeqlenSide{},
+                          {"= 2147483647 (the length of sequence 0) but max_seqlen_q is 2147483646"}));
+}
+
+// check_seqlens_on_device does nothing (no CUDA call) when there is nothing to check: fixed
+// lengths, check_seqlens off, batch 0, no queries (forward).
+TEST(SeqlenValues, DeviceCheckSkipsWhenNothingToCheck) {
+  FwdArgs f = make_varlen<FwdArgs>(true, true);  // fake device pointers: a copy would fail
+  flash3::FwdProblem fp = problem(f);
+  f.check_seqlens = false;
+  EXPECT_NO_THROW(flash3::detail::check_seqlens_on_device(f, fp));
+  f.check_seqlens = true;
+  flash3::FwdProblem empty = fp;
+  empty.batch = 0;
+  EXPECT_NO_THROW(flash3::detail::check_seqlens_on_device(f, empty));
+  empty = fp;
+  empty.seqlen_q = 0;
+  EXPECT_NO_THROW(flash3::detail::check_seqlens_on_device(f, empty));
+  empty = fp;
+  empty.varlen = false;
+  EXPECT_NO_THROW(flash3::detail::check_seqlens_on_device(f, empty));
+  BwdArgs b = make_varlen<BwdArgs>(true, true);
+  flash3::BwdProblem bp = problem(b);
+  b.check_seqlens = false;
+  EXPECT_NO_THROW(flash3::detail::check_seqlens_on_device(b, bp));
+  b.check_seqlens = true;
+  bp.batch = 0;
+  EXPECT_NO_THROW(flash3::detail::check_seqlens_on_device(b, bp));
+}
+
+// The copy of check_seqlens_on_device on a GPU (skipped without one): real device arrays on a
+// stream; skipped when check_seqlens is off or the stream is being captured.
+TEST(SeqlenValues, DeviceCheckCopiesTheValues) {
+  std::string why_not;
+  if (!flash3::hopper_available(&why_not)) GTEST_SKIP() << why_not;
+  struct Device {
+    int* ptr = nullptr;
+    explicit Device(const std::vector<int>& v) {
+      if (cudaMalloc(reinterpret_cast<void**>(&ptr), v.size() * sizeof(int)) == cudaSuccess) {
+        cudaMemcpy(ptr, v.data(), v.size() * sizeof(int), cudaMemcpyHostToDevice);
+      }
+    }
+    ~Device() { cudaFree(ptr); }
+    void set(const std::vector<int>& v) { cudaMemcpy(ptr, v.data(), v.size() * sizeof(int), cudaMemcpyHostToDevice); }
+  };
+  const GoodValues v;  // 3 sequences: 300 query rows (max 200), 500 keys (max 250)
+  Device cu_q(v.cu_q), cu_k(v.cu_k), used_q(v.used_q), used_k(v.used_k);
+  ASSERT_TRUE(cu_q.ptr && cu_k.ptr && used_q.ptr && used_k.ptr);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  FwdArgs f = make_varlen<FwdArgs>(true, true, true, true);
+  f.max_seqlen_q = 200;
+  f.max_seqlen_k = 250;
+  f.cu_seqlens_q.data = cu_q.ptr;
+  f.cu_seqlens_k.data = cu_k.ptr;
+  f.seqused_q.data = used_q.ptr;
+  f.seqused_k.data = used_k.ptr;
+  f.stream = stream;
+  const flash3::FwdProblem fp = problem(f);
+  EXPECT_NO_THROW(flash3::detail::check_seqlens_on_device(f, fp));
+  cu_q.set({0, 120, 100, 300});
+  EXPECT_TRUE(flash3::testing::throws_error([&] { flash3::detail::check_seqlens_on_device(f, fp); }, "flash3::fwd: ",
+                                            {"cu_seqlens_q[2] is 100, below cu_seqlens_q[1] = 120"}));
+  f.check_seqlens = false;
+  EXPECT_NO_THROW(flash3::detail::check_seqlens_on_device(f, fp));
+  f.check_seqlens = true;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  EXPECT_NO_THROW(flash3::detail::check_seqlens_on_device(f, fp));  // captured: not checked
+  cudaGraph_t graph = nullptr;
+  EXPECT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  if (graph != nullptr) cudaGraphDestroy(graph);
+  cu_q.set(v.cu_q);
+
+  BwdArgs b = make_varlen<BwdArgs>(true, true, true, true);
+  b.max_seqlen_q = 200;
+  b.max_seqlen_k = 250;
+  b.cu_seqlens_q.data = cu_q.ptr;
+  b.cu_seqlens_k.data = cu_k.ptr;
+  b.seqused_q.data = used_q.ptr;
+  b.seqused_k.data = used_k.ptr;
+  b.stream = stream;
+  const flash3::BwdProblem bp = problem(b);
+  EXPECT_NO_THROW(flash3::detail::check_seqlens_on_device(b, bp));
+  used_k.set({0, 251, 1});
+  EXPECT_TRUE(flash3::testing::throws_error([&] { flash3::detail::check_seqlens_on_device(b, bp); }, "flash3::bwd: ",
+                                            {"seqused_k[1] is 251 but sequence 1 has length"}));
+  b.seqused_k = TensorRef{};  // not given: not copied
+  const flash3::BwdProblem bp2 = problem(b);
+  EXPECT_NO_THROW(flash3::detail::check_seqlens_on_device(b, bp2));
+  b.stream = nullptr;  // the legacy default stream
+  EXPECT_NO_THROW(flash3::detail::check_seqlens_on_device(b, bp2));
+  EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
 // ---- the C ABI -------------------------------------------------------------------------------
 // Failures found before any pointer is inspected, so these run without a GPU too.
 
@@ -716,6 +1336,13 @@ flash3_fwd_args c_fwd_args(const FwdArgs& a) {
   c.window_left = a.window_left;
   c.window_right = a.window_right;
   c.softcap = a.softcap;
+  c.cu_seqlens_q = c_tensor(a.cu_seqlens_q);
+  c.cu_seqlens_k = c_tensor(a.cu_seqlens_k);
+  c.seqused_q = c_tensor(a.seqused_q);
+  c.seqused_k = c_tensor(a.seqused_k);
+  c.max_seqlen_q = a.max_seqlen_q;
+  c.max_seqlen_k = a.max_seqlen_k;
+  c.no_seqlens_check = !a.check_seqlens;
   return c;
 }
 flash3_bwd_args c_bwd_args(const BwdArgs& a) {
@@ -739,6 +1366,13 @@ flash3_bwd_args c_bwd_args(const BwdArgs& a) {
   c.window_left = a.window_left;
   c.window_right = a.window_right;
   c.softcap = a.softcap;
+  c.cu_seqlens_q = c_tensor(a.cu_seqlens_q);
+  c.cu_seqlens_k = c_tensor(a.cu_seqlens_k);
+  c.seqused_q = c_tensor(a.seqused_q);
+  c.seqused_k = c_tensor(a.seqused_k);
+  c.max_seqlen_q = a.max_seqlen_q;
+  c.max_seqlen_k = a.max_seqlen_k;
+  c.no_seqlens_check = !a.check_seqlens;
   return c;
 }
 int c_bwd(const BwdArgs& a, char* err, int err_len) {
@@ -755,8 +1389,14 @@ TEST(CApi, InitSetsTheSizeAndZeroDefaults) {
   std::memset(&f, 0xAB, sizeof f);
   flash3_fwd_args_init(&f);
   EXPECT_EQ(f.struct_size, sizeof(flash3_fwd_args));
-  EXPECT_EQ(f.struct_size, FLASH3_FWD_ARGS_SIZE_V3);
+  EXPECT_EQ(f.struct_size, FLASH3_FWD_ARGS_SIZE_V4);
   EXPECT_EQ(f.window, 0);  // no window
+  EXPECT_EQ(f.cu_seqlens_q.data, nullptr);  // no variable lengths, values checked
+  EXPECT_EQ(f.cu_seqlens_q.rank, 0);
+  EXPECT_EQ(f.seqused_k.rank, 0);
+  EXPECT_EQ(f.max_seqlen_q, 0);
+  EXPECT_EQ(f.no_seqlens_check, 0);
+  EXPECT_EQ(f.reserved_v4, 0u);
   EXPECT_EQ(f.softcap, 0.0f);
   EXPECT_EQ(f.q.data, nullptr);
   EXPECT_EQ(f.softmax_scale, 0.0f);
@@ -765,8 +1405,13 @@ TEST(CApi, InitSetsTheSizeAndZeroDefaults) {
   std::memset(&b, 0xCD, sizeof b);
   flash3_bwd_args_init(&b);
   EXPECT_EQ(b.struct_size, sizeof(flash3_bwd_args));
-  EXPECT_EQ(b.struct_size, FLASH3_BWD_ARGS_SIZE_V2);
+  EXPECT_EQ(b.struct_size, FLASH3_BWD_ARGS_SIZE_V3);
   EXPECT_EQ(b.window, 0);
+  EXPECT_EQ(b.cu_seqlens_k.data, nullptr);
+  EXPECT_EQ(b.seqused_q.rank, 0);
+  EXPECT_EQ(b.max_seqlen_k, 0);
+  EXPECT_EQ(b.no_seqlens_check, 0);
+  EXPECT_EQ(b.reserved_v3, 0u);
   EXPECT_EQ(b.workspace_bytes, 0u);
 }
 
@@ -885,6 +1530,92 @@ TEST(CApi, WindowAndSoftcapFields) {
   EXPECT_EQ(std::string(err).rfind("flash3::bwd: window_right is -3", 0), 0u) << err;
   b.struct_size = FLASH3_BWD_ARGS_SIZE_V1;
   EXPECT_EQ(flash3_bwd(&b, err, sizeof err), FLASH3_OK) << err;
+}
+
+// Each version's size is the end of its last field, the structs have no padding, and the later
+// fields start where the earlier version ends (LP64 sizes: what the Python binding packs).
+TEST(CApi, VersionSizes) {
+  EXPECT_EQ(FLASH3_FWD_ARGS_SIZE_V2, 664u);
+  EXPECT_EQ(FLASH3_FWD_ARGS_SIZE_V3, 680u);
+  EXPECT_EQ(offsetof(flash3_fwd_args, cu_seqlens_q), FLASH3_FWD_ARGS_SIZE_V3);
+  EXPECT_EQ(offsetof(flash3_fwd_args, max_seqlen_q), FLASH3_FWD_ARGS_SIZE_V3 + 4 * sizeof(flash3_tensor));
+  EXPECT_EQ(FLASH3_FWD_ARGS_SIZE_V4, FLASH3_FWD_ARGS_SIZE_V3 + 4 * sizeof(flash3_tensor) + 16);
+  EXPECT_EQ(FLASH3_FWD_ARGS_SIZE_V4, 1016u);
+  EXPECT_EQ(sizeof(flash3_fwd_args), FLASH3_FWD_ARGS_SIZE_V4);
+  EXPECT_EQ(FLASH3_BWD_ARGS_SIZE_V2, 776u);
+  EXPECT_EQ(offsetof(flash3_bwd_args, cu_seqlens_q), FLASH3_BWD_ARGS_SIZE_V2);
+  EXPECT_EQ(offsetof(flash3_bwd_args, max_seqlen_q), FLASH3_BWD_ARGS_SIZE_V2 + 4 * sizeof(flash3_tensor));
+  EXPECT_EQ(FLASH3_BWD_ARGS_SIZE_V3, FLASH3_BWD_ARGS_SIZE_V2 + 4 * sizeof(flash3_tensor) + 16);
+  EXPECT_EQ(FLASH3_BWD_ARGS_SIZE_V3, 1112u);
+  EXPECT_EQ(sizeof(flash3_bwd_args), FLASH3_BWD_ARGS_SIZE_V3);
+}
+
+// The variable-length fields (fwd v4, bwd v3) are read and checked by name; an older struct
+// (struct_size of the previous version) has none, whatever bytes follow it.
+TEST(CApi, VarlenFields) {
+  char err[512];
+  flash3_fwd_args f = c_fwd_args(empty_varlen<FwdArgs>());
+  EXPECT_EQ(flash3_fwd(&f, err, sizeof err), FLASH3_OK) << err;  // batch 0: nothing to read or copy
+  f.no_seqlens_check = 1;
+  EXPECT_EQ(flash3_fwd(&f, err, sizeof err), FLASH3_OK) << err;
+  auto fwd_fails = [&](const flash3_fwd_args& c, const std::string& start) {
+    EXPECT_EQ(flash3_fwd(&c, err, sizeof err), FLASH3_INVALID_ARGUMENT);
+    EXPECT_EQ(std::string(err).rfind(start, 0), 0u) << err;
+  };
+  f.max_seqlen_q = -1;
+  fwd_fails(f, "flash3::fwd: max_seqlen_q is -1");
+  f = c_fwd_args(empty_varlen<FwdArgs>());
+  f.max_seqlen_k = 5;
+  fwd_fails(f, "flash3::fwd: max_seqlen_k is 5 but k.shape[0] (total_k) is 0");
+  f = c_fwd_args(empty_varlen<FwdArgs>());
+  f.cu_seqlens_k.dtype = FLASH3_FLOAT32;
+  fwd_fails(f, "flash3::fwd: cu_seqlens_k.dtype is float32");
+  f = c_fwd_args(empty_varlen<FwdArgs>());
+  f.seqused_q.rank = 2;
+  fwd_fails(f, "flash3::fwd: seqused_q.rank is 2");
+  f = c_fwd_args(empty_varlen<FwdArgs>());
+  f.seqused_k = c_tensor(TensorRef::contiguous(nullptr, DType::kInt32, {1}));
+  fwd_fails(f, "flash3::fwd: seqused_k.shape[0] is 1 but batch is 0");
+  f = c_fwd_args(empty_varlen<FwdArgs>());
+  f.reserved_v4 = 1;
+  fwd_fails(f, "flash3::fwd: args->reserved_v4 is 1; it must be 0");
+  // a v3 caller: the packed q is rank 3 without cu_seqlens_q (not read)
+  f = c_fwd_args(empty_varlen<FwdArgs>());
+  f.struct_size = FLASH3_FWD_ARGS_SIZE_V3;
+  fwd_fails(f, "flash3::fwd: q.rank is 3; q must have rank 4 (batch, seqlen_q, nheads, head_dim) (rank 3 (total_q, "
+               "nheads, head_dim) with cu_seqlens_q)");
+  f = c_fwd_args(make_args(0, 128, 256, 8, 2, 128, /*with_data=*/false));
+  f.max_seqlen_q = -1;
+  f.reserved_v4 = 7;
+  f.seqused_q.rank = 3;
+  f.struct_size = FLASH3_FWD_ARGS_SIZE_V3;
+  EXPECT_EQ(flash3_fwd(&f, err, sizeof err), FLASH3_OK) << err;
+
+  flash3_bwd_args b = c_bwd_args(empty_varlen<BwdArgs>());
+  EXPECT_EQ(flash3_bwd(&b, err, sizeof err), FLASH3_OK) << err;
+  uint64_t bytes = 7;
+  EXPECT_EQ(flash3_bwd_workspace_size(&b, &bytes, err, sizeof err), FLASH3_OK) << err;
+  EXPECT_EQ(bytes, 0u);
+  auto bwd_fails = [&](const flash3_bwd_args& c, const std::string& start) {
+    EXPECT_EQ(flash3_bwd(&c, err, sizeof err), FLASH3_INVALID_ARGUMENT);
+    EXPECT_EQ(std::string(err).rfind(start, 0), 0u) << err;
+    EXPECT_EQ(flash3_bwd_workspace_size(&c, &bytes, err, sizeof err), FLASH3_INVALID_ARGUMENT);
+    EXPECT_EQ(std::string(err).rfind(start, 0), 0u) << err;
+  };
+  b.max_seqlen_k = -3;
+  bwd_fails(b, "flash3::bwd: max_seqlen_k is -3");
+  b = c_bwd_args(empty_varlen<BwdArgs>());
+  b.cu_seqlens_q.rank = 2;
+  bwd_fails(b, "flash3::bwd: cu_seqlens_q.rank is 2");
+  b = c_bwd_args(empty_varlen<BwdArgs>());
+  b.seqused_k = c_tensor(TensorRef::contiguous(nullptr, DType::kFloat16, {0}));
+  bwd_fails(b, "flash3::bwd: seqused_k.dtype is float16");
+  b = c_bwd_args(empty_varlen<BwdArgs>());
+  b.reserved_v3 = 2;
+  bwd_fails(b, "flash3::bwd: args->reserved_v3 is 2; it must be 0");
+  b = c_bwd_args(empty_varlen<BwdArgs>());
+  b.struct_size = FLASH3_BWD_ARGS_SIZE_V2;  // a v2 caller: the packed q is rank 3 without cu_seqlens_q
+  bwd_fails(b, "flash3::bwd: q.rank is 3; q must have rank 4");
 }
 
 // A caller of a later version: accepted while its fields past the ones this library knows are

@@ -93,6 +93,23 @@ struct FwdArgs {
   // before the softmax (lse is of these logits); 0: none. Finite, at most 2048; bfloat16 and
   // float16 only.
   float softcap = 0.0f;
+  // Variable-length batches (FlashAttention-3's flash_attn_varlen_func); bfloat16 and float16.
+  // With cu_seqlens_q (int32, batch + 1 entries, device memory) the query side is packed:
+  //   q, out (total_q, nheads, head_dim)   sequence b is rows [cu_seqlens_q[b], cu_seqlens_q[b + 1])
+  //   lse    (nheads, total_q)             float32, as FlashAttention-3's varlen lse
+  // and with cu_seqlens_k, k and v are (total_k, nheads_kv, head_dim) likewise. cu_seqlens starts
+  // at 0, never decreases, and ends at the packed length. seqused_q / seqused_k (int32, batch
+  // entries, optional, also without cu_seqlens): only the first seqused[b] rows of sequence b
+  // take part (at most its length); out rows past them are not written. max_seqlen_q /
+  // max_seqlen_k: at least every sequence's length (with cu_seqlens; else the dim 1 of q / k).
+  // Masks (causal, windows) are aligned bottom-right per sequence.
+  TensorRef cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k;
+  int max_seqlen_q = 0, max_seqlen_k = 0;
+  // Whether fwd() checks the values of cu_seqlens and seqused against these rules (one small
+  // device-to-host copy and a stream synchronization per call; skipped while the stream is being
+  // captured into a CUDA graph). Unchecked, bad values give undefined results but no access out
+  // of bounds: the kernels clamp every sequence to its tensor.
+  bool check_seqlens = true;
 };
 
 // Forward attention: out = softmax(scale * q k^T [masked]) v, and the log-sum-exp.
@@ -120,6 +137,12 @@ struct FwdProblem {
   bool write_lse = false;
   int window_left = -1, window_right = -1;
   float softcap = 0.0f;
+  // Variable lengths (any of cu_seqlens_q/k, seqused_q/k given). Then batch is the number of
+  // sequences, seqlen_q / seqlen_k the longest (max_seqlen_q/k with cu_seqlens, else the dim 1
+  // of q / k), and total_q / total_k the rows of the packed q / k (batch x seqlen where not
+  // packed).
+  bool varlen = false;
+  int64_t total_q = 0, total_k = 0;
 };
 
 // Whether a normalized problem (FwdProblem, BwdProblem) has a window beyond causal: key blocks
@@ -189,6 +212,13 @@ struct BwdArgs {
   // As the forward's (FwdArgs); must match it.
   int window_left = -1, window_right = -1;
   float softcap = 0.0f;
+  // Variable-length batches, as the forward's (FwdArgs); must match it. With cu_seqlens_q, q,
+  // out, dout and dq are (total_q, nheads, head_dim) and lse (nheads, total_q); with
+  // cu_seqlens_k, k, v, dk and dv are (total_k, nheads_kv, head_dim). Gradient rows past
+  // seqused are written as 0.
+  TensorRef cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k;
+  int max_seqlen_q = 0, max_seqlen_k = 0;
+  bool check_seqlens = true;
 };
 
 struct BwdProblem {
@@ -199,6 +229,8 @@ struct BwdProblem {
   bool deterministic = false;
   int window_left = -1, window_right = -1;  // normalized as FwdProblem's
   float softcap = 0.0f;
+  bool varlen = false;  // as FwdProblem's
+  int64_t total_q = 0, total_k = 0;
 };
 
 // Checks every precondition of bwd() (not the workspace size) and returns the normalized

@@ -61,6 +61,15 @@ typedef struct flash3_fwd_args {
   int32_t window_left;  /* >= 0, or -1 for no bound on that side */
   int32_t window_right;
   float softcap;        /* > 0: softcap * tanh(score / softcap); 0: none */
+  /* v4: variable-length batches (see flash3::FwdArgs): int32 device tensors; one with data == NULL
+   * and rank 0 is not given. With cu_seqlens_q, q and out are (total_q, nheads, head_dim) and lse
+   * (nheads, total_q); with cu_seqlens_k, k and v are (total_k, nheads_kv, head_dim). */
+  flash3_tensor cu_seqlens_q, cu_seqlens_k; /* (batch + 1) */
+  flash3_tensor seqused_q, seqused_k;       /* (batch) */
+  int32_t max_seqlen_q, max_seqlen_k;       /* with cu_seqlens: at least every sequence's length */
+  int32_t no_seqlens_check; /* nonzero: the values of cu_seqlens and seqused are not checked (no
+                               device-to-host copy and stream synchronization) */
+  uint32_t reserved_v4;     /* 0 */
 } flash3_fwd_args;
 
 /* Backward attention (see flash3::BwdArgs in flash3.h). */
@@ -80,6 +89,13 @@ typedef struct flash3_bwd_args {
   int32_t window_left;
   int32_t window_right;
   float softcap;
+  /* v3: as the forward's (flash3_fwd_args v4); must match it. With cu_seqlens_q, dout and dq are
+   * packed as q; with cu_seqlens_k, dk and dv as k. */
+  flash3_tensor cu_seqlens_q, cu_seqlens_k;
+  flash3_tensor seqused_q, seqused_k;
+  int32_t max_seqlen_q, max_seqlen_k;
+  int32_t no_seqlens_check;
+  uint32_t reserved_v3;     /* 0 */
 } flash3_bwd_args;
 
 /* FP8 quantization for the FP8 forward (see flash3::QuantizeArgs in flash3.h): in (batch, seqlen,
@@ -95,12 +111,15 @@ typedef struct flash3_quantize_fp8_args {
   void* stream;         /* a cudaStream_t; NULL: the default stream */
 } flash3_quantize_fp8_args;
 
-/* The sizes of the first versions: the smallest struct_size accepted. */
+/* The size of each version (the end of its last field); the first version's (V1) is the smallest
+ * struct_size accepted. */
 #define FLASH3_FWD_ARGS_SIZE_V1 ((uint32_t)(offsetof(flash3_fwd_args, stream) + sizeof(void*)))
 #define FLASH3_FWD_ARGS_SIZE_V2 ((uint32_t)(offsetof(flash3_fwd_args, v_scale) + sizeof(flash3_tensor)))
-#define FLASH3_FWD_ARGS_SIZE_V3 ((uint32_t)sizeof(flash3_fwd_args))
+#define FLASH3_FWD_ARGS_SIZE_V3 ((uint32_t)(offsetof(flash3_fwd_args, softcap) + sizeof(float)))
+#define FLASH3_FWD_ARGS_SIZE_V4 ((uint32_t)(offsetof(flash3_fwd_args, reserved_v4) + sizeof(uint32_t)))
 #define FLASH3_BWD_ARGS_SIZE_V1 ((uint32_t)(offsetof(flash3_bwd_args, stream) + sizeof(void*)))
-#define FLASH3_BWD_ARGS_SIZE_V2 ((uint32_t)sizeof(flash3_bwd_args))
+#define FLASH3_BWD_ARGS_SIZE_V2 ((uint32_t)(offsetof(flash3_bwd_args, softcap) + sizeof(float)))
+#define FLASH3_BWD_ARGS_SIZE_V3 ((uint32_t)(offsetof(flash3_bwd_args, reserved_v3) + sizeof(uint32_t)))
 #define FLASH3_QUANTIZE_FP8_ARGS_SIZE_V1 \
   ((uint32_t)(offsetof(flash3_quantize_fp8_args, stream) + sizeof(void*)))
 

@@ -1,7 +1,7 @@
 """flash3's ctypes path: the flash3_fwd_args / flash3_bwd_args / flash3_quantize_fp8_args structs
 packed for one call, the library called on torch's current stream, and the allocating kernels
-the operators (_ops.py) and the eager paths share (fwd, bwd, quantize_fp8). Loads libflash3.so
-at the first call.
+the operators (_ops.py) and the eager paths share (fwd, bwd, quantize_fp8, fwd_varlen,
+bwd_varlen). Loads libflash3.so at the first call.
 """
 import contextlib
 import ctypes
@@ -49,23 +49,33 @@ def version():
 # flash3_tensor (flash3_c.h): void* data; int32 dtype, rank; int64 shape[4], stride[4] (elements).
 # flash3_fwd_args: uint32 struct_size; int32 causal; float softmax_scale; uint32 reserved; then
 # q, k, v, out, lse; void* stream; q_scale, k_scale, v_scale (FP8, v2); int32 window, window_left,
-# window_right; float softcap (v3). flash3_bwd_args: uint32 struct_size; int32 causal,
-# deterministic; float softmax_scale; then q, k, v, out, dout, lse, dq, dk, dv; void* workspace;
-# uint64 workspace_bytes; void* stream; int32 window, window_left, window_right; float softcap
-# (v2). flash3_quantize_fp8_args: uint32 struct_size, reserved;
+# window_right; float softcap (v3); cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k; int32
+# max_seqlen_q, max_seqlen_k, no_seqlens_check; uint32 reserved_v4 (v4). flash3_bwd_args: uint32
+# struct_size; int32 causal, deterministic; float softmax_scale; then q, k, v, out, dout, lse, dq,
+# dk, dv; void* workspace; uint64 workspace_bytes; void* stream; int32 window, window_left,
+# window_right; float softcap (v2); the variable-length fields as the forward's, then uint32
+# reserved_v3 (v3). flash3_quantize_fp8_args: uint32 struct_size, reserved;
 # in, out, scale; int32 block_rows, hadamard; uint64 seed; void* stream. Each struct is packed whole into a bytes object by one
 # Struct.pack and passed by address (the library only reads it): the cheapest way to fill it
-# from Python (measured: about half the time of packing a ctypes buffer tensor by tensor).
+# from Python (measured: about half the time of packing a ctypes buffer tensor by tensor). The
+# calls without variable lengths pack the versions before them (_FWD, _BWD: fewer fields to
+# pack, and read by libraries without variable lengths as well).
 _TENSOR = "Qii4q4q"
 _MASK = "iiif"  # int32 window, window_left, window_right; float softcap
+_VARLEN = _TENSOR * 4 + "iiiI"  # cu_seqlens_q/k, seqused_q/k; max_seqlen_q/k, no_seqlens_check, reserved
 _FWD = struct.Struct("<IifI" + _TENSOR * 5 + "Q" + _TENSOR * 3 + _MASK)
 _BWD = struct.Struct("<Iiif" + _TENSOR * 9 + "QQQ" + _MASK)
+_FWD_VARLEN = struct.Struct(_FWD.format + _VARLEN)
+_BWD_VARLEN = struct.Struct(_BWD.format + _VARLEN)
 _QUANTIZE = struct.Struct("<II" + _TENSOR * 3 + "iiQQ")
-assert (_FWD.size, _BWD.size, _QUANTIZE.size) == (_lib.FWD_ARGS_SIZE, _lib.BWD_ARGS_SIZE,
-                                                  _lib.QUANTIZE_FP8_ARGS_SIZE), "flash3 args layout changed"
+assert (_FWD.size, _BWD.size, _FWD_VARLEN.size, _BWD_VARLEN.size, _QUANTIZE.size) == (
+    _lib.FWD_ARGS_SIZE_V3, _lib.BWD_ARGS_SIZE_V2, _lib.FWD_ARGS_SIZE, _lib.BWD_ARGS_SIZE,
+    _lib.QUANTIZE_FP8_ARGS_SIZE), "flash3 args layout changed"
 assert struct.calcsize("<" + _TENSOR) == ctypes.sizeof(_lib.Tensor) and _lib.FwdArgs.q.offset == 16
 assert (_FWD.size - struct.calcsize("<" + _MASK), _BWD.size - struct.calcsize("<" + _MASK)) == (
     _lib.FwdArgs.window.offset, _lib.BwdArgs.window.offset)
+assert (_FWD.size + 4 * ctypes.sizeof(_lib.Tensor), _BWD.size + 4 * ctypes.sizeof(_lib.Tensor)) == (
+    _lib.FwdArgs.max_seqlen_q.offset, _lib.BwdArgs.max_seqlen_q.offset)
 _NULL = (0,) * 11  # a flash3_tensor with data NULL: "not given"
 _PAD = ((), (0,), (0, 0), (0, 0, 0), (0, 0, 0, 0))
 
@@ -90,6 +100,8 @@ def _fields(t):
 # The dtypes _explain suggests for a tensor argument that has one it cannot pass on.
 _WANTED_DTYPES = {"lse": "torch.float32", "q_scale": "torch.float32", "k_scale": "torch.float32",
                   "v_scale": "torch.float32", "scale": "torch.float32", "x": "torch.bfloat16 or torch.float16",
+                  "cu_seqlens_q": "torch.int32", "cu_seqlens_k": "torch.int32", "seqused_q": "torch.int32",
+                  "seqused_k": "torch.int32",
                   "out": "torch.bfloat16 or torch.float16 (torch.float8_e4m3fn from quantize_fp8)"}
 
 
@@ -276,7 +288,7 @@ def forward_into(q, k, v, out, lse=None, softmax_scale=None, causal=False, q_sca
         raise
     lib, buf = _lib.lib(), _lib.err_buffer()
     with _on_device(index):  # on torch's current stream of q's device
-        args = _FWD.pack(_lib.FWD_ARGS_SIZE, 1 if causal else 0, scale, 0, *tensors, _stream(index), *scales, *mask)
+        args = _FWD.pack(_lib.FWD_ARGS_SIZE_V3, 1 if causal else 0, scale, 0, *tensors, _stream(index), *scales, *mask)
         rc = lib.flash3_fwd(args, buf, _lib.ERR_LEN)
     _check(rc, buf, "flash3_fwd")
     return out, lse
@@ -309,18 +321,27 @@ def backward_into(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=None, causa
     lib, buf = _lib.lib(), _lib.err_buffer()
     if not _lib.has_bwd():
         raise RuntimeError("this libflash3.so has no backward (flash3_bwd): rebuild the library")
-    head = (_lib.BWD_ARGS_SIZE, 1 if causal else 0, 1 if deterministic else 0, scale)
+    # NOTES: the workspace size depends on the shapes of q and k and the two flags only
+    # (bwd_config.h, BwdWorkspaceLayout), so it is asked once per such key; the window and
+    # softcap are in the key as well, since the library's causal flag can come from a window
+    # ((-1, 0) is causal). flash3_bwd checks every argument itself (and that the workspace is
+    # large enough).
+    key = (q.shape, k.shape, index, bool(causal), bool(deterministic), mask)
+    _run_bwd(lib, buf, index, q.device, key, _BWD,
+             (_lib.BWD_ARGS_SIZE_V2, 1 if causal else 0, 1 if deterministic else 0, scale), tensors, mask)
+    return dq, dk, dv
+
+
+def _run_bwd(lib, buf, index, device, key, packer, head, tensors, tail):
+    """flash3_bwd on torch's current stream of CUDA device `index`, with the struct
+    packer.pack(*head, *tensors, workspace, workspace_bytes, stream, *tail). The workspace size is
+    asked of flash3_bwd_workspace_size once per key (_BWD_WORKSPACE_BYTES); the workspace is a
+    uint8 tensor from PyTorch's caching allocator."""
     with _on_device(index):
-        # NOTES: the size depends on the shapes of q and k and the two flags only (bwd_config.h,
-        # BwdWorkspaceLayout), so it is asked once per such key; the window and softcap are in
-        # the key as well, since the library's causal flag can come from a window ((-1, 0) is
-        # causal). flash3_bwd checks every argument itself (and that the workspace is large
-        # enough).
-        key = (q.shape, k.shape, index, bool(causal), bool(deterministic), mask)
         size = _BWD_WORKSPACE_BYTES.get(key)
         if size is None:
             nbytes = ctypes.c_uint64(0)
-            rc = lib.flash3_bwd_workspace_size(_BWD.pack(*head, *tensors, 0, 0, 0, *mask), ctypes.byref(nbytes),
+            rc = lib.flash3_bwd_workspace_size(packer.pack(*head, *tensors, 0, 0, 0, *tail), ctypes.byref(nbytes),
                                                buf, _lib.ERR_LEN)
             _check(rc, buf, "flash3_bwd_workspace_size")
             size = nbytes.value
@@ -330,12 +351,11 @@ def backward_into(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=None, causa
         workspace, ptr = None, 0
         if size:
             # allocated on the current stream, so the allocator reuses it only after the kernels
-            workspace = torch.empty(size + _WORKSPACE_ALIGN, dtype=torch.uint8, device=q.device)
+            workspace = torch.empty(size + _WORKSPACE_ALIGN, dtype=torch.uint8, device=device)
             ptr = -workspace.data_ptr() % _WORKSPACE_ALIGN + workspace.data_ptr()
-        rc = lib.flash3_bwd(_BWD.pack(*head, *tensors, ptr, size, _stream(index), *mask), buf, _lib.ERR_LEN)
+        rc = lib.flash3_bwd(packer.pack(*head, *tensors, ptr, size, _stream(index), *tail), buf, _lib.ERR_LEN)
     del workspace
     _check(rc, buf, "flash3_bwd")
-    return dq, dk, dv
 
 
 _CONTIGUOUS = torch.contiguous_format
@@ -452,3 +472,194 @@ def _kernel_layout(t):
         return False
     unit = max(1, 16 // t.element_size())
     return all(n <= 1 or (s > 0 and s % unit == 0) for n, s in zip(t.shape[:-1], t.stride()[:-1]))
+
+
+# ---- variable-length batches (FlashAttention-3's varlen layout) ----------------------------------
+
+_INT32 = torch.int32
+_SymInt = getattr(torch, "SymInt", ())
+
+
+def seqlen_arg(name, value):
+    """max_seqlen_q / max_seqlen_k as an int for the library's int32 (a symbolic one under tracing
+    as it is). Its range (0 to 2^30, at least every sequence's length, at most the packed length)
+    is the library's to check; a value int32 cannot carry is refused here."""
+    if isinstance(value, _SymInt):
+        return value
+    return _int_arg(name, value, -2**31, 2**31, "an int in [0, 2^30], at least every sequence's length")
+
+
+def _seqlens_tensor(name, t, q, what, entries=None, like=None):
+    """ValueError naming an int32 length tensor (cu_seqlens_*, seqused_*) that is not a rank-1
+    torch.int32 tensor on q's device, or (entries given) not of that length (like: where the
+    length comes from)."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor (torch.int32, {what}), got {type(t).__name__}")
+    if t.dtype is not _INT32:
+        raise ValueError(f"{name}: dtype {t.dtype} is not supported; {name} must be torch.int32 ({what})")
+    if t.device != q.device:
+        raise ValueError(f"{name}: on device {t.device} but q is on {q.device}; {name} must be on q's device")
+    if t.dim() != 1:
+        raise ValueError(f"{name}: expected shape ({what},), got shape {tuple(t.shape)}")
+    if entries is not None and t.shape[0] != entries:
+        raise ValueError(f"{name}: shape {tuple(t.shape)}, expected ({what},) = ({entries},) ({like})")
+
+
+def varlen_lse_shape(q, cu_seqlens_q, cu_seqlens_k, seqused_q=None, seqused_k=None):
+    """(nheads, total_q): the shape of lse of the variable-length attention of q (total_q, nheads,
+    head_dim); shape arithmetic only (symbolic sizes stay symbolic). Checks what the outputs are
+    built and traced from: q 3-dim and not float8 (NotImplementedError: bfloat16 / float16 only);
+    cu_seqlens_q and cu_seqlens_k rank-1 torch.int32 tensors on q's device with the same number
+    (batch + 1) of entries; seqused_q, seqused_k (None: not given) likewise with batch entries.
+    ValueError naming the argument otherwise. The values are the library's to check."""
+    if not isinstance(q, torch.Tensor):
+        raise ValueError(f"q: expected a torch.Tensor, got {type(q).__name__}")
+    if q.dtype in FP8_DTYPES:
+        raise NotImplementedError(f"q: dtype {q.dtype} is not supported by flash3's variable-length attention "
+                                  "(torch.bfloat16 or torch.float16 q, k, v only)")
+    if q.dim() != 3:
+        raise ValueError(f"q: expected (total_q, nheads, headdim) (variable-length batches), got shape "
+                         f"{tuple(q.shape)}")
+    _seqlens_tensor("cu_seqlens_q", cu_seqlens_q, q, "batch + 1")
+    n = cu_seqlens_q.shape[0]
+    _seqlens_tensor("cu_seqlens_k", cu_seqlens_k, q, "batch + 1", n, "as cu_seqlens_q")
+    for name, t in (("seqused_q", seqused_q), ("seqused_k", seqused_k)):
+        if t is not None:
+            _seqlens_tensor(name, t, q, "batch", n - 1, f"cu_seqlens_q has batch + 1 = {n} entries")
+    total_q, h, _ = q.shape
+    return h, total_q
+
+
+def _has_varlen(bwd=False):
+    """RuntimeError where the loaded library has no variable-length batches (_lib.has_varlen)."""
+    if not _lib.has_varlen(bwd):
+        raise RuntimeError("this libflash3.so has no variable-length batches (flash3_fwd_args v4, flash3_bwd_args "
+                           "v3: cu_seqlens, seqused): rebuild the library")
+
+
+def _varlen_fields(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
+    """The tensors of the variable-length fields of the C structs (flash3_fwd_args v4,
+    flash3_bwd_args v3). Raises as _fields (cu_seqlens_q and cu_seqlens_k must be given)."""
+    if cu_seqlens_q is None or cu_seqlens_k is None:
+        raise ValueError
+    return (*_fields(cu_seqlens_q), *_fields(cu_seqlens_k), *_fields(seqused_q), *_fields(seqused_k))
+
+
+def _seqlen_fields(max_seqlen_q, max_seqlen_k, check_seqlens):
+    """The int32 fields after them: max_seqlen_q, max_seqlen_k, no_seqlens_check, reserved."""
+    return (seqlen_arg("max_seqlen_q", max_seqlen_q), seqlen_arg("max_seqlen_k", max_seqlen_k),
+            0 if check_seqlens else 1, 0)
+
+
+def forward_varlen_into(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,
+                        seqused_k=None, softmax_scale=None, causal=False, window_left=-1, window_right=-1,
+                        softcap=0.0, check_seqlens=True):
+    """forward_into for a variable-length batch (FlashAttention-3's varlen layout), into
+    caller-given buffers: q and out (total_q, nheads, head_dim), k and v (total_k, nheads_kv,
+    head_dim), bfloat16 or float16; sequence b is rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of
+    q and out, and rows [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of k and v (cu_seqlens_q,
+    cu_seqlens_k: int32 (batch + 1) CUDA tensors, starting at 0, never decreasing, ending at
+    total_q / total_k). lse float32 (nheads, total_q), or None. max_seqlen_q, max_seqlen_k: at
+    least every sequence's length. seqused_q, seqused_k (int32 (batch) or None): only the first
+    seqused[b] rows of sequence b take part; out and lse rows past them are not written. The
+    mask (causal, window_left, window_right) is aligned bottom-right in each sequence (its
+    lengths: the used ones); softmax_scale, softcap: forward_into's. check_seqlens: the library
+    checks the values of cu_seqlens and seqused (a device-to-host copy and a stream
+    synchronization; skipped while the stream is captured into a CUDA graph); False skips it
+    (bad values then give undefined results, never an access out of bounds).
+    Raises ValueError with the library's message on invalid arguments, RuntimeError otherwise
+    (also for a libflash3.so without variable-length batches)."""
+    scale = _scale_arg(softmax_scale)
+    mask = mask_fields(window_left, window_right, softcap)
+    seqlens = _seqlen_fields(max_seqlen_q, max_seqlen_k, check_seqlens)
+    try:
+        tensors = (*_fields(q), *_fields(k), *_fields(v), *_fields(out), *_fields(lse))
+        varlen = _varlen_fields(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+        index = q.get_device()
+    except (AttributeError, KeyError, IndexError, TypeError, ValueError):
+        _explain((("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse), ("cu_seqlens_q", cu_seqlens_q),
+                  ("cu_seqlens_k", cu_seqlens_k), ("seqused_q", seqused_q), ("seqused_k", seqused_k)),
+                 optional=("lse", "seqused_q", "seqused_k"))
+        raise
+    _has_varlen()
+    lib, buf = _lib.lib(), _lib.err_buffer()
+    with _on_device(index):  # on torch's current stream of q's device
+        args = _FWD_VARLEN.pack(_lib.FWD_ARGS_SIZE, 1 if causal else 0, scale, 0, *tensors, _stream(index),
+                                *_NULL * 3, *mask, *varlen, *seqlens)
+        rc = lib.flash3_fwd(args, buf, _lib.ERR_LEN)
+    _check(rc, buf, "flash3_fwd")
+    return out, lse
+
+
+def backward_varlen_into(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                         max_seqlen_k, seqused_q=None, seqused_k=None, softmax_scale=None, causal=False,
+                         deterministic=False, window_left=-1, window_right=-1, softcap=0.0, check_seqlens=True):
+    """backward_into for a variable-length batch, into caller-given buffers dq (like q), dk, dv
+    (like k, v). q, k, v, out, lse (float32 (nheads, total_q)), the lengths and the options are
+    the forward's (forward_varlen_into); dout is shaped like out. Gradient rows past seqused are
+    written as 0. Returns (dq, dk, dv). Raises as forward_varlen_into."""
+    scale = _scale_arg(softmax_scale)
+    mask = mask_fields(window_left, window_right, softcap)
+    seqlens = _seqlen_fields(max_seqlen_q, max_seqlen_k, check_seqlens)
+    try:  # the C order: q, k, v, out, dout, lse, dq, dk, dv
+        tensors = (*_fields(q), *_fields(k), *_fields(v), *_fields(out), *_fields(dout), *_fields(lse),
+                   *_fields(dq), *_fields(dk), *_fields(dv))
+        if lse is None:
+            raise ValueError
+        varlen = _varlen_fields(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+        index = q.get_device()
+    except (AttributeError, KeyError, IndexError, TypeError, ValueError):
+        _explain((("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout), ("lse", lse), ("dq", dq),
+                  ("dk", dk), ("dv", dv), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
+                  ("seqused_q", seqused_q), ("seqused_k", seqused_k)), optional=("seqused_q", "seqused_k"))
+        raise
+    if not _lib.has_bwd():
+        raise RuntimeError("this libflash3.so has no backward (flash3_bwd): rebuild the library")
+    _has_varlen(bwd=True)
+    lib, buf = _lib.lib(), _lib.err_buffer()
+    # NOTES: the workspace size depends on the shapes and flags (backward_into) and, here, on the
+    # batch, the longest sequences and which seqused are given, never on the values of the
+    # lengths (it is asked on the host, also while a CUDA graph is captured).
+    key = (q.shape, k.shape, index, bool(causal), bool(deterministic), mask, cu_seqlens_q.shape[0], seqlens,
+           seqused_q is None, seqused_k is None)
+    _run_bwd(lib, buf, index, q.device, key, _BWD_VARLEN,
+             (_lib.BWD_ARGS_SIZE, 1 if causal else 0, 1 if deterministic else 0, scale), tensors,
+             (*mask, *varlen, *seqlens))
+    return dq, dk, dv
+
+
+def fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None, seqused_k=None,
+               softmax_scale=None, causal=False, want_lse=True, window_left=-1, window_right=-1, softcap=0.0):
+    """(out, lse) of the variable-length attention (forward_varlen_into): out contiguous, shaped
+    and typed like q; lse float32 (nheads, total_q), contiguous (None when not want_lse). With
+    seqused_q, the rows past it (which the library does not write) are those of a row that sees
+    no key: out 0, lse +inf. The shapes and layouts are those of the fake of flash3::fwd_varlen
+    (_ops.py): keep them in step."""
+    lse_shape = varlen_lse_shape(q, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    max_seqlen_q, max_seqlen_k = seqlen_arg("max_seqlen_q", max_seqlen_q), seqlen_arg("max_seqlen_k", max_seqlen_k)
+    lse = None
+    if seqused_q is None:
+        out = torch.empty_like(q, memory_format=_CONTIGUOUS)
+        if want_lse:
+            lse = q.new_empty(lse_shape, dtype=_FLOAT32)
+    else:
+        out = torch.zeros_like(q, memory_format=_CONTIGUOUS)
+        if want_lse:
+            lse = q.new_full(lse_shape, math.inf, dtype=_FLOAT32)
+    return forward_varlen_into(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
+                               seqused_k, softmax_scale, causal, window_left, window_right, softcap)
+
+
+def bwd_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,
+               seqused_k=None, softmax_scale=None, causal=False, deterministic=False, window_left=-1,
+               window_right=-1, softcap=0.0):
+    """(dq, dk, dv), contiguous, shaped and typed like q, k, v (the fake of flash3::bwd_varlen);
+    the arguments as backward_varlen_into's."""
+    varlen_lse_shape(q, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    max_seqlen_q, max_seqlen_k = seqlen_arg("max_seqlen_q", max_seqlen_q), seqlen_arg("max_seqlen_k", max_seqlen_k)
+    dq = torch.empty_like(q, memory_format=_CONTIGUOUS)
+    dk = torch.empty_like(k, memory_format=_CONTIGUOUS)
+    dv = torch.empty_like(v, memory_format=_CONTIGUOUS)
+    return backward_varlen_into(kernel_readable(dout), q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                                max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, softmax_scale, causal,
+                                deterministic, window_left, window_right, softcap)

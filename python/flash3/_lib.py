@@ -2,6 +2,7 @@
 import ctypes
 import ctypes.util
 import os
+import re
 import threading
 
 # dtype codes and return codes, as in flash3_c.h
@@ -24,8 +25,17 @@ class Tensor(ctypes.Structure):
 assert ctypes.sizeof(Tensor) == 80, "flash3_tensor layout changed"
 
 
+_VARLEN_FIELDS = [  # flash3_fwd_args v4, flash3_bwd_args v3: variable-length batches
+    ("cu_seqlens_q", Tensor), ("cu_seqlens_k", Tensor), ("seqused_q", Tensor), ("seqused_k", Tensor),
+    ("max_seqlen_q", ctypes.c_int32),
+    ("max_seqlen_k", ctypes.c_int32),
+    ("no_seqlens_check", ctypes.c_int32),
+]
+
+
 class FwdArgs(ctypes.Structure):
-    """flash3_fwd_args (third version): the layout _kernels._FWD packs."""
+    """flash3_fwd_args (fourth version): the layout _kernels._FWD_VARLEN packs (_kernels._FWD: its
+    first FWD_ARGS_SIZE_V3 bytes)."""
     _fields_ = [
         ("struct_size", ctypes.c_uint32),
         ("causal", ctypes.c_int32),
@@ -38,11 +48,14 @@ class FwdArgs(ctypes.Structure):
         ("window_left", ctypes.c_int32),
         ("window_right", ctypes.c_int32),
         ("softcap", ctypes.c_float),
+        *_VARLEN_FIELDS,  # v4
+        ("reserved_v4", ctypes.c_uint32),
     ]
 
 
 class BwdArgs(ctypes.Structure):
-    """flash3_bwd_args (second version): the layout _kernels._BWD packs."""
+    """flash3_bwd_args (third version): the layout _kernels._BWD_VARLEN packs (_kernels._BWD: its
+    first BWD_ARGS_SIZE_V2 bytes)."""
     _fields_ = [
         ("struct_size", ctypes.c_uint32),
         ("causal", ctypes.c_int32),
@@ -57,6 +70,8 @@ class BwdArgs(ctypes.Structure):
         ("window_left", ctypes.c_int32),
         ("window_right", ctypes.c_int32),
         ("softcap", ctypes.c_float),
+        *_VARLEN_FIELDS,  # v3
+        ("reserved_v3", ctypes.c_uint32),
     ]
 
 
@@ -73,12 +88,17 @@ class QuantizeFp8Args(ctypes.Structure):
     ]
 
 
-# struct_size as this package fills the structs (FLASH3_FWD_ARGS_SIZE_V3, FLASH3_BWD_ARGS_SIZE_V2,
-# FLASH3_QUANTIZE_FP8_ARGS_SIZE_V1 in flash3_c.h)
+# struct_size as this package fills the structs (flash3_c.h): the variable-length calls the whole
+# structs (FLASH3_FWD_ARGS_SIZE_V4, FLASH3_BWD_ARGS_SIZE_V3), every other call the versions before
+# them (FLASH3_FWD_ARGS_SIZE_V3, FLASH3_BWD_ARGS_SIZE_V2: what a library without variable lengths
+# reads too); FLASH3_QUANTIZE_FP8_ARGS_SIZE_V1.
 FWD_ARGS_SIZE = ctypes.sizeof(FwdArgs)
 BWD_ARGS_SIZE = ctypes.sizeof(BwdArgs)
+FWD_ARGS_SIZE_V3 = FwdArgs.cu_seqlens_q.offset
+BWD_ARGS_SIZE_V2 = BwdArgs.cu_seqlens_q.offset
 QUANTIZE_FP8_ARGS_SIZE = ctypes.sizeof(QuantizeFp8Args)
-assert (FWD_ARGS_SIZE, BWD_ARGS_SIZE, QUANTIZE_FP8_ARGS_SIZE) == (680, 776, 272), "flash3 args layout changed"
+assert (FWD_ARGS_SIZE, BWD_ARGS_SIZE, FWD_ARGS_SIZE_V3, BWD_ARGS_SIZE_V2, QUANTIZE_FP8_ARGS_SIZE) == (
+    1016, 1112, 680, 776, 272), "flash3 args layout changed"
 
 _lib = None
 _load_error = None
@@ -133,6 +153,43 @@ def has_bwd():
     """True when the loaded library exports the backward entry points."""
     handle = lib()
     return hasattr(handle, "flash3_bwd") and hasattr(handle, "flash3_bwd_workspace_size")
+
+
+# An older library's answer to a struct with a nonzero byte past the fields it has (c_api.cpp,
+# read_args): "... byte N is not zero; this library knows the first M bytes of ...".
+_KNOWN_BYTES = re.compile(r"this library knows the first (\d+) bytes")
+_varlen = {}  # (library handle, bwd) -> whether it reads the variable-length fields
+
+
+def _reads_varlen(call, args_type):
+    """Whether the library reads the variable-length fields of args_type (FwdArgs, BwdArgs): `call`
+    (args, err) hands it an otherwise empty struct of this package's size with a nonzero byte
+    among those fields. The library refuses it either way (q is missing) without touching the
+    GPU; an older one says which bytes it knows instead of naming q."""
+    args = args_type()
+    args.struct_size = ctypes.sizeof(args_type)
+    args.no_seqlens_check = 1
+    buf = err_buffer()
+    call(ctypes.byref(args), buf)
+    known = _KNOWN_BYTES.search(buf.value.decode(errors="replace"))
+    return known is None or int(known.group(1)) >= ctypes.sizeof(args_type)
+
+
+def has_varlen(bwd=False):
+    """True when the loaded library has variable-length batches: reads the fields of
+    flash3_fwd_args v4 (bwd: flash3_bwd_args v3, and has the backward). Asked once per library."""
+    handle = lib()
+    key = (handle, bool(bwd))
+    known = _varlen.get(key)
+    if known is None:
+        if not bwd:
+            known = _reads_varlen(lambda args, buf: handle.flash3_fwd(args, buf, ERR_LEN), FwdArgs)
+        else:
+            nbytes = ctypes.c_uint64(0)
+            known = has_bwd() and _reads_varlen(
+                lambda args, buf: handle.flash3_bwd_workspace_size(args, ctypes.byref(nbytes), buf, ERR_LEN), BwdArgs)
+        _varlen[key] = known
+    return known
 
 
 def lib():

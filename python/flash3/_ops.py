@@ -9,6 +9,14 @@ CUDA graphs (mode="reduce-overhead") and FakeTensor tracing:
     torch.ops.flash3.fwd_fp8(q, k, v, q_scale=None, k_scale=None, v_scale=None, softmax_scale=None,
                              causal=False, window_left=-1, window_right=-1, softcap=0.0) -> (out, lse)
     torch.ops.flash3.quantize_fp8(x, block_rows=128, hadamard=False, seed=0) -> (out, scale)
+    torch.ops.flash3.fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                seqused_q=None, seqused_k=None, softmax_scale=None, causal=False,
+                                deterministic=False, window_left=-1, window_right=-1, softcap=0.0)
+                                -> (out, lse)
+    torch.ops.flash3.bwd_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                max_seqlen_k, seqused_q=None, seqused_k=None, softmax_scale=None,
+                                causal=False, deterministic=False, window_left=-1, window_right=-1,
+                                softcap=0.0) -> (dq, dk, dv)
 
 window_left, window_right: FlashAttention-3's sliding window (-1: no bound on that side; the
 library refuses < -1), softcap: > 0 caps the scaled scores (0.0: none; 16-bit inputs only), as
@@ -29,8 +37,14 @@ seqlen_q, nheads, head_dim) from float8_e4m3fn q, k, v and float32 dequantizatio
 (_kernels.forward_into); quantize_fp8 gives out float8_e4m3fn shaped like x and scale float32
 (batch, nheads, ceil(seqlen / block_rows)). Backward through either (an input that requires
 grad) raises torch's "no autograd formula was registered" RuntimeError naming the operator.
+The variable-length operators (FlashAttention-3's varlen layout, _kernels.forward_varlen_into):
+q, out, dout, dq (total_q, nheads, head_dim), k, v, dk, dv (total_k, nheads_kv, head_dim),
+cu_seqlens_q / cu_seqlens_k int32 (batch + 1), seqused_q / seqused_k int32 (batch) or None, lse
+float32 (nheads, total_q); max_seqlen_q / max_seqlen_k are SymInts (the outputs' shapes do not
+depend on them, nor on the values of the length tensors). fwd_varlen is differentiable in q, k,
+v through bwd_varlen. With seqused_q, out rows past it are 0 and lse rows +inf.
 
-Adding an operator (FP8, varlen, KV cache): a kernel in _kernels.py, then here one annotated
+Adding an operator (a KV cache, say): a kernel in _kernels.py, then here one annotated
 function that calls it, its fake (shape arithmetic and new_empty / empty_like on the fake
 inputs only, so symbolic shapes work), optionally setup_context and backward, and one
 _define(...) call. The eager entry points (flash_attn_interface.py) skip the dispatcher where
@@ -197,10 +211,91 @@ def _quantize_fp8_fake(x, block_rows=128, hadamard=False, seed=0):
     return out, x.new_empty(scale_shape, dtype=torch.float32)
 
 
+# ---- flash3::fwd_varlen --------------------------------------------------------------------
+
+def _check_varlen(q, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, window_left,
+                  window_right, softcap):
+    """The fakes' checks of the variable-length arguments, as the kernels make them (symbolic
+    values pass); returns lse's shape (nheads, total_q)."""
+    _check_mask(window_left, window_right, softcap)
+    for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        _kernels.seqlen_arg(name, n)
+    return _kernels.varlen_lse_shape(q, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+
+
+def _fwd_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                max_seqlen_k: int, seqused_q: Optional[Tensor] = None, seqused_k: Optional[Tensor] = None,
+                softmax_scale: Optional[float] = None, causal: bool = False, deterministic: bool = False,
+                window_left: int = -1, window_right: int = -1, softcap: float = 0.0) -> tuple[Tensor, Tensor]:
+    return _kernels.fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+                               softmax_scale, causal, True, window_left, window_right, softcap)
+
+
+def _fwd_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None, seqused_k=None,
+                     softmax_scale=None, causal=False, deterministic=False, window_left=-1, window_right=-1,
+                     softcap=0.0):
+    lse_shape = _check_varlen(q, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
+                              window_left, window_right, softcap)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    return out, q.new_empty(lse_shape, dtype=torch.float32)
+
+
+def fwd_varlen_setup_context(ctx, inputs, output):
+    """Shared by flash3::fwd_varlen's autograd and the eager autograd.Function
+    (flash_attn_interface), as fwd_setup_context."""
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, softmax_scale, causal,
+     deterministic, window_left, window_right, softcap) = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    ctx.max_seqlen_q, ctx.max_seqlen_k = max_seqlen_q, max_seqlen_k
+    ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
+    ctx.window_left, ctx.window_right, ctx.softcap = window_left, window_right, softcap
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # as fwd_setup_context
+
+
+def fwd_varlen_backward(ctx, dout, dlse):
+    """d(q, k, v) from dout through flash3::bwd_varlen (the kernel directly where fwd_backward
+    calls it directly); None for the other inputs."""
+    if dout is None:
+        return (None,) * 15
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k = ctx.saved_tensors
+    run = _kernels.bwd_varlen if not _grad_enabled() and direct(dout, q) else bwd_varlen
+    dq, dk, dv = run(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q, ctx.max_seqlen_k,
+                     seqused_q, seqused_k, ctx.softmax_scale, ctx.causal, ctx.deterministic, ctx.window_left,
+                     ctx.window_right, ctx.softcap)
+    return (dq, dk, dv) + (None,) * 12
+
+
+# ---- flash3::bwd_varlen --------------------------------------------------------------------
+
+def _bwd_varlen(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens_q: Tensor,
+                cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, seqused_q: Optional[Tensor] = None,
+                seqused_k: Optional[Tensor] = None, softmax_scale: Optional[float] = None, causal: bool = False,
+                deterministic: bool = False, window_left: int = -1, window_right: int = -1,
+                softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+    return _kernels.bwd_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               seqused_q, seqused_k, softmax_scale, causal, deterministic, window_left, window_right,
+                               softcap)
+
+
+def _bwd_varlen_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,
+                     seqused_k=None, softmax_scale=None, causal=False, deterministic=False, window_left=-1,
+                     window_right=-1, softcap=0.0):
+    _check_varlen(q, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, window_left,
+                  window_right, softcap)
+    cf = torch.contiguous_format
+    return (torch.empty_like(q, memory_format=cf), torch.empty_like(k, memory_format=cf),
+            torch.empty_like(v, memory_format=cf))
+
+
 if available:
     fwd = _define("fwd", _fwd, _fwd_fake, fwd_setup_context, fwd_backward)
     bwd = _define("bwd", _bwd, _bwd_fake)
     fwd_fp8 = _define("fwd_fp8", _fwd_fp8, _fwd_fp8_fake)
     quantize_fp8 = _define("quantize_fp8", _quantize_fp8, _quantize_fp8_fake)
+    fwd_varlen = _define("fwd_varlen", _fwd_varlen, _fwd_varlen_fake, fwd_varlen_setup_context, fwd_varlen_backward)
+    bwd_varlen = _define("bwd_varlen", _bwd_varlen, _bwd_varlen_fake)
 else:  # pragma: no cover (PyTorch < 2.4)
     fwd, bwd, fwd_fp8, quantize_fp8 = _fwd, _bwd, _fwd_fp8, _quantize_fp8
+    fwd_varlen, bwd_varlen = _fwd_varlen, _bwd_varlen

@@ -22,18 +22,29 @@ not a pair of ints, or a softcap that is not a real number, raises ValueError na
 softcap out of range (negative, too large, NaN, or with float8 inputs) raises the library's
 ValueError naming it. The backward gets the forward's window and softcap.
 
+Variable-length batches, as FlashAttention-3's flash_attn_varlen_func: q (total_q, nheads,
+headdim), k and v (total_k, nheads_kv, headdim) hold the batch's sequences one after the other,
+sequence b being rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and cu_seqlens_k[b]:cu_seqlens_k[b
++ 1] of k and v (cu_seqlens_q, cu_seqlens_k: int32 (batch + 1) on q's device); the masks are
+aligned bottom-right in each sequence; softmax_lse is float32 (nheads, total_q). seqused_q /
+seqused_k (int32 (batch)) keep only the first seqused[b] rows of sequence b: out rows past
+seqused_q are 0 (softmax_lse +inf) and gradient rows past seqused are 0. bfloat16 and float16 only.
+
 Arguments flash3 does not support yet raise NotImplementedError naming the argument when given
-a value other than their default: qv (not None), attention_chunk (not 0). (Under torch.compile
-with fullgraph=True, dynamo reports the NotImplementedError, with its message, as an unsupported
-exception; without fullgraph it reaches the caller as it is.)
-Accepted and ignored, because they tune speed only and cannot change flash3's results:
+a value other than their default: qv (not None), attention_chunk (not 0); for
+flash_attn_varlen_func also q_descale, k_descale, v_descale (not None), and float8 q names q.
+(Under torch.compile with fullgraph=True, dynamo reports the NotImplementedError, with its
+message, as an unsupported exception; without fullgraph it reaches the caller as it is.)
+Accepted and ignored (by flash_attn_varlen_func too), because they tune speed only and cannot
+change flash3's results:
 num_splits (FlashAttention-3 splits the keys across blocks; flash3 picks its own schedule, and
 its output is the same for every value), pack_gqa (a GQA layout choice) and sm_margin (SMs left
 free for other kernels).
 
 In eager mode the calls run the library directly (the lowest host time); under torch.compile,
 torch.export or any FakeTensor / dispatch-mode tracing they call the torch.library operators
-torch.ops.flash3.fwd / bwd (_ops.py), which trace without a graph break.
+torch.ops.flash3.fwd / bwd and fwd_varlen / bwd_varlen (_ops.py), which trace without a graph
+break.
 """
 import operator
 
@@ -41,12 +52,13 @@ import torch
 
 from . import _kernels, _ops
 
-__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func"]
+__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func"]
 
 # FlashAttention-3 arguments flash3 accepts and ignores (speed only; see above).
 _IGNORED = ("num_splits", "pack_gqa", "sm_margin")
 
 _direct = _ops.direct
+_is_compiling = _ops._is_compiling
 _FP8 = _kernels.FP8_DTYPES
 _grad_enabled = torch.is_grad_enabled
 
@@ -300,3 +312,99 @@ def flash_attn_qkvpacked_func(
         return (out, lse) if return_attn_probs else out
     q, k, v = _split_qkv(qkv, num_heads_q)
     return _attention(q, k, v, softmax_scale, causal, deterministic, return_attn_probs, left, right, softcap)
+
+
+class _FlashAttnVarlenFunc(torch.autograd.Function):
+    """flash3::fwd_varlen's autograd (the same setup_context and backward), without the
+    dispatcher (as _FlashAttnFunc)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+                softmax_scale, causal, deterministic, window_left, window_right, softcap):
+        out, lse = _kernels.fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
+                                       seqused_k, softmax_scale, causal, True, window_left, window_right, softcap)
+        _ops.fwd_varlen_setup_context(ctx, (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                            seqused_q, seqused_k, softmax_scale, causal, deterministic, window_left,
+                                            window_right, softcap), (out, lse))
+        return out, lse
+
+    backward = staticmethod(_ops.fwd_varlen_backward)
+
+
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    seqused_q=None,
+    seqused_k=None,
+    softmax_scale=None,
+    causal=False,
+    qv=None,
+    q_descale=None, k_descale=None, v_descale=None,
+    window_size=(-1, -1),
+    attention_chunk=0,
+    softcap=0.0,
+    num_splits=1,
+    pack_gqa=None,
+    deterministic=False,
+    sm_margin=0,
+    return_attn_probs=False,
+):
+    """flash_attn_func over a batch of sequences of different lengths packed one after the
+    other, as FlashAttention-3's flash_attn_varlen_func.
+
+    q (total_q, nheads, headdim), k and v (total_k, nheads_kv, headdim): CUDA tensors, bf16 or
+    fp16, headdim 64, 128 or 256, nheads a multiple of nheads_kv. cu_seqlens_q, cu_seqlens_k:
+    int32 (batch + 1) on q's device, the sequences' offsets (0 first, total_q / total_k last,
+    never decreasing): sequence b is q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]] and
+    k[cu_seqlens_k[b]:cu_seqlens_k[b + 1]] (v likewise). max_seqlen_q, max_seqlen_k: ints, at
+    least every sequence's length. seqused_q, seqused_k: int32 (batch) or None; only the first
+    seqused[b] rows of sequence b take part (its lengths for the masks); out rows past
+    seqused_q are 0 (softmax_lse +inf), gradient rows past seqused 0. softmax_scale, causal,
+    window_size, softcap, deterministic: as flash_attn_func's, the masks aligned bottom-right
+    in each sequence. The library checks the values of cu_seqlens and seqused (a device-to-host
+    copy; not while a CUDA graph is captured).
+    Returns out (total_q, nheads, headdim), or (out, softmax_lse) when return_attn_probs,
+    softmax_lse float32 (nheads, total_q) and not differentiable.
+    The unsupported and ignored arguments: see the module's docstring.
+    """
+    if qv is not None:
+        _unsupported("qv", qv)
+    if attention_chunk:
+        _unsupported("attention_chunk", attention_chunk)
+    for name, s in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
+        if s is not None:
+            _unsupported(name, s)
+    left = right = -1
+    if window_size != (-1, -1):
+        causal, left, right = _window(window_size, causal)
+    if type(softcap) is not float or softcap != 0.0:
+        softcap = _softcap(softcap)
+    causal, deterministic = bool(causal), bool(deterministic)
+    if seqused_q is None and seqused_k is None:
+        plain = _direct(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    else:
+        plain = _direct(q, k, v, cu_seqlens_q, cu_seqlens_k, *(t for t in (seqused_q, seqused_k) if t is not None))
+    if plain:
+        if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            out, lse = _FlashAttnVarlenFunc.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                  seqused_q, seqused_k, softmax_scale, causal, deterministic, left,
+                                                  right, softcap)
+        else:
+            out, lse = _kernels.fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                           seqused_q, seqused_k, softmax_scale, causal, return_attn_probs, left,
+                                           right, softcap)
+    else:
+        # the checks the operator's schema would make with a less helpful message (a length tensor
+        # that is None or not a tensor), and those of the fake
+        _kernels.varlen_lse_shape(q, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+        if not _is_compiling():  # dynamo would specialize the compiled code on the lengths' values
+            _kernels.seqlen_arg("max_seqlen_q", max_seqlen_q)
+            _kernels.seqlen_arg("max_seqlen_k", max_seqlen_k)
+        out, lse = _ops.fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
+                                   seqused_k, softmax_scale, causal, deterministic, left, right, softcap)
+    return (out, lse) if return_attn_probs else out

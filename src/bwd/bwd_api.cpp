@@ -24,6 +24,10 @@ size_t bwd_workspace_size(const BwdProblem& p) {
 void bwd(const BwdArgs& args) {
   const BwdProblem p = validate_bwd(args);
   if (p.batch == 0 || p.nheads == 0) return;
+  if (p.varlen) {
+    throw Error("flash3::bwd: cu_seqlens_q, cu_seqlens_k, seqused_q or seqused_k is given; the backward of "
+                "variable-length batches is not built yet (the forward is)");
+  }
   if (p.seqlen_q == 0) {  // no query: dk = dv = 0
     if (p.seqlen_k > 0) {
       detail::require_hopper("flash3::bwd");

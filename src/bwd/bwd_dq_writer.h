@@ -85,8 +85,8 @@ __device__ __forceinline__ void bwd_dq_writer(typename Traits::Params const& par
     // The turn of the group's first key block to visit tile m (0 unless a window skips the
     // first key blocks): it stores, and the others count their turns from it.
     int turn0 = 0;
-    if constexpr (Traits::kWindowSoftcap) {
-      const typename Traits::MaskT mask(params.seqlens.of(int(bh / params.nheads)), params.mask);
+    if constexpr (Traits::kGeneral) {
+      const typename Traits::MaskT mask(params.seqlens.template of<false>(int(bh / params.nheads)), params.mask);
       int n_first, n_end;
       mask.template n_block_range<Traits::kBlockM, Traits::kBlockN>(m, n_first, n_end);
       turn0 = (n_first + ((group - n_first % groups) % groups + groups) % groups) / groups;

@@ -44,7 +44,7 @@ __device__ __forceinline__ void bwd_store_dkdv(typename Traits::Params const& pa
       *reinterpret_cast<Pair*>(sdv + swz(r, c)) = cvt(v2);
     }
     named_barrier_sync(Traits::kNumConsumerThreads, kBwdBarEpilogue);
-    const int seqlen_k = params.seqlens.of(batch).k;
+    const int seqlen_k = params.seqlens.template of<false>(batch).k;
     Element* dk = params.dk + batch * params.dk_batch_stride + head_kv * params.dk_head_stride;
     Element* dv = params.dv + batch * params.dv_batch_stride + head_kv * params.dv_head_stride;
     const int warp = tidx / 32, lane = tidx % 32;

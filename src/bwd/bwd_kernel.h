@@ -75,7 +75,7 @@ __device__ __forceinline__ void bwd_consume(typename Traits::Params const& param
   Tensor tdKrdK = partition_fragment_C(mma_dkv, TileKV{});
 
   if constexpr (!Traits::kPersistent) {
-    const typename Traits::MaskT mask(params.seqlens.of(it.batch), params.mask);
+    const typename Traits::MaskT mask(params.seqlens.template of<false>(it.batch), params.mask);
     auto m_at = [&](int i) { return Sched::at(it, i); };
     clear(tdVrdV);
     clear(tdKrdK);
@@ -120,7 +120,7 @@ __device__ __forceinline__ void bwd_consume(typename Traits::Params const& param
       const int t = items.tile(k, shared);
       if (t >= params.num_items) break;
       const BwdItem item = Sched::item(params, t);
-      const typename Traits::MaskT mask(params.seqlens.of(item.batch), params.mask);
+      const typename Traits::MaskT mask(params.seqlens.template of<false>(item.batch), params.mask);
       const int col0 = item.n_block * kBlockN;
       const int base = item.m_base + g;
       auto m_at = [base](int i) { return bwd_m_at(base, i); };

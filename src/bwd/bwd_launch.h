@@ -142,7 +142,7 @@ void run_bwd(const BwdProblem& p, const BwdArgs& args, const BwdWorkspaceLayout&
   check_cuda(cudaGetLastError(), "backward preprocess launch");
   if (p.seqlen_k > 0) {
     // Sliding windows and softcap: kernels of their own (common/mask.h).
-    const bool window_softcap = window_softcap_kernels(p);
+    const bool window_softcap = general_kernels(p);
     if (window_softcap && p.causal) {
       launch_bwd_main<BwdTraits<Element, kHeadDim, true, true>>(p, args, ws, base);
     } else if (window_softcap) {

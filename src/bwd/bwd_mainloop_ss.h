@@ -95,7 +95,7 @@ __device__ __forceinline__ void bwd_mainloop_ss(typename Traits::Params const& p
     const int row0 = m * kBlockM;
     const float* lse = shared.smem_lse + stage * kBlockM;
     const bool need_mask = mask.template needs_masking<kBlockM, kBlockN>(row0, col0);
-    if constexpr (Traits::kWindowSoftcap) {
+    if constexpr (Traits::kGeneral) {
       if (params.softcap_coef != 0.f) apply_softcap(tSrS, params.softcap_coef);
     }
     CUTLASS_PRAGMA_UNROLL
@@ -120,7 +120,7 @@ __device__ __forceinline__ void bwd_mainloop_ss(typename Traits::Params const& p
   // dS = P * (dP - D) in place of dP (softcap: times 1 - t^2, softcap_dtanh).
   auto compute_ds = [&](int stage) {
     const float* dpsum = shared.smem_dpsum + stage * kBlockM;
-    if (Traits::kWindowSoftcap && params.softcap_coef != 0.f) {
+    if (Traits::kGeneral && params.softcap_coef != 0.f) {
       const float* lse = shared.smem_lse + stage * kBlockM;
       const float inv_scale_log2 = 1.f / params.scale_log2;
       CUTLASS_PRAGMA_UNROLL

@@ -109,7 +109,7 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
     // versions of every column alive and spilled 120+ registers at head dim 64.
     const int row0 = m * kBlockM;
     const float* lse = shared.smem_lse + stage * kBlockM;
-    if constexpr (Traits::kWindowSoftcap) {
+    if constexpr (Traits::kGeneral) {
       if (params.softcap_coef != 0.f) apply_softcap(tSrS, params.softcap_coef);  // t = tanh(coef S)
     }
     if (mask.template needs_masking<kBlockM, kBlockN>(row0, col0)) mask.apply_transposed(tSrS_rc, tScS_rc, row0, col0);
@@ -126,7 +126,7 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
     const float* dpsum = shared.smem_dpsum + stage * kBlockM;
     Tensor tPrP_rc = make_tensor(tPrP.data(), acc_layout_rowcol(tSrS.layout()));
     cutlass::NumericArrayConverter<Element, float, 2> cvt2;
-    if (Traits::kWindowSoftcap && params.softcap_coef != 0.f) {
+    if (Traits::kGeneral && params.softcap_coef != 0.f) {
       // Softcap: dS^T also times 1 - t^2 (softcap_dtanh), from P and the column's lse.
       const float* lse = shared.smem_lse + stage * kBlockM;
       const float inv_scale_log2 = 1.f / params.scale_log2;

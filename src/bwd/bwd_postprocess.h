@@ -39,7 +39,7 @@ __global__ void __launch_bounds__(256) bwd_postprocess_dq(const BwdAuxParams p) 
   int m, head, batch;
   aux_block_coords(p.m_blocks, p.nheads, m, head, batch, per_pair);
   const int64_t bh = int64_t(batch) * p.nheads + head;
-  const int seqlen_q = p.seqlens.of(batch).q;
+  const int seqlen_q = p.seqlens.template of<false>(batch).q;
   if (!per_pair || blockIdx.x == gridDim.x - 1) pdl_wait();  // the whole main kernel
   if (per_pair) {
     if (threadIdx.x == 0) {

@@ -31,7 +31,7 @@ struct BwdAuxParams {
   int* dq_sem;
   int dq_groups;
   int batch;
-  SeqLens seqlens;  // read per batch entry: seqlens.of(batch)
+  SeqLens seqlens;  // read per batch entry: seqlens.template of<false>(batch)
   int nheads, head_dim, m_blocks;
   int64_t seqlen_q_pad;
   float softmax_scale;
@@ -74,7 +74,7 @@ __global__ void __launch_bounds__(256) bwd_preprocess(const BwdAuxParams p) {
   int m, head, batch;
   aux_block_coords(p.m_blocks, p.nheads, m, head, batch);
   const int64_t bh = int64_t(batch) * p.nheads + head;
-  const int seqlen_q = p.seqlens.of(batch).q;
+  const int seqlen_q = p.seqlens.template of<false>(batch).q;
   constexpr int kThreadsPerRow = kHeadDim / 8, kRowsPerPass = 256 / kThreadsPerRow;
   static_assert(kBlockM % kRowsPerPass == 0);
   const int col = (threadIdx.x % kThreadsPerRow) * 8;

@@ -76,7 +76,7 @@ struct BwdScheduler {
     it.batch = pair / params.nheads;
     it.head_kv = it.head / params.nheads_per_kv;
     it.bh = pair;
-    const typename Traits::MaskT mask(params.seqlens.of(it.batch), params.mask);
+    const typename Traits::MaskT mask(params.seqlens.template of<false>(it.batch), params.mask);
     int m_begin;
     mask.template m_block_range<Traits::kBlockM, Traits::kBlockN>(it.n_block, m_begin, it.m_end);
     it.m_count = it.m_end - m_begin;

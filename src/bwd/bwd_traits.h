@@ -29,9 +29,9 @@ struct BwdSecondK {
 template <class Element>
 struct BwdSecondK<Element, 0> {};
 
-// kWindowSoftcap: the kernel of sliding windows and softcap (common/mask.h says why it is a
+// kGeneral: the kernel of sliding windows and softcap (common/mask.h says why it is a
 // kernel of its own).
-template <class Element_, int kHeadDim_, bool kCausal_, bool kWindowSoftcap_ = false>
+template <class Element_, int kHeadDim_, bool kCausal_, bool kGeneral_ = false>
 struct BwdTraits {
   using Element = Element_;
   using Config = BwdTileConfig<kHeadDim_>;
@@ -40,8 +40,8 @@ struct BwdTraits {
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kStages = Config::kStages;
   static constexpr bool kCausal = kCausal_;
-  static constexpr bool kWindowSoftcap = kWindowSoftcap_;
-  using MaskT = Mask<kCausal, kWindowSoftcap>;
+  static constexpr bool kGeneral = kGeneral_;
+  using MaskT = Mask<kCausal, kGeneral>;
   static constexpr bool kSpreadVisits = Config::kSpreadVisits;  // bwd_scheduler.h
   // Persistent (bwd_scheduler.h, where bwd_config.h says): one block per SM takes blocks of
   // work (key block, head, batch) from a counter, so that the next one's K,
@@ -211,7 +211,7 @@ struct BwdTraits {
     int64_t dk_row_stride, dk_head_stride, dk_batch_stride;
     int64_t dv_row_stride, dv_head_stride, dv_batch_stride;
     int batch;
-    SeqLens seqlens;               // read per batch entry: seqlens.of(batch)
+    SeqLens seqlens;               // read per batch entry: seqlens.template of<false>(batch)
     MaskOffsets mask;              // the sliding window (common/mask.h)
     int nheads, nheads_per_kv;
     int m_blocks, n_blocks;

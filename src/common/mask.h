@@ -30,12 +30,15 @@ struct Window {
 // NOTES: kernel parameters, so that the kernels read them from the constant bank where they
 // need them: computed in the kernel, the two offsets took two more registers through the whole
 // forward mainloop, and ptxas spilled (head dim 128: 0 -> 132 bytes).
+// With variable lengths the offsets differ per batch entry: the kernels compute them from the
+// window (left, right, as Window) and the entry's lengths (Mask::at).
 struct MaskOffsets {
   int lo_off, hi_off;
+  int left = -1, right = -1;
 };
 
-// kWindow: the kernel is built for sliding windows (and softcap: the FwdWindowSoftcap /
-// kWindowSoftcap kernels). Without it the window's tests compile away, and so does the right
+// kWindow: the kernel is built for sliding windows (the general kernels of variable lengths,
+// windows and softcap: FwdGeneral, BwdTraits' kGeneral). Without it the window's tests compile away, and so does the right
 // bound where not causal: the code is that of a mask of the end of the keys and the diagonal.
 // NOTES: one kernel for both cost 3-14% in the backward at head dims 64 and 128 and up to 10% in
 // the forward (docs/perf-log.md, W1): the window's bounds and softcap's branch in every kernel.
@@ -51,6 +54,13 @@ struct Mask {
 
   FLASH3_HD Mask(SeqLen len, MaskOffsets o) : seqlen_q(len.q), seqlen_k(len.k), lo_off(o.lo_off), hi_off(o.hi_off) {}
   FLASH3_HD Mask(SeqLen len, Window w) : Mask(len, offsets(len, w)) {}
+  // The mask of one batch entry: kPerEntry (variable lengths), its offsets from the window and
+  // its own lengths; else the launcher's offsets.
+  template <bool kPerEntry>
+  FLASH3_HD static Mask at(SeqLen len, const MaskOffsets& o) {
+    if constexpr (kPerEntry) return Mask(len, Window{o.left, o.right});
+    return Mask(len, o);
+  }
 
   // NOTES: the window clamped so that the row arithmetic below stays in 32 bits (validate.cpp
   // bounds both lengths by 2^30): left >= seqlen_k - 1 and right >= seqlen_q - 1 exclude no key.
@@ -59,7 +69,7 @@ struct Mask {
     const int max_left = len.k > 0 ? len.k - 1 : 0, max_right = len.q > 0 ? len.q - 1 : 0;
     const int left = w.left < 0 || w.left > max_left ? max_left : w.left;
     const int right = kCausal ? 0 : (w.right < 0 || w.right > max_right ? max_right : w.right);
-    return MaskOffsets{len.k - len.q - left, len.k - len.q + right + 1};
+    return MaskOffsets{len.k - len.q - left, len.k - len.q + right + 1, w.left, w.right};
   }
 
   // The keys query `row` sees: [key_begin(row), key_end(row)); empty where end <= begin.

@@ -28,9 +28,11 @@ struct TileStream {
   // The scheduler thread: this block's k-th tile, drawn when the producer is about to load it,
   // so that it goes to the block that will be free first (>= num_tiles at the end; call no more
   // then).
+  // A block whose first tile is already past the end (a grid sized by a bound on the tile
+  // count: variable lengths) stops at once, and counts as stopped.
   __device__ __forceinline__ int draw(int k) const {
-    if (k == 0 || counter == nullptr) return int(blockIdx.x + k * gridDim.x);
-    const int n = atomicAdd(counter, 1) + int(gridDim.x);
+    if (counter == nullptr || (k == 0 && int(blockIdx.x) < num_tiles)) return int(blockIdx.x + k * gridDim.x);
+    const int n = k == 0 ? int(blockIdx.x) : atomicAdd(counter, 1) + int(gridDim.x);
     if (n >= num_tiles && atomicAdd(counter + 1, 1) == int(gridDim.x) - 1) {
       // Every block has drawn its last (failed) tile: nothing touches the counters any more.
       counter[0] = 0;

@@ -41,12 +41,15 @@ struct FwdEpilogue {
     if constexpr (Traits::kStageOInQ) cute::prefetch_tma_descriptor(p.tma_o.get_tma_descriptor());
   }
 
-  // The consumers: O (normalized, FP32 accumulators) and lse of `tile` out; rows past seqlen_q
-  // are not written. tiles_done rotates the staging buffer's swizzle (see below).
+  // The consumers: O (normalized, FP32 accumulators) and lse of `tile` out; rows past len.q
+  // are not written. The sequence is batch entry q_batch of out (and lse), from its row
+  // len.q_start (packed tensors: common/seqlen.h). tiles_done rotates the staging buffer's
+  // swizzle (see below).
   template <class Params, class Tile, class TensorO, int kRows>
   __device__ __forceinline__ static void store(const Params& p, typename Traits::SharedStorage& shared,
-                                               const Tile& tile, int seqlen_q, TensorO& tOrO,
+                                               const Tile& tile, const SeqLen& len, int q_batch, TensorO& tOrO,
                                                const float (&lse)[kRows], int tidx, int tiles_done) {
+    const int seqlen_q = len.q;
     using TileQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
     const int thread_in_wg = threadIdx.x % 128;
     const int row0 = tile.m_block * kBlockM;
@@ -56,7 +59,7 @@ struct FwdEpilogue {
     Tensor tOcO_rc = make_tensor(tOcO.data(), acc_layout_rowcol(tOcO.layout()));
     // Line 25: the log-sum-exp straight from registers (one thread of each quad owns a row) ...
     if (p.lse != nullptr && thread_in_wg % 4 == 0) {
-      float* lse_out = p.lse + tile.batch * p.lse_batch_stride + tile.head * p.lse_head_stride;
+      float* lse_out = p.lse + q_batch * p.lse_batch_stride + tile.head * p.lse_head_stride + len.q_start;
       CUTLASS_PRAGMA_UNROLL
       for (int m = 0; m < kRows; ++m) {
         const int row = row0 + get<0>(tOcO_rc(m, 0));
@@ -75,9 +78,28 @@ struct FwdEpilogue {
       copy(smem_copy_o, thr_copy_o.retile_S(tOrOut), thr_copy_o.partition_D(sQ));
       cutlass::arch::fence_view_async_shared();  // st.shared / stmatrix -> TMA (async proxy)
       named_barrier_sync(Traits::kNumConsumerThreads, kFwdBarrierEpilogue);
+      if (Traits::kGeneral && row0 + kBlockM > seqlen_q) {
+        // The last tile of a sequence in a packed out (general kernels): the rows past it are
+        // the next sequence's, so the consumers copy the tile's rows below seqlen_q, 16 bytes at
+        // a time (the swizzle keeps each 8-element chunk of a row together).
+        constexpr int kChunks = kHeadDim / 8;
+        Element* out = p.out + q_batch * p.out_batch_stride + tile.head * p.out_head_stride +
+                       int64_t(len.q_start) * p.out_row_stride;
+        for (int c = tidx; c < kBlockM * kChunks; c += Traits::kNumConsumerThreads) {
+          const int r = c / kChunks, col = c % kChunks * 8;
+          if (row0 + r < seqlen_q) {
+            *reinterpret_cast<uint4*>(out + int64_t(row0 + r) * p.out_row_stride + col) =
+                *reinterpret_cast<const uint4*>(&sQ(r, col));
+          }
+        }
+        named_barrier_sync(Traits::kNumConsumerThreads, kFwdBarrierEpilogue);
+        if (tidx == 0) shared.load.barrier_q_free.arrive();
+        return;
+      }
       if (tidx == 0) {
         Tensor mO = p.tma_o.get_tma_tensor(p.layout_o.shape());
-        Tensor gO = local_tile(mO(_, _, tile.head, tile.batch), TileQ{}, make_coord(tile.m_block, _0{}));
+        Tensor gO = local_tile(domain_offset(make_coord(len.q_start, _0{}), mO(_, _, tile.head, q_batch)), TileQ{},
+                               make_coord(tile.m_block, _0{}));
         auto o_parts = tma_partition(p.tma_o, group_modes<0, 2>(sQ), group_modes<0, 2>(gO));
         copy(p.tma_o, get<1>(o_parts), get<0>(o_parts));
         tma_store_arrive();
@@ -89,7 +111,7 @@ struct FwdEpilogue {
       // NOTES: values (2i, 2i+1) of an accumulator row are adjacent columns: one 4-byte store
       // per pair; rows past seqlen_q are not written.
       Tensor tOrOut_rc = make_tensor(tOrOut.data(), acc_layout_rowcol(tOrO.layout()));
-      Element* out = p.out + tile.batch * p.out_batch_stride + tile.head * p.out_head_stride;
+      Element* out = p.out + q_batch * p.out_batch_stride + tile.head * p.out_head_stride + int64_t(len.q_start) * p.out_row_stride;
       CUTLASS_PRAGMA_UNROLL
       for (int m = 0; m < kRows; ++m) {
         const int row = row0 + get<0>(tOcO_rc(m, 0));
@@ -117,7 +139,7 @@ struct FwdEpilogue {
       const int lane = tidx % 32;
       Element* stage = shared.epilogue.smem_o_stage.data() + (tidx / 32) * 16 * kCols;
       const int warp_row0 = get<0>(tOcO_rc(0, 0)) - lane / 4;  // the warp's first row in the tile
-      Element* out = p.out + tile.batch * p.out_batch_stride + tile.head * p.out_head_stride;
+      Element* out = p.out + q_batch * p.out_batch_stride + tile.head * p.out_head_stride + int64_t(len.q_start) * p.out_row_stride;
       // NOTES: the XOR key also rotates with the tile count (any row -> key bijection is
       // conflict-free), so that ptxas does not hoist the addresses out of the tile loop and
       // spill them. The offsets below are common/ptx.h's xor_swizzled_offset<kCols>(row, col, key),

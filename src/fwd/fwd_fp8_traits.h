@@ -35,7 +35,7 @@ struct FwdFp8Traits {
   static constexpr int kStages = Config::kStages;
   static constexpr int kStagesV = Config::kStages;
   static constexpr bool kCausal = kCausal_;
-  static constexpr bool kWindowSoftcap = false;  // neither is built for FP8
+  static constexpr bool kGeneral = false;  // neither is built for FP8
   using MaskT = Mask<kCausal, false>;
   static constexpr bool kDynamicTiles = kCausal;
   static constexpr bool kPingpong = true;

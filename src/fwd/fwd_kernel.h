@@ -86,11 +86,11 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     auto work = scheduler.work(params.scheduler, tiles_done, shared);
     if (scheduler.done(work)) break;
     scheduler.locate(work);
-    const SeqLen len = params.seqlens.of(work.tile.batch);
+    const SeqLen len = params.seqlens.template of<Traits::kGeneral>(work.tile.batch);
     float lse[Mainloop::kRows];
     // Lines 13-24: O = softmax(Q K^T) V over the piece's key blocks, normalized, and its lse.
     Mainloop::run(params.mainloop, shared, pipeline_k, pipeline_v, read_k, read_v, turns, tidx, tiles_done, views,
-                  typename Traits::MaskT(len, params.mask), work.tile.m_block * Traits::kBlockM, work.n_lo, work.n_hi, tOrO, lse,
+                  Traits::MaskT::template at<Traits::kGeneral>(len, params.mask), work.tile.m_block * Traits::kBlockM, work.n_lo, work.n_hi, tOrO, lse,
                   work.tile.batch, work.tile.head, work.tile.head / params.nheads_per_kv);
     if constexpr (Traits::kTailPieces) {
       if (work.part >= 0 &&
@@ -98,7 +98,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         continue;  // not the tile's last piece: no output
       }
     }
-    Epilogue::store(params.epilogue, shared, work.tile, len.q, tOrO, lse, tidx, tiles_done);  // line 25
+    const int q_batch = Traits::kGeneral ? params.seqlens.q_batch(work.tile.batch) : work.tile.batch;
+    Epilogue::store(params.epilogue, shared, work.tile, len, q_batch, tOrO, lse, tidx, tiles_done);  // line 25
   }
 }
 

@@ -16,6 +16,7 @@
 #include "fwd/fwd_kernel.h"
 #include "runtime/launch.h"
 #include "runtime/runtime.h"
+#include "runtime/varlen_tiles.h"
 
 namespace flash3::detail {
 
@@ -23,8 +24,12 @@ inline long long l2_bytes() { return current_device_info().l2_bytes; }
 inline int num_sms() { return current_device_info().sms; }
 
 template <class Traits>
-typename Traits::Params make_fwd_params(const FwdProblem& p, const FwdArgs& args, int* tile_counter) {
+typename Traits::Params make_fwd_params(const FwdProblem& p, const FwdArgs& args_in, int* tile_counter) {
   using Element = typename Traits::Element;
+  // Packed tensors (variable lengths) as batches of one (as_batch).
+  FwdArgs args = args_in;
+  for (TensorRef* t : {&args.q, &args.k, &args.v, &args.out}) *t = as_batch(*t);
+  args.lse = as_batch(args.lse, 3);
   const auto layout_q = qkv_layout(args.q);
   const auto layout_k = qkv_layout(args.k);
   const long long l2_budget = std::min(kCausalL2Budget, l2_bytes());
@@ -61,10 +66,11 @@ typename Traits::Params make_fwd_params(const FwdProblem& p, const FwdArgs& args
   params.scheduler.tile_counter = tile_counter;
   params.scheduler.tiles_end = m_blocks * p.nheads * p.batch;  // all tiles
   params.scheduler.split = TailSplit{};
+  params.scheduler.varlen_tiles = nullptr;
+  params.scheduler.varlen_count = nullptr;
   params.combine.split_counter = nullptr;
   params.combine.split_o = nullptr;
-  params.seqlens.seqlen_q = p.seqlen_q;
-  params.seqlens.seqlen_k = p.seqlen_k;
+  params.seqlens = make_seqlens(p, args);
   params.mask = Traits::MaskT::offsets(SeqLen{p.seqlen_q, p.seqlen_k}, Window{p.window_left, p.window_right});
   params.nheads_per_kv = p.nheads / p.nheads_kv;
   if constexpr (Traits::kFp8) {
@@ -96,6 +102,28 @@ void launch_fwd(const FwdProblem& p, const FwdArgs& args, bool persistent, int* 
   auto kernel = &fwd_kernel<Traits>;
   constexpr int kSmem = Traits::kSmemBytes;
   set_max_dynamic_smem<&fwd_kernel<Traits>>(kSmem);
+  // Variable lengths: the tile list, built on the device (varlen_tiles.h) in stream-ordered
+  // memory; the grid is sized by a bound on its length.
+  char* varlen_memory = nullptr;
+  if (p.varlen) {
+    VarlenTilesArgs list;
+    list.seqlens = params.seqlens;
+    list.batch = p.batch;
+    list.nheads = p.nheads;
+    list.block = Traits::kBlockM;
+    list.longest_first = Traits::kCausal;
+    list.reverse_blocks = true;  // causal: the last query block sees the most keys
+    const long long capacity = varlen_tile_capacity(p.total_q, p.batch, p.nheads, Traits::kBlockM);
+    list.capacity = int(capacity);
+    check_cuda(cudaMallocAsync(reinterpret_cast<void**>(&varlen_memory), varlen_tiles_bytes(capacity, p.batch),
+                               args.stream),
+               "cudaMallocAsync (variable-length tile list)");
+    varlen_tiles_place(list, varlen_memory);
+    build_varlen_tiles(list, args.stream);
+    params.scheduler.varlen_tiles = list.tiles;
+    params.scheduler.varlen_count = list.count;
+    params.scheduler.tiles_end = list.capacity;
+  }
   const int num_tiles = params.scheduler.tiles_end;
   TailSplit split;  // none: every tile whole in the main kernel
   split.full_tiles = num_tiles;
@@ -128,6 +156,7 @@ void launch_fwd(const FwdProblem& p, const FwdArgs& args, bool persistent, int* 
     kernel<<<dim3(blocks), Traits::kNumThreads, kSmem, args.stream>>>(params);
     check_cuda(cudaGetLastError(), "forward kernel launch");
   }
+  if (varlen_memory != nullptr) check_cuda(cudaFreeAsync(varlen_memory, args.stream), "cudaFreeAsync (variable-length tile list)");
   if constexpr (!std::is_void_v<TailTraits>) {
     if (split.tail_tiles > 0) {
       Params tail = params;  // the same TMA descriptors
@@ -153,9 +182,11 @@ void launch_fwd(const FwdProblem& p, const FwdArgs& args, bool persistent, int* 
   }
 }
 
-// Whether the forward runs persistent, and the causal tile counter (null: the static order).
+// Whether the forward runs persistent, and the tile counter of the causal and general kernels
+// (null: the static order).
 // NOTES: non-causal tiles are all the same length: persistent (one block per SM) with the
-// static round-robin order. Causal tiles differ in length: persistent with the dynamic
+// static round-robin order. Causal tiles, and the general kernels' (sequences of different
+// lengths, windows), differ in length: persistent with the dynamic
 // scheduler (each block draws its next tile from a counter, in LPT order), which balances them
 // like the hardware's block dispatcher while overlapping one tile's end with the next one's
 // start (docs/perf-log.md, step 10). Without a counter (first call on a stream inside a CUDA
@@ -163,7 +194,9 @@ void launch_fwd(const FwdProblem& p, const FwdArgs& args, bool persistent, int* 
 // 1024, one block per tile beyond. FwdAblation::kPersistent forces the static persistent loop.
 inline bool fwd_schedule(const FwdProblem& p, const FwdArgs& args, FwdAblation ablation, int*& counter) {
   counter = nullptr;
-  if (p.causal && ablation == FwdAblation::kDefault) counter = stream_memory(args.stream, 0, 0).tile_counter;
+  if ((p.causal || general_kernels(p)) && ablation == FwdAblation::kDefault) {
+    counter = stream_memory(args.stream, 0, 0).tile_counter;
+  }
   return ablation == FwdAblation::kPersistent || counter != nullptr ||
          (ablation != FwdAblation::kNoPersistent && (!p.causal || p.seqlen_k <= 1024));
 }
@@ -187,16 +220,16 @@ void run_fwd(const FwdProblem& p, const FwdArgs& args, FwdAblation ablation) {
     int* counter = nullptr;
     const bool persistent = fwd_schedule(p, args, ablation, counter);
     if (is_technique_ablation(ablation)) {
-      if (kDType != DType::kBFloat16 || kHeadDim != 128 || p.causal || window_softcap_kernels(p)) {
+      if (kDType != DType::kBFloat16 || kHeadDim != 128 || p.causal || general_kernels(p)) {
         throw Error("flash3::fwd: ablation " + std::to_string(int(ablation)) +
                     " is built for bfloat16, head_dim 128, non-causal without a window or softcap only");
       }
       return run_fwd_technique_ablation(p, args, ablation, persistent);
     }
     // Sliding windows and softcap: kernels of their own (common/mask.h), without the tail split.
-    if (window_softcap_kernels(p)) {
-      if (p.causal) return launch_fwd<FwdTraits<Element, kHeadDim, true, FwdWindowSoftcap>>(p, args, persistent, counter);
-      return launch_fwd<FwdTraits<Element, kHeadDim, false, FwdWindowSoftcap>>(p, args, persistent, counter);
+    if (general_kernels(p)) {
+      if (p.causal) return launch_fwd<FwdTraits<Element, kHeadDim, true, FwdGeneral>>(p, args, persistent, counter);
+      return launch_fwd<FwdTraits<Element, kHeadDim, false, FwdGeneral>>(p, args, persistent, counter);
     }
     if (p.causal) {
       if constexpr (kHeadDim == 64) {

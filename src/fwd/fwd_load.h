@@ -75,9 +75,17 @@ struct FwdLoad {
       scheduler.locate(work);
       const int head_kv = work.tile.head / nheads_per_kv;  // GQA/MQA by indexing
       const int n_lo = work.n_lo, n_block_max = work.n_hi;  // key blocks n_block_max - 1 down to n_lo
-      Tensor gQ = local_tile(mQ(_, _, work.tile.head, work.tile.batch), TileQ{}, make_coord(work.tile.m_block, _0{}));
-      Tensor gK = local_tile(mK(_, _, head_kv, work.tile.batch), TileKV{}, make_coord(_, _0{}));
-      Tensor gV = local_tile(mV(_, _, head_kv, work.tile.batch), TileKV{}, make_coord(_, _0{}));
+      // A sequence of a packed tensor starts at its row q_start (k_start) of batch entry 0.
+      const SeqLens& lens = scheduler.seqlens;
+      const SeqLen len = lens.template of<Traits::kGeneral>(work.tile.batch);
+      const int bq = Traits::kGeneral ? lens.q_batch(work.tile.batch) : work.tile.batch;
+      const int bk = Traits::kGeneral ? lens.k_batch(work.tile.batch) : work.tile.batch;
+      Tensor gQ = local_tile(domain_offset(make_coord(len.q_start, _0{}), mQ(_, _, work.tile.head, bq)), TileQ{},
+                             make_coord(work.tile.m_block, _0{}));
+      Tensor gK = local_tile(domain_offset(make_coord(len.k_start, _0{}), mK(_, _, head_kv, bk)), TileKV{},
+                             make_coord(_, _0{}));
+      Tensor gV = local_tile(domain_offset(make_coord(len.k_start, _0{}), mV(_, _, head_kv, bk)), TileKV{},
+                             make_coord(_, _0{}));
       auto q_parts = tma_partition(p.tma_q, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
       auto k_parts = tma_partition(p.tma_k, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
       auto v_parts = tma_partition(p.tma_v, group_modes<0, 2>(sV), group_modes<0, 2>(gV));

@@ -118,7 +118,7 @@ struct FwdMainloop {
     // and whether any row of the warp needs them (softmax.h).
     auto softmax_step_on = [&](decltype(tSrS_rc)& s_rc, int n_block, float (&rescale)[kRows]) -> bool {
       const int col0 = n_block * kBlockN;
-      if constexpr (Traits::kWindowSoftcap) {
+      if constexpr (Traits::kGeneral) {
         if (p.softcap_coef != 0.f) apply_softcap(s_rc, p.softcap_coef);
       }
       if (mask.template needs_masking<kBlockM, kBlockN>(row0, col0)) mask.apply(s_rc, tScS_rc, row0, col0);

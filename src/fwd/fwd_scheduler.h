@@ -1,6 +1,7 @@
 // flash3: the forward's tile scheduler: which pieces of work each block of the kernel computes.
 // A tile is (kBlockM query rows, head, batch) of O; a piece of work is key blocks [n_lo, n_hi)
-// of one tile (the whole tile, except in the tail kernel).
+// of one tile (the whole tile, except in the tail kernel). With variable lengths the tiles come
+// from a list built on the device (common/varlen_tiles.h), longest sequences first.
 //
 // The kernel is persistent when the grid has fewer blocks than tiles (one block per SM).
 //   static   (non-causal: all tiles take the same time) block i computes tiles i, i + gridDim.x,
@@ -45,6 +46,10 @@ struct FwdSchedulerParams {
   int* tile_counter;  // dynamic: two ints, zero at launch (null: the static order)
   int tiles_end;      // the main kernel computes tiles [0, tiles_end), whole
   TailSplit split;    // the tail kernel: the pieces of tiles [split.full_tiles, tiles_end)
+  // Variable lengths (general kernels): tile t is varlen_tiles[t] = (m_block, head, batch, -),
+  // and there are min(tiles_end, *varlen_count) tiles (common/varlen_tiles.h); null: fixed.
+  const int4* varlen_tiles;
+  const int* varlen_count;
 };
 
 // The dynamic scheduler's hand-off: the scheduler thread passes each tile index to the producer
@@ -66,6 +71,7 @@ struct FwdScheduler {
   int num_m_blocks, nheads, num_tiles, section, tail_first, tiles_end;
   TileStream<Traits::kDynamicTiles> tiles;
   int tail_pieces;  // the tail kernel: how many pieces this block computes
+  const int4* varlen_tiles;
 
   __device__ FwdScheduler(const Params& p, SeqLens lens, MaskOffsets mask)
       : seqlens(lens),
@@ -75,9 +81,21 @@ struct FwdScheduler {
         num_tiles(num_m_blocks * p.nheads * p.batch),
         section(p.l2_section < 1 ? 1 : p.l2_section),
         tail_first(p.l2_tail_first),
-        tiles_end(p.tiles_end),
-        tiles{p.tile_counter, p.tiles_end},
-        tail_pieces(Traits::kTailPieces ? tail_piece_count(p.split, int(blockIdx.x)) : 0) {}
+        tiles_end(tile_count(p)),
+        tiles{p.tile_counter, tiles_end},
+        tail_pieces(Traits::kTailPieces ? tail_piece_count(p.split, int(blockIdx.x)) : 0),
+        varlen_tiles(p.varlen_tiles) {}
+
+  // The tiles of the launch: with variable lengths, as many as the tile list has.
+  __device__ static int tile_count(const Params& p) {
+    if constexpr (Traits::kGeneral) {
+      if (p.varlen_count != nullptr) {
+        const int n = *p.varlen_count;
+        return n < p.tiles_end ? n : p.tiles_end;
+      }
+    }
+    return p.tiles_end;
+  }
 
   // Thread 0 of the block, before the kernel's __syncthreads.
   __device__ static void init_barriers(SharedStorage& shared, int consumer_threads) {
@@ -92,6 +110,12 @@ struct FwdScheduler {
   // adjacent; causal: block_order.h's longest-first order within L2 sections.
   __device__ __forceinline__ FwdTile tile(int t) const {
     FwdTile r;
+    if constexpr (Traits::kGeneral) {
+      if (varlen_tiles != nullptr) {
+        const int4 e = varlen_tiles[t];
+        return FwdTile{e.x, e.y, e.z};
+      }
+    }
     int hb;
     if constexpr (Traits::kCausal) {
       causal_tile(t, num_m_blocks, num_tiles / num_m_blocks, section, tail_first, r.m_block, hb);
@@ -131,7 +155,7 @@ struct FwdScheduler {
   __device__ __forceinline__ void locate(FwdWork& w) const {
     w.tile = tile(w.index);
     if constexpr (!Traits::kTailPieces) {
-      typename Traits::MaskT(seqlens.of(w.tile.batch), mask_offsets)
+      Traits::MaskT::template at<Traits::kGeneral>(seqlens.template of<Traits::kGeneral>(w.tile.batch), mask_offsets)
           .template n_block_range<kBlockM, kBlockN>(w.tile.m_block, w.n_lo, w.n_hi);
     }
   }

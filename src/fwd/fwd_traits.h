@@ -46,8 +46,9 @@ struct FwdTraits {
   static constexpr int kStages = Config::kStages;
   static constexpr int kStagesV = Config::kStagesV;  // V's ring may be deeper than K's
   static constexpr bool kCausal = kCausal_;
-  // Causal tiles differ in length: they are handed out by the dynamic scheduler (fwd_scheduler.h).
-  static constexpr bool kDynamicTiles = kCausal;
+  // Causal tiles, and those of sequences of different lengths, differ in length: they are
+  // handed out by the dynamic scheduler (fwd_scheduler.h).
+  static constexpr bool kDynamicTiles = kCausal || Variant::kGeneral;
   static constexpr bool kPingpong =
       Variant::kPingpong < 0 ? Config::kPingpong : bool(Variant::kPingpong);
   static constexpr bool kIntraWGOverlap =
@@ -55,9 +56,9 @@ struct FwdTraits {
   static constexpr bool kThreeStage = Variant::kThreeStage;
   // The tail kernel of the non-causal split: pieces of tiles (tail_split.h), combined in FP32.
   static constexpr bool kTailPieces = Variant::kTailPieces;
-  // Sliding windows and softcap (fwd_config.h, FwdWindowSoftcap).
-  static constexpr bool kWindowSoftcap = Variant::kWindowSoftcap;
-  using MaskT = Mask<kCausal, kWindowSoftcap>;
+  // Variable lengths, sliding windows and softcap (fwd_config.h, FwdGeneral).
+  static constexpr bool kGeneral = Variant::kGeneral;
+  using MaskT = Mask<kCausal, kGeneral>;
 
   // Warpgroup 0 is the producer (TMA); warpgroups 1.. are consumers, 64 query rows each.
   static constexpr int kNumConsumerWG = kBlockM / 64;

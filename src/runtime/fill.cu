@@ -34,7 +34,17 @@ __global__ void zero_rows_kernel(uint16_t* t, int64_t sb, int64_t ss, int64_t sh
 }
 }  // namespace
 
-void zero_16bit(const TensorRef& t, cudaStream_t stream) {
+void zero_16bit(const TensorRef& t_in, cudaStream_t stream) {
+  // A packed (total, heads, head_dim) tensor as a batch of one.
+  TensorRef t = t_in;
+  if (t_in.rank == 3) {
+    t.shape[0] = 1;
+    t.stride[0] = 0;
+    for (int d = 1; d < 4; ++d) {
+      t.shape[d] = t_in.shape[d - 1];
+      t.stride[d] = t_in.stride[d - 1];
+    }
+  }
   const int64_t total = t.shape[0] * t.shape[1] * t.shape[2];
   if (total == 0 || t.shape[3] == 0) return;
   const int threads = 256;
@@ -45,14 +55,22 @@ void zero_16bit(const TensorRef& t, cudaStream_t stream) {
 }
 
 void fill_no_keys(const FwdProblem& p, const FwdArgs& args) {
-  const int64_t total = int64_t(p.batch) * p.seqlen_q * p.nheads;
+  // A packed q side (out (total_q, nheads, head_dim), lse (nheads, total_q)): every row, as one
+  // sequence of total_q rows (rows past seqused_q included).
+  const bool packed = args.out.rank == 3;
+  const int batch = packed ? 1 : p.batch;
+  const int seqlen_q = packed ? int(p.total_q) : p.seqlen_q;
+  const int64_t sb = packed ? 0 : args.out.stride[0], ss = args.out.stride[packed ? 0 : 1],
+                sh = args.out.stride[packed ? 1 : 2];
+  const int64_t lb = !p.write_lse || packed ? 0 : args.lse.stride[0],
+                lh = !p.write_lse ? 0 : args.lse.stride[packed ? 0 : 1];
+  const int64_t total = int64_t(batch) * seqlen_q * p.nheads;
+  if (total == 0) return;
   const int threads = 256;
   const int64_t blocks = (total + threads - 1) / threads;
   fill_no_keys_kernel<<<dim3(unsigned(blocks)), threads, 0, args.stream>>>(
-      static_cast<uint16_t*>(args.out.data), args.out.stride[0], args.out.stride[1],
-      args.out.stride[2], p.write_lse ? static_cast<float*>(args.lse.data) : nullptr,
-      p.write_lse ? args.lse.stride[0] : 0, p.write_lse ? args.lse.stride[1] : 0, p.seqlen_q,
-      p.nheads, p.head_dim, total);
+      static_cast<uint16_t*>(args.out.data), sb, ss, sh, p.write_lse ? static_cast<float*>(args.lse.data) : nullptr,
+      lb, lh, seqlen_q, p.nheads, p.head_dim, total);
   check_cuda(cudaGetLastError(), "fill_no_keys launch");
 }
 

@@ -7,12 +7,50 @@
 
 #include <cute/tensor.hpp>
 
+#include "common/seqlen.h"
 #include "flash3/flash3.h"
 #include "runtime/runtime.h"
 
 namespace flash3::detail {
 
 using namespace cute;
+
+// A packed tensor of a variable-length batch ((total, heads, head_dim), batched rank 4; or the
+// lse (heads, total), batched rank 3) as a batch of one; a tensor of the
+// batched rank as it is. The launchers index packed sequences by their first row
+// (SeqLen::q_start, k_start) in batch entry 0.
+inline TensorRef as_batch(const TensorRef& t, int batched_rank = 4) {
+  TensorRef r = t;
+  if (t.rank == batched_rank - 1) {
+    r.rank = batched_rank;
+    for (int d = t.rank; d > 0; --d) {
+      r.shape[d] = t.shape[d - 1];
+      r.stride[d] = t.stride[d - 1];
+    }
+    // (A batch of one: the stride is never stepped; TMA wants it nonzero, 16-byte multiple.)
+    r.shape[0] = 1;
+    r.stride[0] = t.shape[0] * t.stride[0];
+  }
+  return r;
+}
+
+// The sequence lengths the kernels read (common/seqlen.h), from a validated problem and its
+// arguments (FwdArgs or BwdArgs).
+template <class Problem, class Args>
+SeqLens make_seqlens(const Problem& p, const Args& args) {
+  SeqLens s;
+  s.seqlen_q = p.seqlen_q;
+  s.seqlen_k = p.seqlen_k;
+  if (p.varlen) {
+    s.cu_q = static_cast<const int*>(args.cu_seqlens_q.data);
+    s.cu_k = static_cast<const int*>(args.cu_seqlens_k.data);
+    s.used_q = static_cast<const int*>(args.seqused_q.data);
+    s.used_k = static_cast<const int*>(args.seqused_k.data);
+    s.total_q = int(p.total_q);
+    s.total_k = int(p.total_k);
+  }
+  return s;
+}
 
 // The (seqlen, head_dim, heads, batch) CuTe view, head dim contiguous, of a (batch, seqlen,
 // heads, head_dim) tensor: what the TMA descriptors are built from (host side).

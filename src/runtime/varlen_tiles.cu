@@ -1,0 +1,95 @@
+// flash3: the device side of varlen_tiles.h, one block of kThreads threads:
+//   1. each sequence's tile count and sort key (the other side's length);
+//   2. its position in the order (a rank count for up to kVarlenSortMax sequences);
+//   3. the exclusive prefix sum of the tile counts in that order (CUB's block scan, by chunks);
+//   4. each tile's entry, found from its index by a binary search of the prefix sums.
+#include <cub/block/block_scan.cuh>
+
+#include "runtime/runtime.h"
+#include "runtime/varlen_tiles.h"
+
+namespace flash3::detail {
+
+namespace {
+
+constexpr int kThreads = 1024;
+
+__global__ void __launch_bounds__(kThreads) varlen_tiles_kernel(VarlenTilesArgs a) {
+  using Scan = cub::BlockScan<int, kThreads>;
+  __shared__ typename Scan::TempStorage scan_storage;
+  __shared__ int carry;
+  int* order = a.scratch;           // order[pos] = the sequence at position pos
+  int* start = a.scratch + a.batch; // start[pos] = its first tile; start[batch] = the count
+  auto rows = [&](int b) {
+    const SeqLen len = a.seqlens.of<true>(b);
+    return a.by_keys ? len.k : len.q;
+  };
+  auto key = [&](int b) {
+    const SeqLen len = a.seqlens.of<true>(b);
+    return a.by_keys ? len.q : len.k;
+  };
+  auto tiles_of = [&](int b) { return (rows(b) + a.block - 1) / a.block * a.nheads; };
+  // 1-2: the order.
+  const bool sort = a.batch <= kVarlenSortMax;
+  for (int b = threadIdx.x; b < a.batch; b += kThreads) {
+    int pos = b;
+    if (sort) {
+      const int kb = key(b);
+      pos = 0;
+      for (int o = 0; o < a.batch; ++o) {
+        const int ko = key(o);
+        pos += ko > kb || (ko == kb && o < b);
+      }
+    }
+    order[pos] = b;
+  }
+  if (threadIdx.x == 0) carry = 0;
+  __syncthreads();
+  // 3: the prefix sums.
+  for (int base = 0; base < a.batch; base += kThreads) {
+    const int pos = base + threadIdx.x;
+    const int n = pos < a.batch ? tiles_of(order[pos]) : 0;
+    int before, chunk;
+    Scan(scan_storage).ExclusiveSum(n, before, chunk);
+    if (pos < a.batch) start[pos] = carry + before;
+    __syncthreads();
+    if (threadIdx.x == 0) carry += chunk;
+    __syncthreads();
+  }
+  const int total = carry < a.capacity ? carry : a.capacity;
+  if (threadIdx.x == 0) {
+    start[a.batch] = carry;
+    *a.count = total;
+  }
+  __syncthreads();
+  // 4: the entries.
+  for (int t = threadIdx.x; t < total; t += kThreads) {
+    int lo = 0, hi = a.batch - 1;  // the last position whose start is <= t
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (start[mid] <= t) lo = mid; else hi = mid - 1;
+    }
+    const int b = order[lo];
+    const int i = t - start[lo];
+    const int blocks = (rows(b) + a.block - 1) / a.block;
+    int block, head;
+    if (a.longest_first) {
+      block = i / a.nheads;
+      head = i % a.nheads;
+      if (a.reverse_blocks) block = blocks - 1 - block;
+    } else {
+      head = i / blocks;
+      block = i % blocks;
+    }
+    a.tiles[t] = make_int4(block, head, b, 0);
+  }
+}
+
+}  // namespace
+
+void build_varlen_tiles(const VarlenTilesArgs& args, cudaStream_t stream) {
+  varlen_tiles_kernel<<<1, kThreads, 0, stream>>>(args);
+  check_cuda(cudaGetLastError(), "variable-length tile list launch");
+}
+
+}  // namespace flash3::detail
