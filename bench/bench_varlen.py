@@ -12,9 +12,9 @@ head_dim), causal and not, --tokens tokens (16384) per batch.
   packed  documents with lengths drawn log-uniformly from [64, 8192] (random.Random(0)), the last
           one cut so that they sum to --tokens: flash3 and FA3 varlen. Ratio t_fa3 / t_flash3
           (target >= 1.0).
-flash3: flash3.flash_attn_varlen_func / flash_attn_func (backward: torch.autograd.grad through
-them, the forward once outside the timed call; values of cu_seqlens checked once, outside the
-timed calls); FA3: torch.ops.flash_attn_3.fwd / bwd with cu_seqlens_q/k, max_seqlen_q/k.
+flash3: flash3.forward_varlen_into (into preallocated out and lse, without the check of the
+cu_seqlens values, which synchronizes) / flash_attn_func (backward: torch.autograd.grad through
+flash_attn_varlen_func / flash_attn_func, the forward once outside the timed call); FA3: torch.ops.flash_attn_3.fwd / bwd with cu_seqlens_q/k, max_seqlen_q/k.
 Timing as bench/timing.py (spin kernel, CUDA events, round robin, median per run); reported per
 point the median over runs of each time and each ratio as median [min-max] over runs.
 """
@@ -96,7 +96,14 @@ def main(argv=None):
             m = max(lens)
             calls = {}
             if pss == "fwd":
-                calls["flash3"] = lambda: flash3.flash_attn_varlen_func(q, k, v, cu, cu, m, m, causal=causal)
+                out_b = torch.empty_like(q)
+                lse_b = torch.empty(h, total, device=dev, dtype=torch.float32)
+
+                def call_f3(out_b=out_b, lse_b=lse_b):
+                    flash3.forward_varlen_into(q, k, v, out_b, lse_b, cu, cu, m, m, causal=causal,
+                                               check_seqlens=False)
+                    return out_b
+                calls["flash3"] = call_f3
                 if r["part"] == "equal":
                     b = len(lens)
                     qb, kb, vb = (t.view(b, total // b, h, d) for t in (q, k, v))
@@ -139,13 +146,8 @@ def main(argv=None):
                     r["check"]["vs_fixed"] = rel_diff(res["flash3"], res["flash3_fixed"].reshape(res["flash3"].shape))
                 if pss == "bwd" and "flash3" in res and "fa3" in res:
                     r["check"]["vs_fa3"] = max(rel_diff(x, y) for x, y in zip(res["flash3"], res["fa3"]))
-            flash3_check = getattr(flash3, "set_seqlens_check", None)
-            if flash3_check is not None:
-                flash3_check(False)
             times = round_robin(torch, {n: c for n, c in calls.items() if n not in errors}, a.warmup, a.reps,
                                 SPIN_CYCLES[pss], errors)
-            if flash3_check is not None:
-                flash3_check(True)
             for n, t in times.items():
                 r["ms_runs"].setdefault(n, [None] * a.runs)[run] = statistics.median(t) if t else None
             del calls, q, k, v, dout

@@ -6,6 +6,7 @@
 #include "dispatch.h"
 #include "flash3/flash3.h"
 #include "runtime/runtime.h"
+#include "varlen_check.h"
 
 namespace flash3 {
 
@@ -25,6 +26,8 @@ void bwd(const BwdArgs& args) {
   const BwdProblem p = validate_bwd(args);
   if (p.batch == 0 || p.nheads == 0) return;
   if (p.varlen) {
+    detail::require_hopper("flash3::bwd");
+    detail::check_seqlens_on_device(args, p);  // bad values are reported as such first
     throw Error("flash3::bwd: cu_seqlens_q, cu_seqlens_k, seqused_q or seqused_k is given; the backward of "
                 "variable-length batches is not built yet (the forward is)");
   }

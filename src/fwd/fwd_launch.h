@@ -102,9 +102,14 @@ void launch_fwd(const FwdProblem& p, const FwdArgs& args, bool persistent, int* 
   auto kernel = &fwd_kernel<Traits>;
   constexpr int kSmem = Traits::kSmemBytes;
   set_max_dynamic_smem<&fwd_kernel<Traits>>(kSmem);
-  // Variable lengths: the tile list, built on the device (varlen_tiles.h) in stream-ordered
-  // memory; the grid is sized by a bound on its length.
+  // Variable lengths: the tile list, built on the device (varlen_tiles.h) in the stream's
+  // scratch (in stream-ordered memory where a graph capture finds too little); the grid is sized
+  // by a bound on its length.
+  // NOTES: with cudaMallocAsync on every call, the pool (release threshold 0) gave its memory
+  // back at each synchronization and mapped it again on the next call, which then started late:
+  // varlen 1.25-1.54x the fixed-length call on the same tokens (bench_varlen.py, equal).
   char* varlen_memory = nullptr;
+  bool varlen_owned = false;
   if (p.varlen) {
     VarlenTilesArgs list;
     list.seqlens = params.seqlens;
@@ -115,9 +120,15 @@ void launch_fwd(const FwdProblem& p, const FwdArgs& args, bool persistent, int* 
     list.reverse_blocks = true;  // causal: the last query block sees the most keys
     const long long capacity = varlen_tile_capacity(p.total_q, p.batch, p.nheads, Traits::kBlockM);
     list.capacity = int(capacity);
-    check_cuda(cudaMallocAsync(reinterpret_cast<void**>(&varlen_memory), varlen_tiles_bytes(capacity, p.batch),
-                               args.stream),
-               "cudaMallocAsync (variable-length tile list)");
+    const size_t bytes = varlen_tiles_bytes(capacity, p.batch);
+    char* scratch = stream_memory(args.stream, kVarlenScratchOffset + bytes, 0).scratch;
+    if (scratch != nullptr) {
+      varlen_memory = scratch + kVarlenScratchOffset;
+    } else {
+      check_cuda(cudaMallocAsync(reinterpret_cast<void**>(&varlen_memory), bytes, args.stream),
+                 "cudaMallocAsync (variable-length tile list)");
+      varlen_owned = true;
+    }
     varlen_tiles_place(list, varlen_memory);
     build_varlen_tiles(list, args.stream);
     params.scheduler.varlen_tiles = list.tiles;
@@ -156,7 +167,7 @@ void launch_fwd(const FwdProblem& p, const FwdArgs& args, bool persistent, int* 
     kernel<<<dim3(blocks), Traits::kNumThreads, kSmem, args.stream>>>(params);
     check_cuda(cudaGetLastError(), "forward kernel launch");
   }
-  if (varlen_memory != nullptr) check_cuda(cudaFreeAsync(varlen_memory, args.stream), "cudaFreeAsync (variable-length tile list)");
+  if (varlen_owned) check_cuda(cudaFreeAsync(varlen_memory, args.stream), "cudaFreeAsync (variable-length tile list)");
   if constexpr (!std::is_void_v<TailTraits>) {
     if (split.tail_tiles > 0) {
       Params tail = params;  // the same TMA descriptors
