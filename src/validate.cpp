@@ -561,6 +561,8 @@ Problem problem(DType dtype, const Arg& q, const Arg& k, const Varlen& vl, int64
   p.varlen = vl.any;
   p.total_q = q.packed ? q.t.shape[0] : batch * p.seqlen_q;
   p.total_k = k.packed ? k.t.shape[0] : batch * p.seqlen_k;
+  p.packed_q = q.packed;
+  p.packed_k = k.packed;
   return p;
 }
 

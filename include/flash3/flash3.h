@@ -143,6 +143,7 @@ struct FwdProblem {
   // packed).
   bool varlen = false;
   int64_t total_q = 0, total_k = 0;
+  bool packed_q = false, packed_k = false;  // cu_seqlens_q / cu_seqlens_k given
 };
 
 // Whether a normalized problem (FwdProblem, BwdProblem) has a window beyond causal: key blocks
@@ -231,6 +232,7 @@ struct BwdProblem {
   float softcap = 0.0f;
   bool varlen = false;  // as FwdProblem's
   int64_t total_q = 0, total_k = 0;
+  bool packed_q = false, packed_k = false;
 };
 
 // Checks every precondition of bwd() (not the workspace size) and returns the normalized

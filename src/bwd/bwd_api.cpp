@@ -13,7 +13,7 @@ namespace flash3 {
 namespace {
 detail::BwdWorkspaceLayout workspace_layout(const BwdProblem& p) {
   return detail::BwdWorkspaceLayout(p.batch, p.nheads, p.seqlen_q, p.seqlen_k, p.head_dim, p.causal, p.deterministic,
-                            p.nheads != p.nheads_kv);
+                                    p.nheads != p.nheads_kv, p.varlen, p.packed_q, p.packed_k, p.total_q, p.total_k);
 }
 }  // namespace
 
@@ -25,12 +25,6 @@ size_t bwd_workspace_size(const BwdProblem& p) {
 void bwd(const BwdArgs& args) {
   const BwdProblem p = validate_bwd(args);
   if (p.batch == 0 || p.nheads == 0) return;
-  if (p.varlen) {
-    detail::require_hopper("flash3::bwd");
-    detail::check_seqlens_on_device(args, p);  // bad values are reported as such first
-    throw Error("flash3::bwd: cu_seqlens_q, cu_seqlens_k, seqused_q or seqused_k is given; the backward of "
-                "variable-length batches is not built yet (the forward is)");
-  }
   if (p.seqlen_q == 0) {  // no query: dk = dv = 0
     if (p.seqlen_k > 0) {
       detail::require_hopper("flash3::bwd");
@@ -46,6 +40,7 @@ void bwd(const BwdArgs& args) {
                 " bytes (bwd_workspace_size)");
   }
   detail::require_hopper("flash3::bwd");
+  detail::check_seqlens_on_device(args, p);
 
   if (!detail::kernel_built</*kBackward=*/true>(p.dtype, p.head_dim)) {  // validate_bwd admits only the table's rows
     throw Error("flash3::bwd: no kernel for head_dim " + std::to_string(p.head_dim));
@@ -67,6 +62,13 @@ void bwd(const BwdArgs& args) {
     throw;
   }
   if (own) detail::check_cuda(cudaFreeAsync(base, args.stream), "cudaFreeAsync(backward workspace)");
+  // Rows past seqused take no part: their gradients are 0.
+  const int* cu_q = static_cast<const int*>(args.cu_seqlens_q.data);
+  const int* cu_k = static_cast<const int*>(args.cu_seqlens_k.data);
+  detail::zero_unused_rows(args.dq, cu_q, static_cast<const int*>(args.seqused_q.data), p.batch, args.stream);
+  for (const TensorRef* t : {&args.dk, &args.dv}) {
+    detail::zero_unused_rows(*t, cu_k, static_cast<const int*>(args.seqused_k.data), p.batch, args.stream);
+  }
 }
 
 }  // namespace flash3

@@ -47,6 +47,9 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/host_device.h"
+#include "runtime/varlen_tiles.h"
+
 namespace flash3 {
 
 template <int kHeadDim>
@@ -133,6 +136,18 @@ inline bool bwd_dq_store_first(bool deterministic, int n_blocks) {
 // whole conversion (34-62 us on an H100 at head dim 64 causal 2k-8k) came after them. Measured
 // (docs/perf-log.md B67): +1.1 / +0.6 / +1.0% at causal 2k / 4k / 8k, the post after the main
 // kernel 5-9 us; the main kernel grows by 2 / 132, more than the conversion it hides from 16k.
+// The first FP32 workspace row of (batch b, head h) (bwd_config's layout below): fixed,
+// (b x nheads + h) x pad; packed (cu: the side's cu_seqlens), h x head_rows + the sequence's
+// slot, (cu[b] + b x block) rounded down to a block, which leaves ceil(len / block) whole blocks
+// to each sequence before the next one's slot.
+FLASH3_HD int64_t bwd_ws_row(const int* cu, int total, int b, int h, int nheads, int64_t pad, int64_t head_rows,
+                                    int block) {
+  if (cu == nullptr) return (int64_t(b) * nheads + h) * pad;
+  int start = cu[b];
+  start = start < 0 ? 0 : start > total ? total : start;
+  return int64_t(h) * head_rows + (int64_t(start) + int64_t(b) * block) / block * block;
+}
+
 inline int bwd_persistent_grid(int sms, int64_t items, bool causal, int seqlen_q) {
   const int spare = causal && seqlen_q <= 8192 && sms > 8 ? 2 : 0;
   return int(items < sms - spare ? items : sms - spare);
@@ -152,7 +167,10 @@ inline int bwd_persistent_grid(int sms, int64_t items, bool causal, int seqlen_q
 //            (each of the kDQWriters writers of each key block adds 1 once its adds are complete),
 //            so that the postprocess converts a pair's dQ while the main kernel still runs
 //   dk_accum, dv_accum float [batch][nheads][seqlen_k_pad][d]   GQA/MQA only: per-query-head dK, dV
-// seqlen_q_pad = m_blocks * kBlockM, seqlen_k_pad = n_blocks * kBlockN.
+//   items    variable lengths: the list of key blocks (runtime/varlen_tiles.h)
+// seqlen_q_pad = m_blocks * kBlockM, seqlen_k_pad = n_blocks * kBlockN. A packed side (cu_seqlens)
+// replaces [batch][nheads][seqlen_pad] by [nheads][head_rows], each sequence in a slot of whole
+// blocks of its own (bwd_ws_row).
 // (In detail: the kernel table's launchers take it, dispatch.h.)
 namespace detail {
 struct BwdWorkspaceLayout {
@@ -162,8 +180,16 @@ struct BwdWorkspaceLayout {
   size_t lse_log2 = 0, dpsum = 0, dq_accum = 0, dq_sem = 0, dq_done = 0, dk_accum = 0, dv_accum = 0;  // offsets
   size_t bytes = 0;
 
-  BwdWorkspaceLayout(int batch, int nheads, int seqlen_q, int seqlen_k, int head_dim,
-                     bool causal, bool deterministic, bool gqa) {
+  // Packed sides (variable lengths): rows per head of the FP32 workspaces (0: not packed).
+  int64_t q_head_rows = 0, k_head_rows = 0;
+  size_t items = 0;  // the key blocks' list (varlen), varlen_item_capacity entries
+  int varlen_item_capacity = 0;
+
+  // packed_q / packed_k: that side has cu_seqlens, total_q / total_k rows; varlen: the key
+  // blocks come from a list built on the device.
+  BwdWorkspaceLayout(int batch, int nheads, int seqlen_q, int seqlen_k, int head_dim, bool causal, bool deterministic,
+                     bool gqa, bool varlen = false, bool packed_q = false, bool packed_k = false, int64_t total_q = 0,
+                     int64_t total_k = 0) {
     block_m = bwd_block_m(head_dim);
     block_n = bwd_block_n(head_dim);
     m_blocks = (seqlen_q + block_m - 1) / block_m;
@@ -171,6 +197,10 @@ struct BwdWorkspaceLayout {
     seqlen_q_pad = int64_t(m_blocks) * block_m;
     seqlen_k_pad = int64_t(n_blocks) * block_n;
     const int64_t bh = int64_t(batch) * nheads;
+    if (packed_q) q_head_rows = (total_q + int64_t(batch) * block_m + block_m - 1) / block_m * block_m;
+    if (packed_k) k_head_rows = (total_k + int64_t(batch) * block_n + block_n - 1) / block_n * block_n;
+    const int64_t q_rows = packed_q ? nheads * q_head_rows : bh * seqlen_q_pad;
+    const int64_t k_rows = packed_k ? nheads * k_head_rows : bh * seqlen_k_pad;
     dq_groups = bwd_dq_groups(deterministic, causal, n_blocks, head_dim, bwd_dq_copy_bytes(bh, seqlen_q_pad, head_dim));
     dq_store_first = bwd_dq_store_first(deterministic, n_blocks);
     size_t at = 0;
@@ -179,14 +209,19 @@ struct BwdWorkspaceLayout {
       at += (n + 255) / 256 * 256;
       return off;
     };
-    lse_log2 = take(sizeof(float) * bh * seqlen_q_pad);
-    dpsum = take(sizeof(float) * bh * seqlen_q_pad);
-    dq_accum = take(sizeof(float) * bh * seqlen_q_pad * head_dim * dq_groups);
-    if (dq_store_first) dq_sem = take(sizeof(int) * bh * m_blocks * dq_groups);
+    lse_log2 = take(sizeof(float) * q_rows);
+    dpsum = take(sizeof(float) * q_rows);
+    dq_accum = take(sizeof(float) * q_rows * head_dim * dq_groups);
+    if (dq_store_first) dq_sem = take(sizeof(int) * (q_rows / block_m) * dq_groups);
     dq_done = take(sizeof(int) * bh);
     if (gqa) {
-      dk_accum = take(sizeof(float) * bh * seqlen_k_pad * head_dim);
-      dv_accum = take(sizeof(float) * bh * seqlen_k_pad * head_dim);
+      dk_accum = take(sizeof(float) * k_rows * head_dim);
+      dv_accum = take(sizeof(float) * k_rows * head_dim);
+    }
+    if (varlen) {
+      const int64_t rows_k = packed_k ? total_k : int64_t(batch) * seqlen_k;
+      varlen_item_capacity = int(detail::varlen_tile_capacity(rows_k, batch, nheads, block_n));
+      items = take(detail::varlen_tiles_bytes(varlen_item_capacity, batch));
     }
     bytes = at;
   }

@@ -77,8 +77,13 @@ __device__ __forceinline__ void bwd_dq_writer(typename Traits::Params const& par
   // Deterministic mode: this key block adds into copy `group` of each tile, as the
   // `turn`-th (bwd_config.h, bwd_dq_groups); copies are [tile][group], groups = 1 otherwise.
   const int groups = params.dq_groups, group = n_block % groups, turn = n_block / groups;
-  float* dq_accum = params.dq_accum + (bh * params.m_blocks * groups + group) * Traits::kDQElems;
-  int* sem = params.dq_sem != nullptr ? params.dq_sem + bh * params.m_blocks * groups + group : nullptr;
+  // The pair's first dQ tile (variable lengths: its sequence's slot, bwd_ws_row).
+  int64_t tile0 = bh * params.m_blocks;
+  if constexpr (Traits::kGeneral) {
+    tile0 = bwd_q_row0<Traits>(params, int(bh / params.nheads), int(bh % params.nheads), bh) / Traits::kBlockM;
+  }
+  float* dq_accum = params.dq_accum + (tile0 * groups + group) * Traits::kDQElems;
+  int* sem = params.dq_sem != nullptr ? params.dq_sem + tile0 * groups + group : nullptr;
   const int first = g_begin + ((writer - g_begin) % Traits::kDQWriters + Traits::kDQWriters) % Traits::kDQWriters;
   for (int i = first; i < g_end; i += Traits::kDQWriters) {
     const int m = m_at(i), buf = i % Traits::kDQStages;
@@ -86,7 +91,8 @@ __device__ __forceinline__ void bwd_dq_writer(typename Traits::Params const& par
     // first key blocks): it stores, and the others count their turns from it.
     int turn0 = 0;
     if constexpr (Traits::kGeneral) {
-      const typename Traits::MaskT mask(params.seqlens.template of<false>(int(bh / params.nheads)), params.mask);
+      const auto mask = Traits::MaskT::template at<true>(params.seqlens.template of<true>(int(bh / params.nheads)),
+                                                         params.mask);
       int n_first, n_end;
       mask.template n_block_range<Traits::kBlockM, Traits::kBlockN>(m, n_first, n_end);
       turn0 = (n_first + ((group - n_first % groups) % groups + groups) % groups) / groups;
@@ -143,7 +149,7 @@ __device__ __forceinline__ void bwd_dq_write(typename Traits::Params const& para
     int g = 0;  // this block's visits so far
     for (int k = 0;; ++k) {
       const int t = items.tile(k, shared);
-      if (t >= params.num_items) break;
+      if (t >= items.num_tiles) break;
       const BwdItem item = Sched::item(params, t);
       bwd_dq_writer<Traits, true>(params, shared, writer, lane, item.bh, item.n_block, g, g + item.m_count,
                                   [base = item.m_base + g](int i) { return bwd_m_at(base, i); });

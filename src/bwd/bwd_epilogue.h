@@ -44,9 +44,14 @@ __device__ __forceinline__ void bwd_store_dkdv(typename Traits::Params const& pa
       *reinterpret_cast<Pair*>(sdv + swz(r, c)) = cvt(v2);
     }
     named_barrier_sync(Traits::kNumConsumerThreads, kBwdBarEpilogue);
-    const int seqlen_k = params.seqlens.template of<false>(batch).k;
-    Element* dk = params.dk + batch * params.dk_batch_stride + head_kv * params.dk_head_stride;
-    Element* dv = params.dv + batch * params.dv_batch_stride + head_kv * params.dv_head_stride;
+    // (Variable lengths: the sequence's rows from its first, in its batch entry: seqlen.h.)
+    const SeqLen len = params.seqlens.template of<Traits::kGeneral>(batch);
+    const int seqlen_k = len.k;
+    const int kb = Traits::kGeneral ? params.seqlens.k_batch(batch) : batch;
+    Element* dk = params.dk + kb * params.dk_batch_stride + head_kv * params.dk_head_stride +
+                  int64_t(len.k_start) * params.dk_row_stride;
+    Element* dv = params.dv + kb * params.dv_batch_stride + head_kv * params.dv_head_stride +
+                  int64_t(len.k_start) * params.dv_row_stride;
     const int warp = tidx / 32, lane = tidx % 32;
     for (int r = warp; r < kBlockN; r += Traits::kNumConsumerThreads / 32) {
       const int row = col0 + r;
@@ -58,8 +63,9 @@ __device__ __forceinline__ void bwd_store_dkdv(typename Traits::Params const& pa
       }
     }
   } else {
-    float* dk = params.dk_accum + bh * params.seqlen_k_pad * kHeadDim;
-    float* dv = params.dv_accum + bh * params.seqlen_k_pad * kHeadDim;
+    const int64_t row0 = bwd_k_row0<Traits>(params, batch, int(bh % params.nheads), bh);
+    float* dk = params.dk_accum + row0 * kHeadDim;
+    float* dv = params.dv_accum + row0 * kHeadDim;
     CUTLASS_PRAGMA_UNROLL
     for (int j = 0; j < size(tdKrdK) / 2; ++j) {
       const int r = get<0>(tdKcdK(2 * j)), c = get<1>(tdKcdK(2 * j));

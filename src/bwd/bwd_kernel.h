@@ -75,7 +75,8 @@ __device__ __forceinline__ void bwd_consume(typename Traits::Params const& param
   Tensor tdKrdK = partition_fragment_C(mma_dkv, TileKV{});
 
   if constexpr (!Traits::kPersistent) {
-    const typename Traits::MaskT mask(params.seqlens.template of<false>(it.batch), params.mask);
+    const auto mask = Traits::MaskT::template at<Traits::kGeneral>(
+        params.seqlens.template of<Traits::kGeneral>(it.batch), params.mask);
     auto m_at = [&](int i) { return Sched::at(it, i); };
     clear(tdVrdV);
     clear(tdKrdK);
@@ -118,9 +119,10 @@ __device__ __forceinline__ void bwd_consume(typename Traits::Params const& param
     int g = 0;  // this block's visits so far
     for (int k = 0;; ++k) {
       const int t = items.tile(k, shared);
-      if (t >= params.num_items) break;
+      if (t >= items.num_tiles) break;
       const BwdItem item = Sched::item(params, t);
-      const typename Traits::MaskT mask(params.seqlens.template of<false>(item.batch), params.mask);
+      const auto mask = Traits::MaskT::template at<Traits::kGeneral>(
+          params.seqlens.template of<Traits::kGeneral>(item.batch), params.mask);
       const int col0 = item.n_block * kBlockN;
       const int base = item.m_base + g;
       auto m_at = [base](int i) { return bwd_m_at(base, i); };
@@ -167,8 +169,12 @@ __device__ __forceinline__ void bwd_consume(typename Traits::Params const& param
         bwd_store_dkdv_tma<Traits>(params, tdKrdK, tdVrdV, tidx_after, ie.n_block, ie.head_kv,
                                    ie.batch, stage, stage + cosize_v<typename Traits::SmemLayoutK>);
       } else {
+        // (kEarlyKV: in its own buffer, as the TMA epilogue's: the next item's dS^T may be written
+        // before every consumer has read its rows out of the dS^T buffers.)
+        typename Traits::Element* stage = shared.smem_pds.data();
+        if constexpr (Traits::kEarlyKV) stage = shared.smem_dkv_stage.data();
         bwd_store_dkdv<Traits>(params, tdKrdK, tdVrdV, tidx_after, ie.n_block * kBlockN, ie.head_kv, ie.batch, ie.bh,
-                               shared.smem_pds.data(), shared.smem_pds.data() + kBlockN * kHeadDim);
+                               stage, stage + kBlockN * kHeadDim);
       }
     }
     if (tidx == 0) tma_store_wait<0>();  // the last stores' reads, before the block's shared memory goes
@@ -187,6 +193,10 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   extern __shared__ __align__(1024) char smem_raw[];
   auto& shared = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
 
+  // Variable lengths (static kernels): blocks past the end of the item list have nothing to do.
+  if constexpr (Traits::kGeneral && !Traits::kPersistent) {
+    if (params.varlen_count != nullptr && int(blockIdx.x) >= *params.varlen_count) return;
+  }
   // Static: the block's one item, for every role; persistent: each role reads the item stream.
   BwdItem item{};
   if constexpr (!Traits::kPersistent) item = BwdScheduler<Traits>::static_item(params);

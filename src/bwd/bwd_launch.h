@@ -11,6 +11,7 @@
 #include "dispatch.h"
 #include "runtime/launch.h"
 #include "runtime/runtime.h"
+#include "runtime/varlen_tiles.h"
 
 namespace flash3::detail {
 
@@ -20,10 +21,19 @@ inline BwdSections bwd_l2_sections(const BwdProblem& p, int elem_bytes) {
   return bwd_sections(p.batch * p.nheads, section);
 }
 
+// The arguments with packed tensors (variable lengths) as batches of one (as_batch).
+inline BwdArgs bwd_batched_views(const BwdArgs& in) {
+  BwdArgs a = in;
+  for (TensorRef* t : {&a.q, &a.k, &a.v, &a.out, &a.dout, &a.dq, &a.dk, &a.dv}) *t = as_batch(*t);
+  a.lse = as_batch(a.lse, 3);
+  return a;
+}
+
 template <class Traits>
-void launch_bwd_main(const BwdProblem& p, const BwdArgs& args, const BwdWorkspaceLayout& ws, char* base) {
+void launch_bwd_main(const BwdProblem& p, const BwdArgs& args_in, const BwdWorkspaceLayout& ws, char* base) {
   using Element = typename Traits::Element;
   using Params = typename Traits::Params;
+  const BwdArgs args = bwd_batched_views(args_in);
   const bool gqa = p.nheads != p.nheads_kv;
   Params params{};
   params.tma_q = Traits::make_tma_q(static_cast<const Element*>(args.q.data), qkv_layout(args.q));
@@ -49,8 +59,9 @@ void launch_bwd_main(const BwdProblem& p, const BwdArgs& args, const BwdWorkspac
   params.dv_head_stride = args.dv.stride[2];
   params.dv_batch_stride = args.dv.stride[0];
   params.batch = p.batch;
-  params.seqlens.seqlen_q = p.seqlen_q;
-  params.seqlens.seqlen_k = p.seqlen_k;
+  params.seqlens = make_seqlens(p, args);
+  params.q_head_rows = ws.q_head_rows;
+  params.k_head_rows = ws.k_head_rows;
   params.nheads = p.nheads;
   params.nheads_per_kv = p.nheads / p.nheads_kv;
   params.m_blocks = ws.m_blocks;
@@ -73,13 +84,33 @@ void launch_bwd_main(const BwdProblem& p, const BwdArgs& args, const BwdWorkspac
   params.dq_done = reinterpret_cast<int*>(base + ws.dq_done);
   // MHA: dK, dV leave through TMA stores (bwd_store_dkdv_tma) where kTmaEpilogue; GQA adds FP32
   // per query head.
-  if (Traits::kTmaEpilogue && !gqa) {
+  // (Not with variable lengths: a sequence's last key block would clip only at the packed end.)
+  if (Traits::kTmaEpilogue && !gqa && !p.varlen) {
     params.tma_dk = Traits::make_tma_dkv_store(static_cast<Element*>(args.dk.data), qkv_layout(args.dk));
     params.tma_dv = Traits::make_tma_dkv_store(static_cast<Element*>(args.dv.data), qkv_layout(args.dv));
     params.dkv_tma = 1;
   }
   constexpr int kSmem = Traits::kSmemBytes;
-  const int64_t blocks = int64_t(ws.n_blocks) * p.nheads * p.batch;
+  int64_t blocks = int64_t(ws.n_blocks) * p.nheads * p.batch;
+  if (p.varlen) {
+    // The key blocks of every sequence, listed on the device (runtime/varlen_tiles.h; causal:
+    // each sequence's first key block, which the most query blocks visit, first); the grid is
+    // sized by a bound on the list.
+    VarlenTilesArgs list;
+    list.seqlens = params.seqlens;
+    list.batch = p.batch;
+    list.nheads = p.nheads;
+    list.block = Traits::kBlockN;
+    list.by_keys = true;
+    list.longest_first = Traits::kCausal;
+    list.reverse_blocks = false;
+    list.capacity = ws.varlen_item_capacity;
+    varlen_tiles_place(list, base + ws.items);
+    build_varlen_tiles(list, args.stream);
+    params.varlen_items = list.tiles;
+    params.varlen_count = list.count;
+    blocks = list.capacity;
+  }
   int64_t grid = blocks;  // static: one block per item (BwdScheduler)
   if constexpr (Traits::kPersistent) {
     // One block per SM (two SMs short at causal lengths up to 8k: bwd_persistent_grid), taking
@@ -98,8 +129,9 @@ void launch_bwd_main(const BwdProblem& p, const BwdArgs& args, const BwdWorkspac
 }
 
 template <DType kDType, int kHeadDim>
-void run_bwd(const BwdProblem& p, const BwdArgs& args, const BwdWorkspaceLayout& ws, char* base) {
+void run_bwd(const BwdProblem& p, const BwdArgs& args_given, const BwdWorkspaceLayout& ws, char* base) {
   using Element = detail::Element<kDType>;
+  const BwdArgs args = bwd_batched_views(args_given);
   using Traits = BwdTraits<Element, kHeadDim, false>;
   constexpr int kBlockM = Traits::kBlockM;
   BwdAuxParams aux{};
@@ -124,8 +156,10 @@ void run_bwd(const BwdProblem& p, const BwdArgs& args, const BwdWorkspaceLayout&
   aux.dq_sem = ws.dq_store_first ? reinterpret_cast<int*>(base + ws.dq_sem) : nullptr;
   aux.dq_groups = ws.dq_groups;
   aux.batch = p.batch;
-  aux.seqlens.seqlen_q = p.seqlen_q;
-  aux.seqlens.seqlen_k = p.seqlen_k;
+  aux.seqlens = make_seqlens(p, args);
+  aux.q_head_rows = ws.q_head_rows;
+  aux.block_n = Traits::kBlockN;
+  aux.dq_writers = Traits::kDQWriters;
   aux.nheads = p.nheads;
   aux.head_dim = p.head_dim;
   aux.m_blocks = ws.m_blocks;
@@ -144,13 +178,13 @@ void run_bwd(const BwdProblem& p, const BwdArgs& args, const BwdWorkspaceLayout&
     // Sliding windows and softcap: kernels of their own (common/mask.h).
     const bool window_softcap = general_kernels(p);
     if (window_softcap && p.causal) {
-      launch_bwd_main<BwdTraits<Element, kHeadDim, true, true>>(p, args, ws, base);
+      launch_bwd_main<BwdTraits<Element, kHeadDim, true, true>>(p, args_given, ws, base);
     } else if (window_softcap) {
-      launch_bwd_main<BwdTraits<Element, kHeadDim, false, true>>(p, args, ws, base);
+      launch_bwd_main<BwdTraits<Element, kHeadDim, false, true>>(p, args_given, ws, base);
     } else if (p.causal) {
-      launch_bwd_main<BwdTraits<Element, kHeadDim, true>>(p, args, ws, base);
+      launch_bwd_main<BwdTraits<Element, kHeadDim, true>>(p, args_given, ws, base);
     } else {
-      launch_bwd_main<Traits>(p, args, ws, base);
+      launch_bwd_main<Traits>(p, args_given, ws, base);
     }
   }
   // The dQ tiles are in the register order of the main kernel's dQ GEMM: one postprocess serves
@@ -177,14 +211,16 @@ void run_bwd(const BwdProblem& p, const BwdArgs& args, const BwdWorkspaceLayout&
     dkv.dv_head = args.dv.stride[2];
     dkv.dv_batch = args.dv.stride[0];
     dkv.batch = p.batch;
-    dkv.seqlens.seqlen_q = p.seqlen_q;
-    dkv.seqlens.seqlen_k = p.seqlen_k;
+    dkv.seqlens = make_seqlens(p, args);
+    dkv.k_head_rows = ws.k_head_rows;
+    dkv.block_n = Traits::kBlockN;
     dkv.nheads_kv = p.nheads_kv;
     dkv.group = p.nheads / p.nheads_kv;
     dkv.head_dim = p.head_dim;
     dkv.seqlen_k_pad = ws.seqlen_k_pad;
     dkv.softmax_scale = p.softmax_scale;
-    const int64_t total = int64_t(p.batch) * p.seqlen_k * p.nheads_kv * (p.head_dim / 2);
+    const int64_t rows = dkv.seqlens.cu_k != nullptr ? p.total_k : int64_t(p.batch) * p.seqlen_k;
+    const int64_t total = rows * p.nheads_kv * (p.head_dim / 2);
     const int threads = 256;
     bwd_postprocess_dkv<Element><<<dim3(unsigned((total + threads - 1) / threads)), threads, 0, args.stream>>>(dkv);
     check_cuda(cudaGetLastError(), "backward postprocess (dk, dv) launch");

@@ -19,6 +19,21 @@ __device__ __forceinline__ void bwd_pdl_wait_then_launch() {
   pdl_launch_dependents();
 }
 
+// The rows of batch entry b, head `head`, of a (seqlen, d, heads, batch) TMA tensor of the query
+// side (kQ) or the key side: its batch entry, or (packed: variable lengths) entry 0 from the
+// sequence's first row.
+template <class Traits, bool kQ, class MTensor>
+__device__ __forceinline__ auto bwd_seq_rows(MTensor const& m, typename Traits::Params const& params, int b, int head) {
+  if constexpr (Traits::kGeneral) {
+    const SeqLen len = params.seqlens.template of<true>(b);
+    const int row0 = kQ ? len.q_start : len.k_start;
+    return domain_offset(make_coord(row0, _0{}),
+                         m(_, _, head, kQ ? params.seqlens.q_batch(b) : params.seqlens.k_batch(b)));
+  } else {
+    return m(_, _, head, b);
+  }
+}
+
 // The loads for one visit, query block m: Q with its log-sum-exps and dO with its D (lse,
 // dpsum: the pair's rows), each into the next stage of its pipeline.
 template <class Traits, class Pipeline, class State, class QParts, class DOParts>
@@ -67,10 +82,10 @@ __device__ __forceinline__ void bwd_load(typename Traits::Params const& params, 
   PipelineState write_do = cutlass::make_producer_start_state<Pipeline>();
 
   if constexpr (!Traits::kPersistent) {
-    Tensor gQ = local_tile(mQ(_, _, it.head, it.batch), TileQ{}, make_coord(_, _0{}));  // (M, D, m)
-    Tensor gdO = local_tile(mdO(_, _, it.head, it.batch), TileQ{}, make_coord(_, _0{}));
-    Tensor gK = local_tile(mK(_, _, it.head_kv, it.batch), TileKV{}, make_coord(it.n_block, _0{}));
-    Tensor gV = local_tile(mV(_, _, it.head_kv, it.batch), TileKV{}, make_coord(it.n_block, _0{}));
+    Tensor gQ = local_tile(bwd_seq_rows<Traits, true>(mQ, params, it.batch, it.head), TileQ{}, make_coord(_, _0{}));  // (M, D, m)
+    Tensor gdO = local_tile(bwd_seq_rows<Traits, true>(mdO, params, it.batch, it.head), TileQ{}, make_coord(_, _0{}));
+    Tensor gK = local_tile(bwd_seq_rows<Traits, false>(mK, params, it.batch, it.head_kv), TileKV{}, make_coord(it.n_block, _0{}));
+    Tensor gV = local_tile(bwd_seq_rows<Traits, false>(mV, params, it.batch, it.head_kv), TileKV{}, make_coord(it.n_block, _0{}));
     auto q_parts = tma_partition(params.tma_q, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
     auto do_parts = tma_partition(params.tma_do, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
     auto k_parts = tma_partition(params.tma_k, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
@@ -79,8 +94,8 @@ __device__ __forceinline__ void bwd_load(typename Traits::Params const& params, 
     copy(params.tma_k.with(kv_bar), get<0>(k_parts), get<1>(k_parts));
     copy(params.tma_v.with(kv_bar), get<0>(v_parts), get<1>(v_parts));
     bwd_pdl_wait_then_launch();  // the preprocess's lse, D (K, V are inputs: loaded before)
-    const float* lse = params.lse_log2 + it.bh * params.seqlen_q_pad;
-    const float* dpsum = params.dpsum + it.bh * params.seqlen_q_pad;
+    const float* lse = params.lse_log2 + bwd_q_row0<Traits>(params, it.batch, it.head, it.bh);
+    const float* dpsum = params.dpsum + bwd_q_row0<Traits>(params, it.batch, it.head, it.bh);
     // NOTES: with 24 registers (head dims 64, 128) ptxas's 4-way unrolled copy spilled its loop
     // counters, so it is not unrolled there; at head dim 256 (40 registers, one stage: every load
     // waits for the consumers' release) the rolled loop measured 5-32% slower on the causal
@@ -101,8 +116,8 @@ __device__ __forceinline__ void bwd_load(typename Traits::Params const& params, 
     // for its adds stall (head dim 64 0.55-0.83x the default from 2k, B59).
     const TileStream<true> items = Sched::stream(params);
     auto load_kv = [&](const BwdItem& nx, int k_next) {
-      Tensor gK = local_tile(mK(_, _, nx.head_kv, nx.batch), TileKV{}, make_coord(nx.n_block, _0{}));
-      Tensor gV = local_tile(mV(_, _, nx.head_kv, nx.batch), TileKV{}, make_coord(nx.n_block, _0{}));
+      Tensor gK = local_tile(bwd_seq_rows<Traits, false>(mK, params, nx.batch, nx.head_kv), TileKV{}, make_coord(nx.n_block, _0{}));
+      Tensor gV = local_tile(bwd_seq_rows<Traits, false>(mV, params, nx.batch, nx.head_kv), TileKV{}, make_coord(nx.n_block, _0{}));
       Tensor sKb = make_tensor(make_smem_ptr((k_next & 1) ? shared.smem_k_alt.data() : shared.smem_k.data()),
                                typename Traits::SmemLayoutK{});
       auto k_parts = tma_partition(params.tma_k, group_modes<0, 2>(sKb), group_modes<0, 2>(gK));
@@ -112,25 +127,25 @@ __device__ __forceinline__ void bwd_load(typename Traits::Params const& params, 
       copy(params.tma_v.with(kv_bar), get<0>(v_parts), get<1>(v_parts));
     };
     int t = items.tile(0, shared);
-    if (t < params.num_items) {
+    if (t < items.num_tiles) {
       load_kv(Sched::item(params, t), 0);
       bwd_pdl_wait_then_launch();  // the preprocess's lse, D (K, V are inputs: loaded before)
     }
-    for (int k = 0; t < params.num_items; ++k) {
+    for (int k = 0; t < items.num_tiles; ++k) {
       const BwdItem item = Sched::item(params, t);
       const bool late = params.late_request;
       if (!late) shared.tile_request.arrive();  // the next item, please (drawn while this one loads)
-      Tensor gQ = local_tile(mQ(_, _, item.head, item.batch), TileQ{}, make_coord(_, _0{}));  // (M, D, m)
-      Tensor gdO = local_tile(mdO(_, _, item.head, item.batch), TileQ{}, make_coord(_, _0{}));
+      Tensor gQ = local_tile(bwd_seq_rows<Traits, true>(mQ, params, item.batch, item.head), TileQ{}, make_coord(_, _0{}));  // (M, D, m)
+      Tensor gdO = local_tile(bwd_seq_rows<Traits, true>(mdO, params, item.batch, item.head), TileQ{}, make_coord(_, _0{}));
       auto q_parts = tma_partition(params.tma_q, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
       auto do_parts = tma_partition(params.tma_do, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
-      const float* lse = params.lse_log2 + item.bh * params.seqlen_q_pad;
-      const float* dpsum = params.dpsum + item.bh * params.seqlen_q_pad;
-      int t_next = params.num_items;
+      const float* lse = params.lse_log2 + bwd_q_row0<Traits>(params, item.batch, item.head, item.bh);
+      const float* dpsum = params.dpsum + bwd_q_row0<Traits>(params, item.batch, item.head, item.bh);
+      int t_next = items.num_tiles;
       auto prefetch = [&]() {
         if (late) shared.tile_request.arrive();
         t_next = items.tile(k + 1, shared);
-        if (t_next >= params.num_items) return;
+        if (t_next >= items.num_tiles) return;
         shared.barrier_v_free.wait(k & 1);  // this item's V is in registers
         if (k + 1 >= 2) shared.barrier_k_free[(k + 1) & 1].wait((((k + 1) >> 1) - 1) & 1);  // item k - 1
         load_kv(Sched::item(params, t_next), k + 1);
@@ -151,12 +166,12 @@ __device__ __forceinline__ void bwd_load(typename Traits::Params const& params, 
     const TileStream<true> items = Sched::stream(params);
     for (int k = 0;; ++k) {
       const int t = items.tile(k, shared);
-      if (t >= params.num_items) break;
+      if (t >= items.num_tiles) break;
       const BwdItem item = Sched::item(params, t);
-      Tensor gQ = local_tile(mQ(_, _, item.head, item.batch), TileQ{}, make_coord(_, _0{}));  // (M, D, m)
-      Tensor gdO = local_tile(mdO(_, _, item.head, item.batch), TileQ{}, make_coord(_, _0{}));
-      Tensor gK = local_tile(mK(_, _, item.head_kv, item.batch), TileKV{}, make_coord(item.n_block, _0{}));
-      Tensor gV = local_tile(mV(_, _, item.head_kv, item.batch), TileKV{}, make_coord(item.n_block, _0{}));
+      Tensor gQ = local_tile(bwd_seq_rows<Traits, true>(mQ, params, item.batch, item.head), TileQ{}, make_coord(_, _0{}));  // (M, D, m)
+      Tensor gdO = local_tile(bwd_seq_rows<Traits, true>(mdO, params, item.batch, item.head), TileQ{}, make_coord(_, _0{}));
+      Tensor gK = local_tile(bwd_seq_rows<Traits, false>(mK, params, item.batch, item.head_kv), TileKV{}, make_coord(item.n_block, _0{}));
+      Tensor gV = local_tile(bwd_seq_rows<Traits, false>(mV, params, item.batch, item.head_kv), TileKV{}, make_coord(item.n_block, _0{}));
       auto q_parts = tma_partition(params.tma_q, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
       auto do_parts = tma_partition(params.tma_do, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
       auto load_kv = [&]() {
@@ -171,8 +186,8 @@ __device__ __forceinline__ void bwd_load(typename Traits::Params const& params, 
         load_kv();
         bwd_pdl_wait_then_launch();  // the preprocess's lse, D (K, V are inputs: loaded before)
       }
-      const float* lse = params.lse_log2 + item.bh * params.seqlen_q_pad;
-      const float* dpsum = params.dpsum + item.bh * params.seqlen_q_pad;
+      const float* lse = params.lse_log2 + bwd_q_row0<Traits>(params, item.batch, item.head, item.bh);
+      const float* dpsum = params.dpsum + bwd_q_row0<Traits>(params, item.batch, item.head, item.bh);
 #pragma unroll 1
       for (int i = 0; i < item.m_count; ++i) {
         bwd_load_visit<Traits>(params, shared, pipeline_q, pipeline_do, write_q, write_do, q_parts, do_parts,

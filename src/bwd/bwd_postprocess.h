@@ -39,12 +39,16 @@ __global__ void __launch_bounds__(256) bwd_postprocess_dq(const BwdAuxParams p) 
   int m, head, batch;
   aux_block_coords(p.m_blocks, p.nheads, m, head, batch, per_pair);
   const int64_t bh = int64_t(batch) * p.nheads + head;
-  const int seqlen_q = p.seqlens.template of<false>(batch).q;
+  const SeqLen len = p.seqlens.template of<true>(batch);
+  const int seqlen_q = len.q;
   if (!per_pair || blockIdx.x == gridDim.x - 1) pdl_wait();  // the whole main kernel
+  if (m * kBlockM >= seqlen_q) return;  // (variable lengths: past this sequence's end)
   if (per_pair) {
+    // Variable lengths: this sequence's key blocks' writers.
+    const int target = p.seqlens.varlen() ? (len.k + p.block_n - 1) / p.block_n * p.dq_writers : p.dq_done_target;
     if (threadIdx.x == 0) {
       for (int sleep = 64;;) {
-        if (ld_acquire_gpu(p.dq_done + bh) >= p.dq_done_target) break;
+        if (ld_acquire_gpu(p.dq_done + bh) >= target) break;
         __nanosleep(sleep);
         sleep = sleep < 2048 ? 2 * sleep : sleep;
       }
@@ -58,7 +62,7 @@ __global__ void __launch_bounds__(256) bwd_postprocess_dq(const BwdAuxParams p) 
   const int t = bwd_dq_frag_thread<Traits>(threadIdx.x);
   auto thr = mma.get_thread_slice(t);
   Tensor coords = thr.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  const int64_t tile_at = (bh * p.m_blocks + m) * p.dq_groups;
+  const int64_t tile_at = (aux_q_row0<kBlockM>(p, batch, head) / kBlockM + m) * p.dq_groups;
   const float2* tile = reinterpret_cast<const float2*>(p.dq_accum + tile_at * kBlockM * kHeadDim);
   constexpr int kPairs = decltype(size(coords))::value / 2 * kFrag / 256;
   const int j0 = kFrag == 256 ? 0 : int(threadIdx.x) / kFrag * kPairs;
@@ -98,7 +102,8 @@ __global__ void __launch_bounds__(256) bwd_postprocess_dq(const BwdAuxParams p) 
   __syncthreads();
   constexpr int kThreadsPerRow = kHeadDim / 8, kRowsPerPass = 256 / kThreadsPerRow;
   const int col = (threadIdx.x % kThreadsPerRow) * 8;
-  Element* dq = static_cast<Element*>(p.dq) + batch * p.dq_batch + head * p.dq_head + col;
+  Element* dq = static_cast<Element*>(p.dq) + p.seqlens.q_batch(batch) * p.dq_batch + head * p.dq_head +
+               int64_t(len.q_start) * p.dq_row + col;
   cutlass::NumericArrayConverter<Element, float, 8> cvt;
   CUTLASS_PRAGMA_UNROLL
   for (int i = 0; i < kBlockM / kRowsPerPass; ++i) {
@@ -121,7 +126,9 @@ constexpr int bwd_postprocess_dq_smem() {
 }
 
 // GQA/MQA: dK = scale * sum over the query heads of a kv head, dV likewise, in head order.
-// One thread per pair of adjacent elements of (batch, seqlen_k, nheads_kv, head_dim).
+// One thread per pair of adjacent elements of (batch, seqlen_k, nheads_kv, head_dim), or of a
+// packed (total_k, nheads_kv, head_dim) (its sequence found by a binary search of cu_seqlens_k);
+// rows past a sequence's used length are left alone.
 struct BwdDkvParams {
   const float* dk_accum;  // [batch][nheads][seqlen_k_pad][head_dim] (bwd_config.h)
   const float* dv_accum;
@@ -133,6 +140,8 @@ struct BwdDkvParams {
   SeqLens seqlens;
   int nheads_kv, group, head_dim;  // group: query heads per kv head
   int64_t seqlen_k_pad;
+  int64_t k_head_rows = 0;  // a packed k side: workspace rows per head (bwd_ws_row)
+  int block_n = 0;
   float softmax_scale;
 };
 
@@ -140,18 +149,31 @@ template <class Element>
 __global__ void bwd_postprocess_dkv(const BwdDkvParams p) {
   const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   const int pairs = p.head_dim / 2;
-  // (The grid covers the longest entry; every entry has that length today.)
-  const int seqlen_k = p.seqlens.max_k();
-  const int64_t total = int64_t(p.batch) * seqlen_k * p.nheads_kv * pairs;
+  const int* cu = p.seqlens.cu_k;
+  const int rows = cu != nullptr ? p.seqlens.total_k : p.seqlens.max_k(), entries = cu != nullptr ? 1 : p.batch;
+  const int64_t total = int64_t(entries) * rows * p.nheads_kv * pairs;
   if (i >= total) return;
   const int c = int(i % pairs) * 2;
   const int hk = int((i / pairs) % p.nheads_kv);
-  const int row = int((i / pairs / p.nheads_kv) % seqlen_k);
-  const int b = int(i / pairs / p.nheads_kv / seqlen_k);
+  const int row = int((i / pairs / p.nheads_kv) % rows);
+  int b = int(i / pairs / p.nheads_kv / rows), local = row;
+  if (cu != nullptr) {  // the last sequence starting at or before `row`
+    int lo = 0, hi = p.batch - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (cu[mid] <= row) lo = mid; else hi = mid - 1;
+    }
+    b = lo;
+    local = row - cu[b];
+  }
+  const SeqLen len = p.seqlens.template of<true>(b);
+  if (local < 0 || local >= len.k) return;
   float k0 = 0.f, k1 = 0.f, v0 = 0.f, v1 = 0.f;
+  const int nheads = p.nheads_kv * p.group;
   for (int g = 0; g < p.group; ++g) {
-    const int64_t h = int64_t(b) * p.nheads_kv * p.group + int64_t(hk) * p.group + g;
-    const int64_t at = (h * p.seqlen_k_pad + row) * p.head_dim + c;
+    const int h = hk * p.group + g;
+    const int64_t at = (bwd_ws_row(cu, p.seqlens.total_k, b, h, nheads, p.seqlen_k_pad, p.k_head_rows, p.block_n) +
+                        local) * p.head_dim + c;
     const float2 kk = *reinterpret_cast<const float2*>(p.dk_accum + at);
     const float2 vv = *reinterpret_cast<const float2*>(p.dv_accum + at);
     k0 += kk.x;
@@ -163,11 +185,12 @@ __global__ void bwd_postprocess_dkv(const BwdDkvParams p) {
   cutlass::Array<float, 2> x;
   x[0] = k0 * p.softmax_scale;
   x[1] = k1 * p.softmax_scale;
-  Element* dk = static_cast<Element*>(p.dk) + b * p.dk_batch + row * p.dk_row + hk * p.dk_head + c;
+  const int eb = cu != nullptr ? 0 : b;  // row: the packed row, or the entry's
+  Element* dk = static_cast<Element*>(p.dk) + eb * p.dk_batch + row * p.dk_row + hk * p.dk_head + c;
   *reinterpret_cast<cutlass::Array<Element, 2>*>(dk) = cvt(x);
   x[0] = v0;
   x[1] = v1;
-  Element* dv = static_cast<Element*>(p.dv) + b * p.dv_batch + row * p.dv_row + hk * p.dv_head + c;
+  Element* dv = static_cast<Element*>(p.dv) + eb * p.dv_batch + row * p.dv_row + hk * p.dv_head + c;
   *reinterpret_cast<cutlass::Array<Element, 2>*>(dv) = cvt(x);
 }
 

@@ -10,6 +10,7 @@
 
 #include <cutlass/numeric_conversion.h>
 
+#include "bwd/bwd_config.h"
 #include "common/ptx.h"
 #include "common/seqlen.h"
 
@@ -31,13 +32,22 @@ struct BwdAuxParams {
   int* dq_sem;
   int dq_groups;
   int batch;
-  SeqLens seqlens;  // read per batch entry: seqlens.template of<false>(batch)
+  SeqLens seqlens;  // read per batch entry (variable lengths: packed tensors as batches of one)
   int nheads, head_dim, m_blocks;
   int64_t seqlen_q_pad;
+  int64_t q_head_rows = 0;  // a packed q side: workspace rows per head (bwd_ws_row)
   float softmax_scale;
   int* dq_done = nullptr;  // per pair: the main kernel's writers done (bwd_config.h); null: see below
   int dq_done_target = 0;  // ... their number: key blocks x writers
+  int block_n = 0;         // with variable lengths, each pair's: ceil(its seqlen_k / block_n) x writers
+  int dq_writers = 0;
 };
+
+// The pair's first FP32 workspace row (bwd_ws_row), its first dQ tile (/ kBlockM).
+template <int kBlockM>
+__device__ __forceinline__ int64_t aux_q_row0(const BwdAuxParams& p, int batch, int head) {
+  return bwd_ws_row(p.seqlens.cu_q, p.seqlens.total_q, batch, head, p.nheads, p.seqlen_q_pad, p.q_head_rows, kBlockM);
+}
 
 // Block -> (query tile, head, batch), the last (head, batch) first, or the first (`forward`).
 // NOTES: the main kernel starts with the first (head, batch) pairs and ends with the last, so
@@ -74,12 +84,22 @@ __global__ void __launch_bounds__(256) bwd_preprocess(const BwdAuxParams p) {
   int m, head, batch;
   aux_block_coords(p.m_blocks, p.nheads, m, head, batch);
   const int64_t bh = int64_t(batch) * p.nheads + head;
-  const int seqlen_q = p.seqlens.template of<false>(batch).q;
+  // (Variable lengths: the grid covers the longest sequence; the blocks past this one's end
+  // have nothing to do.)
+  const SeqLen len = p.seqlens.template of<true>(batch);
+  const int seqlen_q = len.q;
+  if (m > 0 && m * kBlockM >= seqlen_q) return;
+  if (p.dq_done != nullptr && m == 0 && threadIdx.x == 0) p.dq_done[bh] = 0;
+  if (seqlen_q == 0) return;
+  const int qb = p.seqlens.q_batch(batch);
   constexpr int kThreadsPerRow = kHeadDim / 8, kRowsPerPass = 256 / kThreadsPerRow;
   static_assert(kBlockM % kRowsPerPass == 0);
   const int col = (threadIdx.x % kThreadsPerRow) * 8;
-  const Element* out = static_cast<const Element*>(p.out) + batch * p.out_batch + head * p.out_head + col;
-  const Element* dout = static_cast<const Element*>(p.dout) + batch * p.dout_batch + head * p.dout_head + col;
+  const Element* out = static_cast<const Element*>(p.out) + qb * p.out_batch + head * p.out_head +
+                       int64_t(len.q_start) * p.out_row + col;
+  const Element* dout = static_cast<const Element*>(p.dout) + qb * p.dout_batch + head * p.dout_head +
+                        int64_t(len.q_start) * p.dout_row + col;
+  const int64_t row0 = aux_q_row0<kBlockM>(p, batch, head), tile = row0 / kBlockM + m;
   float d[kBlockM / kRowsPerPass];
   CUTLASS_PRAGMA_UNROLL
   for (int i = 0; i < kBlockM / kRowsPerPass; ++i) {  // all loads first, then the reductions
@@ -99,20 +119,19 @@ __global__ void __launch_bounds__(256) bwd_preprocess(const BwdAuxParams p) {
     for (int mask = 1; mask < kThreadsPerRow; mask *= 2) d[i] += __shfl_xor_sync(0xffffffffu, d[i], mask);
     const int row = m * kBlockM + i * kRowsPerPass + int(threadIdx.x) / kThreadsPerRow;
     if (threadIdx.x % kThreadsPerRow == 0) {
-      const int64_t at = bh * p.seqlen_q_pad + row;
+      const int64_t at = row0 + row;
       p.dpsum[at] = d[i];
       // Padding rows get +inf, so that P = exp2(S - lse) = 0 there; rows that saw no key in the
       // forward pass already have lse = +inf.
       p.lse_log2[at] = row < seqlen_q
-                           ? p.lse[batch * p.lse_batch + head * p.lse_head + row] * float(M_LOG2E)
+                           ? p.lse[qb * p.lse_batch + head * p.lse_head + len.q_start + row] * float(M_LOG2E)
                            : INFINITY;
     }
   }
-  if (p.dq_done != nullptr && m == 0 && threadIdx.x == 0) p.dq_done[bh] = 0;
   if (p.dq_sem != nullptr) {  // each copy's first add is a store (bwd_config.h)
-    if (int(threadIdx.x) < p.dq_groups) p.dq_sem[(bh * p.m_blocks + m) * p.dq_groups + threadIdx.x] = 0;
+    if (int(threadIdx.x) < p.dq_groups) p.dq_sem[tile * p.dq_groups + threadIdx.x] = 0;
   } else {
-    float4* acc = reinterpret_cast<float4*>(p.dq_accum + (bh * p.m_blocks + m) * kBlockM * kHeadDim);
+    float4* acc = reinterpret_cast<float4*>(p.dq_accum + tile * kBlockM * kHeadDim);
     CUTLASS_PRAGMA_UNROLL
     for (int i = threadIdx.x; i < kBlockM * kHeadDim / 4; i += 256) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
   }

@@ -65,7 +65,11 @@ struct BwdScheduler {
   static __device__ __forceinline__ BwdItem item(Params const& params, int t) {
     BwdItem it;
     int pair;
-    if constexpr (Traits::kCausal) {
+    if (Traits::kGeneral && params.varlen_items != nullptr) {
+      const int4 e = params.varlen_items[t];
+      it.n_block = e.x;
+      pair = e.z * params.nheads + e.y;
+    } else if constexpr (Traits::kCausal) {
       bwd_causal_block(t, params.n_blocks, params.nheads * params.batch, params.l2_section, params.l2_big,
                        it.n_block, pair);
     } else {
@@ -76,7 +80,8 @@ struct BwdScheduler {
     it.batch = pair / params.nheads;
     it.head_kv = it.head / params.nheads_per_kv;
     it.bh = pair;
-    const typename Traits::MaskT mask(params.seqlens.template of<false>(it.batch), params.mask);
+    const auto mask = Traits::MaskT::template at<Traits::kGeneral>(
+        params.seqlens.template of<Traits::kGeneral>(it.batch), params.mask);
     int m_begin;
     mask.template m_block_range<Traits::kBlockM, Traits::kBlockN>(it.n_block, m_begin, it.m_end);
     it.m_count = it.m_end - m_begin;
@@ -105,9 +110,19 @@ struct BwdScheduler {
   }
 
   // Persistent: the item stream. stream().tile(k, shared) is this block's k-th item
-  // (>= params.num_items past the last).
+  // (>= num_items(params) past the last).
   static __device__ __forceinline__ TileStream<true> stream(Params const& params) {
-    return TileStream<true>{params.tile_counter, params.num_items};
+    return TileStream<true>{params.tile_counter, num_items(params)};
+  }
+  // The items of the launch: with variable lengths, as many as the list has.
+  static __device__ __forceinline__ int num_items(Params const& params) {
+    if constexpr (Traits::kGeneral) {
+      if (params.varlen_count != nullptr) {
+        const int n = *params.varlen_count;
+        return n < params.num_items ? n : params.num_items;
+      }
+    }
+    return params.num_items;
   }
 
   // Persistent: thread 0's share of the block's start: the ring's barriers.
@@ -129,7 +144,7 @@ struct BwdScheduler {
       if (k > 0) shared.tile_request.wait((k - 1) & 1);
       const int t = items.draw(k);
       items.publish(k, t, shared.tile_ring, shared.tile_full, shared.tile_empty);
-      if (t >= params.num_items) break;
+      if (t >= items.num_tiles) break;
     }
   }
 };

@@ -227,6 +227,12 @@ struct BwdTraits {
     int dkv_tma = 0;                // ... where set
     int late_request = 0;           // kEarlyKV: the next item asked for after the last load (bwd_launch.h)
     int* dq_done = nullptr;         // per pair: writers done (bwd_config.h), for the postprocess; or null
+    // Variable lengths (general kernels): packed sides' workspace rows per head (bwd_ws_row), and
+    // item t = varlen_items[t] = (n_block, head, batch, -) of min(num_items, *varlen_count) items
+    // (runtime/varlen_tiles.h); null: the fixed-length order.
+    int64_t q_head_rows = 0, k_head_rows = 0;
+    const int4* varlen_items = nullptr;
+    const int* varlen_count = nullptr;
   };
 
   struct SharedStorage : BwdSecondK<Element, kEarlyKV ? int(cosize_v<SmemLayoutK>) : 0> {
@@ -251,5 +257,25 @@ struct BwdTraits {
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "backward tile config exceeds 227 KB of shared memory");
 };
+
+// The first FP32 workspace row (bwd_config.h, bwd_ws_row) of (batch b, query head h): of its
+// query rows (lse_log2, dpsum; dQ tiles and their semaphores: / kBlockM) and of its key rows
+// (GQA: dk_accum, dv_accum); bh = b x nheads + h.
+template <class Traits>
+__device__ __forceinline__ int64_t bwd_q_row0(typename Traits::Params const& p, int b, int h, int64_t bh) {
+  if constexpr (Traits::kGeneral) {
+    return bwd_ws_row(p.seqlens.cu_q, p.seqlens.total_q, b, h, p.nheads, p.seqlen_q_pad, p.q_head_rows,
+                      Traits::kBlockM);
+  }
+  return bh * p.seqlen_q_pad;
+}
+template <class Traits>
+__device__ __forceinline__ int64_t bwd_k_row0(typename Traits::Params const& p, int b, int h, int64_t bh) {
+  if constexpr (Traits::kGeneral) {
+    return bwd_ws_row(p.seqlens.cu_k, p.seqlens.total_k, b, h, p.nheads, p.seqlen_k_pad, p.k_head_rows,
+                      Traits::kBlockN);
+  }
+  return bh * p.seqlen_k_pad;
+}
 
 }  // namespace flash3::detail

@@ -34,6 +34,38 @@ __global__ void zero_rows_kernel(uint16_t* t, int64_t sb, int64_t ss, int64_t sh
 }
 }  // namespace
 
+namespace {
+// One block per sequence: rows [seqused[b], its length) of a 16-bit (batch, seqlen, heads, d)
+// tensor, or of a packed (total, heads, d) one (cu: its cu_seqlens), set to +0.
+__global__ void zero_unused_rows_kernel(uint16_t* t, int64_t sb, int64_t ss, int64_t sh, const int* cu,
+                                        const int* used, int seqlen, int total, int nheads, int head_dim) {
+  const int b = blockIdx.x;
+  int start = 0, len = seqlen;
+  if (cu != nullptr) {
+    start = min(max(cu[b], 0), total);
+    len = min(max(cu[b + 1], start), total) - start;
+  }
+  const int from = min(max(used[b], 0), len);
+  uint16_t* base = t + (cu != nullptr ? 0 : b * sb) + int64_t(start) * ss;
+  const int64_t n = int64_t(len - from) * nheads * head_dim;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const int d = int(i % head_dim), h = int((i / head_dim) % nheads), r = from + int(i / head_dim / nheads);
+    base[r * ss + h * sh + d] = 0;
+  }
+}
+}  // namespace
+
+void zero_unused_rows(const TensorRef& t, const int* cu, const int* used, int batch, cudaStream_t stream) {
+  if (used == nullptr || batch == 0) return;
+  const bool packed = t.rank == 3;
+  const int seqlen = packed ? 0 : int(t.shape[1]);
+  const int total = packed ? int(t.shape[0]) : 0;
+  zero_unused_rows_kernel<<<dim3(unsigned(batch)), 256, 0, stream>>>(
+      static_cast<uint16_t*>(t.data), packed ? 0 : t.stride[0], t.stride[packed ? 0 : 1], t.stride[packed ? 1 : 2],
+      packed ? cu : nullptr, used, seqlen, total, int(t.shape[packed ? 1 : 2]), int(t.shape[packed ? 2 : 3]));
+  check_cuda(cudaGetLastError(), "zero fill (rows past seqused) launch");
+}
+
 void zero_16bit(const TensorRef& t_in, cudaStream_t stream) {
   // A packed (total, heads, head_dim) tensor as a batch of one.
   TensorRef t = t_in;

@@ -14,6 +14,10 @@ void fill_no_keys(const FwdProblem& problem, const FwdArgs& args);
 
 // Sets a rank-4 tensor of 2-byte elements (last dim contiguous) to +0.
 void zero_16bit(const TensorRef& t, cudaStream_t stream);
+// The rows of each sequence past seqused (used: batch ints on the device) of a 16-bit tensor,
+// (batch, seqlen, heads, d) or packed (total, heads, d) with cu_seqlens cu, set to 0 (the
+// backward's gradients there).
+void zero_unused_rows(const TensorRef& t, const int* cu, const int* used, int batch, cudaStream_t stream);
 
 // Throws flash3::CudaError naming `what` when `err` is not cudaSuccess.
 void check_cuda(cudaError_t err, const char* what);
