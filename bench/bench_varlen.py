@@ -127,9 +127,11 @@ def main(argv=None):
                     out, lse = fa3.fwd(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=m, max_seqlen_k=m,
                                        is_causal=causal)[:2]
                     gr = tuple(torch.empty_like(t) for t in (q, k, v))
-                    calls["fa3"] = lambda out=out, lse=lse, gr=gr: fa3.bwd(
-                        dout, q, k, v, out, lse, *gr, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=m,
-                        max_seqlen_k=m, is_causal=causal)
+                    def call_fa3(out=out, lse=lse, gr=gr):
+                        fa3.bwd(dout, q, k, v, out, lse, *gr, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=m,
+                                max_seqlen_k=m, is_causal=causal)
+                        return gr
+                    calls["fa3"] = call_fa3
             errors = r["errors"]
             if run == 0:
                 res = {}
