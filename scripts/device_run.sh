@@ -4,10 +4,11 @@
 # and the benchmarks. Logs and JSON go to $OUT (default ./out). The CUTLASS headers and the
 # GoogleTest sources must already be in third_party/ (run scripts/setup.sh here, then carry
 # third_party: the GPU machine has no network).
-#   usage: bash scripts/device_run.sh [all|build|bwdcheck|test|sanitize|profile|prof|causal|bench|bwdbench|power|fp8|mask|quick]...
+#   usage: bash scripts/device_run.sh [all|build|bwdcheck|test|sanitize|profile|prof|causal|bench|bwdbench|power|fp8|mask|varlen|quick]...
 # fp8: bench/bench_fp8.py (the FP8 forward beside FlashAttention-3's, Table 3, the quantizer);
 # it needs .anchors/fa3_anchor.so.xz carried (../shared/anchors/fa3/), else runs without FA3.
 # mask: bench/bench_mask.py (sliding window and softcap beside FlashAttention-3; the same anchor).
+# varlen: bench/bench_varlen.py (variable-length batches beside FlashAttention-3; the same anchor).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -111,14 +112,22 @@ if has fp8; then
     timeout ${FP8_TIMEOUT:-300} python3 bench/bench_fp8.py --fa3 "$fa3" ${FP8_ARGS:-} --json "$OUT/fp8.json" 2>&1 | tee "$OUT/bench_fp8.log"
   grep -E "^\||geomean|Table 3|quantizer|end to end" "$OUT/bench_fp8.log" >> "$OUT/summary.txt"
 fi
-if has mask; then
+if has mask || has varlen; then
   if [ -f .anchors/fa3_anchor.so.xz ]; then
     python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" \
       .anchors/fa3_anchor.so.xz /tmp/fa3_anchor.so
   fi
+fi
+if has mask; then
   FLASH3_LIB="$root/build/libflash3.so" PYTHONPATH="$root/python" PYTHONUNBUFFERED=1 \
     timeout ${MASK_TIMEOUT:-300} python3 bench/bench_mask.py --fa3 /tmp/fa3_anchor.so --json "$OUT/mask.json" ${MASK_ARGS:-} > "$OUT/mask.log" 2>&1
   log "mask rc=$?: $(grep -E '^summary:' "$OUT/mask.log" | tail -1)"
+fi
+if has varlen; then
+  FLASH3_LIB="$root/build/libflash3.so" PYTHONPATH="$root/python" PYTHONUNBUFFERED=1 \
+    timeout ${VARLEN_TIMEOUT:-300} python3 bench/bench_varlen.py --fa3 /tmp/fa3_anchor.so --json "$OUT/varlen.json" ${VARLEN_ARGS:-} > "$OUT/varlen.log" 2>&1
+  log "varlen rc=$?"
+  grep -E "^(equal|packed) " "$OUT/varlen.log" >> "$OUT/summary.txt"
 fi
 if has power; then
   # Backward under sustained load beside cuDNN, with the SM clock and power draw (tools/bwd_power.py;
