@@ -80,7 +80,7 @@ __device__ __forceinline__ void bwd_dq_writer(typename Traits::Params const& par
   // The pair's first dQ tile (variable lengths: its sequence's slot, bwd_ws_row).
   int64_t tile0 = bh * params.m_blocks;
   if constexpr (Traits::kGeneral) {
-    tile0 = bwd_q_row0<Traits>(params, int(bh / params.nheads), int(bh % params.nheads), bh) / Traits::kBlockM;
+    tile0 = bwd_row0<Traits, true>(params, int(bh / params.nheads), int(bh % params.nheads), bh) / Traits::kBlockM;
   }
   float* dq_accum = params.dq_accum + (tile0 * groups + group) * Traits::kDQElems;
   int* sem = params.dq_sem != nullptr ? params.dq_sem + tile0 * groups + group : nullptr;

@@ -63,7 +63,7 @@ __device__ __forceinline__ void bwd_store_dkdv(typename Traits::Params const& pa
       }
     }
   } else {
-    const int64_t row0 = bwd_k_row0<Traits>(params, batch, int(bh % params.nheads), bh);
+    const int64_t row0 = bwd_row0<Traits, false>(params, batch, int(bh % params.nheads), bh);
     float* dk = params.dk_accum + row0 * kHeadDim;
     float* dv = params.dv_accum + row0 * kHeadDim;
     CUTLASS_PRAGMA_UNROLL

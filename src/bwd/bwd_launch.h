@@ -96,15 +96,8 @@ void launch_bwd_main(const BwdProblem& p, const BwdArgs& args_in, const BwdWorks
     // The key blocks of every sequence, listed on the device (runtime/varlen_tiles.h; causal:
     // each sequence's first key block, which the most query blocks visit, first); the grid is
     // sized by a bound on the list.
-    VarlenTilesArgs list;
-    list.seqlens = params.seqlens;
-    list.batch = p.batch;
-    list.nheads = p.nheads;
-    list.block = Traits::kBlockN;
-    list.by_keys = true;
-    list.longest_first = Traits::kCausal;
-    list.reverse_blocks = false;
-    list.capacity = ws.varlen_item_capacity;
+    VarlenTilesArgs list = varlen_tiles_args(params.seqlens, p.batch, p.nheads, Traits::kBlockN, true, Traits::kCausal,
+                                             ws.varlen_item_capacity);
     varlen_tiles_place(list, base + ws.items);
     build_varlen_tiles(list, args.stream);
     params.varlen_items = list.tiles;

@@ -94,8 +94,8 @@ __device__ __forceinline__ void bwd_load(typename Traits::Params const& params, 
     copy(params.tma_k.with(kv_bar), get<0>(k_parts), get<1>(k_parts));
     copy(params.tma_v.with(kv_bar), get<0>(v_parts), get<1>(v_parts));
     bwd_pdl_wait_then_launch();  // the preprocess's lse, D (K, V are inputs: loaded before)
-    const float* lse = params.lse_log2 + bwd_q_row0<Traits>(params, it.batch, it.head, it.bh);
-    const float* dpsum = params.dpsum + bwd_q_row0<Traits>(params, it.batch, it.head, it.bh);
+    const float* lse = params.lse_log2 + bwd_row0<Traits, true>(params, it.batch, it.head, it.bh);
+    const float* dpsum = params.dpsum + bwd_row0<Traits, true>(params, it.batch, it.head, it.bh);
     // NOTES: with 24 registers (head dims 64, 128) ptxas's 4-way unrolled copy spilled its loop
     // counters, so it is not unrolled there; at head dim 256 (40 registers, one stage: every load
     // waits for the consumers' release) the rolled loop measured 5-32% slower on the causal
@@ -139,8 +139,8 @@ __device__ __forceinline__ void bwd_load(typename Traits::Params const& params, 
       Tensor gdO = local_tile(bwd_seq_rows<Traits, true>(mdO, params, item.batch, item.head), TileQ{}, make_coord(_, _0{}));
       auto q_parts = tma_partition(params.tma_q, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
       auto do_parts = tma_partition(params.tma_do, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
-      const float* lse = params.lse_log2 + bwd_q_row0<Traits>(params, item.batch, item.head, item.bh);
-      const float* dpsum = params.dpsum + bwd_q_row0<Traits>(params, item.batch, item.head, item.bh);
+      const float* lse = params.lse_log2 + bwd_row0<Traits, true>(params, item.batch, item.head, item.bh);
+      const float* dpsum = params.dpsum + bwd_row0<Traits, true>(params, item.batch, item.head, item.bh);
       int t_next = items.num_tiles;
       auto prefetch = [&]() {
         if (late) shared.tile_request.arrive();
@@ -186,8 +186,8 @@ __device__ __forceinline__ void bwd_load(typename Traits::Params const& params, 
         load_kv();
         bwd_pdl_wait_then_launch();  // the preprocess's lse, D (K, V are inputs: loaded before)
       }
-      const float* lse = params.lse_log2 + bwd_q_row0<Traits>(params, item.batch, item.head, item.bh);
-      const float* dpsum = params.dpsum + bwd_q_row0<Traits>(params, item.batch, item.head, item.bh);
+      const float* lse = params.lse_log2 + bwd_row0<Traits, true>(params, item.batch, item.head, item.bh);
+      const float* dpsum = params.dpsum + bwd_row0<Traits, true>(params, item.batch, item.head, item.bh);
 #pragma unroll 1
       for (int i = 0; i < item.m_count; ++i) {
         bwd_load_visit<Traits>(params, shared, pipeline_q, pipeline_do, write_q, write_do, q_parts, do_parts,

@@ -258,24 +258,17 @@ struct BwdTraits {
   static_assert(kSmemBytes <= 227 * 1024, "backward tile config exceeds 227 KB of shared memory");
 };
 
-// The first FP32 workspace row (bwd_config.h, bwd_ws_row) of (batch b, query head h): of its
-// query rows (lse_log2, dpsum; dQ tiles and their semaphores: / kBlockM) and of its key rows
-// (GQA: dk_accum, dv_accum); bh = b x nheads + h.
-template <class Traits>
-__device__ __forceinline__ int64_t bwd_q_row0(typename Traits::Params const& p, int b, int h, int64_t bh) {
+// The first FP32 workspace row (bwd_config.h, bwd_ws_row) of (batch b, query head h), bh = b x
+// nheads + h: of its query rows (kQ: lse_log2, dpsum; dQ tiles and their semaphores: / kBlockM)
+// or of its key rows (GQA: dk_accum, dv_accum).
+template <class Traits, bool kQ>
+__device__ __forceinline__ int64_t bwd_row0(typename Traits::Params const& p, int b, int h, int64_t bh) {
+  const int64_t pad = kQ ? p.seqlen_q_pad : p.seqlen_k_pad;
   if constexpr (Traits::kGeneral) {
-    return bwd_ws_row(p.seqlens.cu_q, p.seqlens.total_q, b, h, p.nheads, p.seqlen_q_pad, p.q_head_rows,
-                      Traits::kBlockM);
+    return bwd_ws_row(kQ ? p.seqlens.cu_q : p.seqlens.cu_k, kQ ? p.seqlens.total_q : p.seqlens.total_k, b, h,
+                      p.nheads, pad, kQ ? p.q_head_rows : p.k_head_rows, kQ ? Traits::kBlockM : Traits::kBlockN);
   }
-  return bh * p.seqlen_q_pad;
-}
-template <class Traits>
-__device__ __forceinline__ int64_t bwd_k_row0(typename Traits::Params const& p, int b, int h, int64_t bh) {
-  if constexpr (Traits::kGeneral) {
-    return bwd_ws_row(p.seqlens.cu_k, p.seqlens.total_k, b, h, p.nheads, p.seqlen_k_pad, p.k_head_rows,
-                      Traits::kBlockN);
-  }
-  return bh * p.seqlen_k_pad;
+  return bh * pad;
 }
 
 }  // namespace flash3::detail

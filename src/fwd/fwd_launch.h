@@ -111,15 +111,9 @@ void launch_fwd(const FwdProblem& p, const FwdArgs& args, bool persistent, int* 
   char* varlen_memory = nullptr;
   bool varlen_owned = false;
   if (p.varlen) {
-    VarlenTilesArgs list;
-    list.seqlens = params.seqlens;
-    list.batch = p.batch;
-    list.nheads = p.nheads;
-    list.block = Traits::kBlockM;
-    list.longest_first = Traits::kCausal;
-    list.reverse_blocks = true;  // causal: the last query block sees the most keys
     const long long capacity = varlen_tile_capacity(p.total_q, p.batch, p.nheads, Traits::kBlockM);
-    list.capacity = int(capacity);
+    VarlenTilesArgs list =
+        varlen_tiles_args(params.seqlens, p.batch, p.nheads, Traits::kBlockM, false, Traits::kCausal, capacity);
     const size_t bytes = varlen_tiles_bytes(capacity, p.batch);
     char* scratch = stream_memory(args.stream, kVarlenScratchOffset + bytes, 0).scratch;
     if (scratch != nullptr) {

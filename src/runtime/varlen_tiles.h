@@ -48,6 +48,23 @@ inline long long varlen_tile_capacity(long long total, int batch, int nheads, in
 inline size_t varlen_tiles_bytes(long long capacity, int batch) {
   return (size_t(capacity) * 16 + 16 + (size_t(2 * batch + 1) * 4 + 15) / 16 * 16);
 }
+// The list of the forward (by_keys false: query blocks; causal: the last one, which sees the
+// most keys, first) or of the backward (key blocks; causal: the first one first), `capacity`
+// entries (varlen_tile_capacity), placed later (varlen_tiles_place).
+inline VarlenTilesArgs varlen_tiles_args(const SeqLens& seqlens, int batch, int nheads, int block, bool by_keys,
+                                         bool causal, long long capacity) {
+  VarlenTilesArgs a;
+  a.seqlens = seqlens;
+  a.batch = batch;
+  a.nheads = nheads;
+  a.block = block;
+  a.by_keys = by_keys;
+  a.longest_first = causal;
+  a.reverse_blocks = !by_keys;
+  a.capacity = int(capacity);
+  return a;
+}
+
 // Points a.tiles, a.count and a.scratch into `memory` (varlen_tiles_bytes of it).
 inline void varlen_tiles_place(VarlenTilesArgs& a, char* memory) {
   a.tiles = reinterpret_cast<int4*>(memory);
