@@ -168,11 +168,11 @@ void run_bwd(const BwdProblem& p, const BwdArgs& args_given, const BwdWorkspaceL
   bwd_preprocess<Element, kBlockM, kHeadDim><<<dim3(unsigned(aux_blocks)), 256, 0, args.stream>>>(aux);
   check_cuda(cudaGetLastError(), "backward preprocess launch");
   if (p.seqlen_k > 0) {
-    // Sliding windows and softcap: kernels of their own (common/mask.h).
-    const bool window_softcap = general_kernels(p);
-    if (window_softcap && p.causal) {
+    // Variable lengths, sliding windows and softcap: the general kernels (common/mask.h).
+    const bool general = general_kernels(p);
+    if (general && p.causal) {
       launch_bwd_main<BwdTraits<Element, kHeadDim, true, true>>(p, args_given, ws, base);
-    } else if (window_softcap) {
+    } else if (general) {
       launch_bwd_main<BwdTraits<Element, kHeadDim, false, true>>(p, args_given, ws, base);
     } else if (p.causal) {
       launch_bwd_main<BwdTraits<Element, kHeadDim, true>>(p, args_given, ws, base);

@@ -29,8 +29,8 @@ struct BwdSecondK {
 template <class Element>
 struct BwdSecondK<Element, 0> {};
 
-// kGeneral: the kernel of sliding windows and softcap (common/mask.h says why it is a
-// kernel of its own).
+// kGeneral: the general kernel of variable lengths, sliding windows and softcap (common/mask.h
+// says why it is a kernel of its own).
 template <class Element_, int kHeadDim_, bool kCausal_, bool kGeneral_ = false>
 struct BwdTraits {
   using Element = Element_;

@@ -38,8 +38,9 @@ struct MaskOffsets {
 };
 
 // kWindow: the kernel is built for sliding windows (the general kernels of variable lengths,
-// windows and softcap: FwdGeneral, BwdTraits' kGeneral). Without it the window's tests compile away, and so does the right
-// bound where not causal: the code is that of a mask of the end of the keys and the diagonal.
+// windows and softcap: FwdGeneral, BwdTraits' kGeneral). Without it the window's tests compile
+// away, and so does the right bound where not causal: the code is that of a mask of the end of
+// the keys and the diagonal.
 // NOTES: one kernel for both cost 3-14% in the backward at head dims 64 and 128 and up to 10% in
 // the forward (docs/perf-log.md, W1): the window's bounds and softcap's branch in every kernel.
 template <bool kCausal_, bool kWindow_>

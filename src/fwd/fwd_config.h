@@ -47,7 +47,7 @@ struct FwdDefaultVariant {
   static constexpr int kBlockN = 0;           // > 0: overrides the tile config's
   static constexpr int kBlockM = 0;           // likewise
   static constexpr bool kTailPieces = false;  // the tail kernel of the split (tail_split.h)
-  static constexpr bool kGeneral = false;  // sliding windows and softcap (common/mask.h)
+  static constexpr bool kGeneral = false;  // variable lengths, sliding windows, softcap (common/mask.h)
 };
 struct FwdNoPingpong : FwdDefaultVariant { static constexpr int kPingpong = 0; };
 struct FwdNoOverlap : FwdDefaultVariant { static constexpr int kIntraWGOverlap = 0; };
@@ -79,7 +79,8 @@ constexpr int kFwdCausal64ShortMax = 1024;
 // where a split gains little (measured +-1%, step 22).
 struct FwdTailPieces : FwdDefaultVariant { static constexpr bool kTailPieces = true; };
 
-// The kernels of sliding windows and softcap (a kernel of their own: common/mask.h says why).
+// The general kernels: variable lengths, sliding windows and softcap (kernels of their own:
+// common/mask.h says why).
 struct FwdGeneral : FwdDefaultVariant { static constexpr bool kGeneral = true; };
 
 template <int kHeadDim, bool kCausal>

@@ -50,6 +50,9 @@ struct FwdEpilogue {
                                                const Tile& tile, const SeqLen& len, int q_batch, TensorO& tOrO,
                                                const float (&lse)[kRows], int tidx, int tiles_done) {
     const int seqlen_q = len.q;
+    // The sequence's rows of this head's O.
+    Element* const out = p.out + q_batch * p.out_batch_stride + tile.head * p.out_head_stride +
+                         int64_t(len.q_start) * p.out_row_stride;
     using TileQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
     const int thread_in_wg = threadIdx.x % 128;
     const int row0 = tile.m_block * kBlockM;
@@ -83,8 +86,6 @@ struct FwdEpilogue {
         // the next sequence's, so the consumers copy the tile's rows below seqlen_q, 16 bytes at
         // a time (the swizzle keeps each 8-element chunk of a row together).
         constexpr int kChunks = kHeadDim / 8;
-        Element* out = p.out + q_batch * p.out_batch_stride + tile.head * p.out_head_stride +
-                       int64_t(len.q_start) * p.out_row_stride;
         for (int c = tidx; c < kBlockM * kChunks; c += Traits::kNumConsumerThreads) {
           const int r = c / kChunks, col = c % kChunks * 8;
           if (row0 + r < seqlen_q) {
@@ -111,7 +112,6 @@ struct FwdEpilogue {
       // NOTES: values (2i, 2i+1) of an accumulator row are adjacent columns: one 4-byte store
       // per pair; rows past seqlen_q are not written.
       Tensor tOrOut_rc = make_tensor(tOrOut.data(), acc_layout_rowcol(tOrO.layout()));
-      Element* out = p.out + q_batch * p.out_batch_stride + tile.head * p.out_head_stride + int64_t(len.q_start) * p.out_row_stride;
       CUTLASS_PRAGMA_UNROLL
       for (int m = 0; m < kRows; ++m) {
         const int row = row0 + get<0>(tOcO_rc(m, 0));
@@ -139,7 +139,6 @@ struct FwdEpilogue {
       const int lane = tidx % 32;
       Element* stage = shared.epilogue.smem_o_stage.data() + (tidx / 32) * 16 * kCols;
       const int warp_row0 = get<0>(tOcO_rc(0, 0)) - lane / 4;  // the warp's first row in the tile
-      Element* out = p.out + q_batch * p.out_batch_stride + tile.head * p.out_head_stride + int64_t(len.q_start) * p.out_row_stride;
       // NOTES: the XOR key also rotates with the tile count (any row -> key bijection is
       // conflict-free), so that ptxas does not hoist the addresses out of the tile loop and
       // spill them. The offsets below are common/ptx.h's xor_swizzled_offset<kCols>(row, col, key),

@@ -231,7 +231,8 @@ void run_fwd(const FwdProblem& p, const FwdArgs& args, FwdAblation ablation) {
       }
       return run_fwd_technique_ablation(p, args, ablation, persistent);
     }
-    // Sliding windows and softcap: kernels of their own (common/mask.h), without the tail split.
+    // Variable lengths, sliding windows and softcap: the general kernels (common/mask.h), without
+    // the tail split.
     if (general_kernels(p)) {
       if (p.causal) return launch_fwd<FwdTraits<Element, kHeadDim, true, FwdGeneral>>(p, args, persistent, counter);
       return launch_fwd<FwdTraits<Element, kHeadDim, false, FwdGeneral>>(p, args, persistent, counter);

@@ -1,7 +1,7 @@
 // flash3: the forward's tile scheduler: which pieces of work each block of the kernel computes.
 // A tile is (kBlockM query rows, head, batch) of O; a piece of work is key blocks [n_lo, n_hi)
 // of one tile (the whole tile, except in the tail kernel). With variable lengths the tiles come
-// from a list built on the device (common/varlen_tiles.h), longest sequences first.
+// from a list built on the device (runtime/varlen_tiles.h), longest sequences first.
 //
 // The kernel is persistent when the grid has fewer blocks than tiles (one block per SM).
 //   static   (non-causal: all tiles take the same time) block i computes tiles i, i + gridDim.x,
@@ -47,7 +47,7 @@ struct FwdSchedulerParams {
   int tiles_end;      // the main kernel computes tiles [0, tiles_end), whole
   TailSplit split;    // the tail kernel: the pieces of tiles [split.full_tiles, tiles_end)
   // Variable lengths (general kernels): tile t is varlen_tiles[t] = (m_block, head, batch, -),
-  // and there are min(tiles_end, *varlen_count) tiles (common/varlen_tiles.h); null: fixed.
+  // and there are min(tiles_end, *varlen_count) tiles (runtime/varlen_tiles.h); null: fixed.
   const int4* varlen_tiles;
   const int* varlen_count;
 };

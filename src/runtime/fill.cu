@@ -32,18 +32,16 @@ __global__ void zero_rows_kernel(uint16_t* t, int64_t sb, int64_t ss, int64_t sh
   uint16_t* row = t + b * sb + s * ss + h * sh;
   for (int d = 0; d < head_dim; ++d) row[d] = 0;
 }
-}  // namespace
-
-namespace {
 // One block per sequence: rows [seqused[b], its length) of a 16-bit (batch, seqlen, heads, d)
 // tensor, or of a packed (total, heads, d) one (cu: its cu_seqlens), set to +0.
+// rows: the tensor's dim 1 (seqlen, or the packed total).
 __global__ void zero_unused_rows_kernel(uint16_t* t, int64_t sb, int64_t ss, int64_t sh, const int* cu,
-                                        const int* used, int seqlen, int total, int nheads, int head_dim) {
+                                        const int* used, int rows, int nheads, int head_dim) {
   const int b = blockIdx.x;
-  int start = 0, len = seqlen;
+  int start = 0, len = rows;
   if (cu != nullptr) {
-    start = min(max(cu[b], 0), total);
-    len = min(max(cu[b + 1], start), total) - start;
+    start = min(max(cu[b], 0), rows);
+    len = min(max(cu[b + 1], start), rows) - start;
   }
   const int from = min(max(used[b], 0), len);
   uint16_t* base = t + (cu != nullptr ? 0 : b * sb) + int64_t(start) * ss;
@@ -55,28 +53,18 @@ __global__ void zero_unused_rows_kernel(uint16_t* t, int64_t sb, int64_t ss, int
 }
 }  // namespace
 
+
 void zero_unused_rows(const TensorRef& t, const int* cu, const int* used, int batch, cudaStream_t stream) {
   if (used == nullptr || batch == 0) return;
-  const bool packed = t.rank == 3;
-  const int seqlen = packed ? 0 : int(t.shape[1]);
-  const int total = packed ? int(t.shape[0]) : 0;
+  const TensorRef v = as_batch(t);
   zero_unused_rows_kernel<<<dim3(unsigned(batch)), 256, 0, stream>>>(
-      static_cast<uint16_t*>(t.data), packed ? 0 : t.stride[0], t.stride[packed ? 0 : 1], t.stride[packed ? 1 : 2],
-      packed ? cu : nullptr, used, seqlen, total, int(t.shape[packed ? 1 : 2]), int(t.shape[packed ? 2 : 3]));
+      static_cast<uint16_t*>(v.data), v.stride[0], v.stride[1], v.stride[2], t.rank == 3 ? cu : nullptr, used,
+      int(v.shape[1]), int(v.shape[2]), int(v.shape[3]));
   check_cuda(cudaGetLastError(), "zero fill (rows past seqused) launch");
 }
 
 void zero_16bit(const TensorRef& t_in, cudaStream_t stream) {
-  // A packed (total, heads, head_dim) tensor as a batch of one.
-  TensorRef t = t_in;
-  if (t_in.rank == 3) {
-    t.shape[0] = 1;
-    t.stride[0] = 0;
-    for (int d = 1; d < 4; ++d) {
-      t.shape[d] = t_in.shape[d - 1];
-      t.stride[d] = t_in.stride[d - 1];
-    }
-  }
+  const TensorRef t = as_batch(t_in);
   const int64_t total = t.shape[0] * t.shape[1] * t.shape[2];
   if (total == 0 || t.shape[3] == 0) return;
   const int threads = 256;
@@ -87,21 +75,18 @@ void zero_16bit(const TensorRef& t_in, cudaStream_t stream) {
 }
 
 void fill_no_keys(const FwdProblem& p, const FwdArgs& args) {
-  // A packed q side (out (total_q, nheads, head_dim), lse (nheads, total_q)): every row, as one
-  // sequence of total_q rows (rows past seqused_q included).
-  const bool packed = args.out.rank == 3;
-  const int batch = packed ? 1 : p.batch;
-  const int seqlen_q = packed ? int(p.total_q) : p.seqlen_q;
-  const int64_t sb = packed ? 0 : args.out.stride[0], ss = args.out.stride[packed ? 0 : 1],
-                sh = args.out.stride[packed ? 1 : 2];
-  const int64_t lb = !p.write_lse || packed ? 0 : args.lse.stride[0],
-                lh = !p.write_lse ? 0 : args.lse.stride[packed ? 0 : 1];
+  // A packed q side (out (total_q, nheads, head_dim), lse (nheads, total_q)) as one sequence of
+  // total_q rows (rows past seqused_q included).
+  const TensorRef out = as_batch(args.out), lse = as_batch(args.lse, 3);
+  const int batch = int(out.shape[0]), seqlen_q = int(out.shape[1]);
+  const int64_t lb = p.write_lse ? lse.stride[0] : 0, lh = p.write_lse ? lse.stride[1] : 0;
   const int64_t total = int64_t(batch) * seqlen_q * p.nheads;
   if (total == 0) return;
   const int threads = 256;
   const int64_t blocks = (total + threads - 1) / threads;
   fill_no_keys_kernel<<<dim3(unsigned(blocks)), threads, 0, args.stream>>>(
-      static_cast<uint16_t*>(args.out.data), sb, ss, sh, p.write_lse ? static_cast<float*>(args.lse.data) : nullptr,
+      static_cast<uint16_t*>(out.data), out.stride[0], out.stride[1], out.stride[2],
+      p.write_lse ? static_cast<float*>(args.lse.data) : nullptr,
       lb, lh, seqlen_q, p.nheads, p.head_dim, total);
   check_cuda(cudaGetLastError(), "fill_no_keys launch");
 }

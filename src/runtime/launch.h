@@ -15,25 +15,6 @@ namespace flash3::detail {
 
 using namespace cute;
 
-// A packed tensor of a variable-length batch ((total, heads, head_dim), batched rank 4; or the
-// lse (heads, total), batched rank 3) as a batch of one; a tensor of the
-// batched rank as it is. The launchers index packed sequences by their first row
-// (SeqLen::q_start, k_start) in batch entry 0.
-inline TensorRef as_batch(const TensorRef& t, int batched_rank = 4) {
-  TensorRef r = t;
-  if (t.rank == batched_rank - 1) {
-    r.rank = batched_rank;
-    for (int d = t.rank; d > 0; --d) {
-      r.shape[d] = t.shape[d - 1];
-      r.stride[d] = t.stride[d - 1];
-    }
-    // (A batch of one: the stride is never stepped; TMA wants it nonzero, 16-byte multiple.)
-    r.shape[0] = 1;
-    r.stride[0] = t.shape[0] * t.stride[0];
-  }
-  return r;
-}
-
 // The sequence lengths the kernels read (common/seqlen.h), from a validated problem and its
 // arguments (FwdArgs or BwdArgs).
 template <class Problem, class Args>

@@ -9,10 +9,28 @@
 
 namespace flash3::detail {
 
+// A packed tensor of a variable-length batch ((total, heads, head_dim), batched rank 4; or the
+// lse (heads, total), batched rank 3) as a batch of one; a tensor of the batched rank as it is. The launchers index packed sequences by their first row
+// (SeqLen::q_start, k_start) in batch entry 0.
+inline TensorRef as_batch(const TensorRef& t, int batched_rank = 4) {
+  TensorRef r = t;
+  if (t.rank == batched_rank - 1) {
+    r.rank = batched_rank;
+    for (int d = t.rank; d > 0; --d) {
+      r.shape[d] = t.shape[d - 1];
+      r.stride[d] = t.stride[d - 1];
+    }
+    // (A batch of one: the stride is never stepped; TMA wants it nonzero, 16-byte multiple.)
+    r.shape[0] = 1;
+    r.stride[0] = t.shape[0] * t.stride[0];
+  }
+  return r;
+}
+
 // seqlen_k == 0: out = 0 and lse = +inf, without the main kernel.
 void fill_no_keys(const FwdProblem& problem, const FwdArgs& args);
 
-// Sets a rank-4 tensor of 2-byte elements (last dim contiguous) to +0.
+// Sets a rank-4 (or packed rank-3) tensor of 2-byte elements (last dim contiguous) to +0.
 void zero_16bit(const TensorRef& t, cudaStream_t stream);
 // The rows of each sequence past seqused (used: batch ints on the device) of a 16-bit tensor,
 // (batch, seqlen, heads, d) or packed (total, heads, d) with cu_seqlens cu, set to 0 (the
