@@ -700,6 +700,7 @@ def test_cpu_varlen_args_match_c_header(tmp_path, monkeypatch):
     assert seen(21) == want + [2]
     flash3.forward_varlen_into(q, k, v, q, None, cu_q, cu_k, 5, 6, None, p["seqused_k"], check_seqlens=False)
     assert seen(21) == [1016, 0, 0, -1, 0, 3, 5, 1, 1, 3, 0, 0, 1, 1, 5, 6, 1, 8, 3, 0x5000, 0]
+    _kernels._CHECKED_SEQLENS.clear()  # the values are checked again (test_cpu_lengths_checked_once_per_tensors)
     flash3.backward_varlen_into(q, q, k, v, q, lse, q, k, v, cu_q, cu_k, 5, 6, p["seqused_q"], None, 0.5, True, True,
                                 3, -1, 2.5)
     assert seen(22) == [1112] + want[1:] + [1, 0]
@@ -708,6 +709,41 @@ def test_cpu_varlen_args_match_c_header(tmp_path, monkeypatch):
     assert seen(1) == [680]
     flash3.backward_into(q[None], q[None], k[None], v[None], q[None], lse[None], q[None], k[None], v[None])
     assert seen(1) == [776]
+
+
+def test_cpu_lengths_checked_once_per_tensors(tmp_path, monkeypatch):
+    """check_seqlens asks the library to check the length values (no_seqlens_check 0) once per
+    set of length tensors: again after an in-place change, for new tensors, other maxima or
+    packed lengths, another seqused, or after a call that failed; not for the same unchanged
+    tensors, in the forward or the backward (autograd's backward sees the forward's tensors)."""
+    from flash3 import _kernels
+    probe = _probe_library(tmp_path, monkeypatch)
+    monkeypatch.setattr(_kernels, "_CHECKED_SEQLENS", {})
+    p = problem([5, 3], [4, 6], 2, 1, 64, dtype=torch.bfloat16, used_q=[5, 1])
+    q, k, v, cu_q, cu_k, used_q = p["q"], p["k"], p["v"], p["cu_seqlens_q"], p["cu_seqlens_k"], p["seqused_q"]
+    lse = torch.zeros(2, 8)
+
+    def checked(fwd=True, cu_q=cu_q, cu_k=cu_k, max_q=5, used=None, q=q):
+        if fwd:
+            flash3.forward_varlen_into(q, k, v, q, lse, cu_q, cu_k, max_q, 6, used)
+        else:
+            flash3.backward_varlen_into(q, q, k, v, q, lse, q, k, v, cu_q, cu_k, max_q, 6, used)
+        return probe.probe_seen()[16] == 0
+
+    assert [checked(), checked(), checked(fwd=False)] == [True, False, False]
+    cu_q.add_(0)  # an in-place change
+    assert [checked(fwd=False), checked()] == [True, False]
+    assert [checked(cu_q=cu_q.clone()), checked(cu_k=cu_k.clone()), checked(max_q=7), checked(used=used_q),
+            checked(used=used_q), checked(used=used_q.clone()), checked(q=q[:7])] == [True, True, True, True, False,
+                                                                                      True, True]
+    flash3.forward_varlen_into(q, k, v, q, lse, cu_q, cu_k, 5, 6, check_seqlens=False)
+    assert probe.probe_seen()[16] == 1
+    fresh = cu_q.clone()
+    library_fwd, probe.flash3_fwd = probe.flash3_fwd, lambda *a: 1  # the call fails: nothing is remembered
+    with pytest.raises((RuntimeError, ValueError)):
+        flash3.forward_varlen_into(q, k, v, q, lse, fresh, cu_k, 5, 6)
+    probe.flash3_fwd = library_fwd
+    assert checked(cu_q=fresh)
 
 
 def test_cpu_older_library_refuses_varlen_clearly(tmp_path, monkeypatch):

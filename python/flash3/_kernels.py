@@ -10,6 +10,7 @@ import numbers
 import operator
 import re
 import struct
+import weakref
 
 import torch
 
@@ -551,6 +552,67 @@ def _seqlen_fields(max_seqlen_q, max_seqlen_k, check_seqlens):
             0 if check_seqlens else 1, 0)
 
 
+# The length tensors whose values the library has checked (check_seqlens), so that a training
+# step's many calls with the same cu_seqlens synchronize once: id(cu_seqlens_q) -> (a weak
+# reference to it, the other tensors' weak references, every tensor's version counter, the maxima
+# and the packed lengths at that check). In-place changes bump a tensor's version, so they are
+# checked again; inference tensors have no version counter and are checked at every call.
+# (Keyed by id with the reference compared by `is`: tensors cannot be dict keys, their == is
+# elementwise.)
+_CHECKED_SEQLENS = {}
+_CHECKED_SEQLENS_MAX = 64
+
+
+def _seqlens_state(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, total_q, total_k):
+    """What a check of these lengths covers: (weak references, values), or None where it cannot
+    be told."""
+    tensors = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    try:
+        versions = tuple(None if t is None else t._version for t in tensors)
+        refs = tuple(None if t is None else weakref.ref(t) for t in tensors)
+    except (AttributeError, RuntimeError, TypeError):
+        return None
+    return refs, (versions, max_seqlen_q, max_seqlen_k, total_q, total_k)
+
+
+def _same_tensors(a, b):
+    return all((x is None) == (y is None) and (x is None or x() is y()) for x, y in zip(a, b))
+
+
+def _checked_once(check_seqlens, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
+                  q, k):
+    """(whether the library must check the length values now, the state to remember once it did)."""
+    if not check_seqlens or _capturing():
+        return False, None
+    try:
+        state = _seqlens_state(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
+                               q.shape[0], k.shape[0])
+    except (AttributeError, IndexError, TypeError):
+        return True, None
+    old = _CHECKED_SEQLENS.get(id(cu_seqlens_q))
+    known = state is not None and old is not None and old[1] == state[1] and _same_tensors(old[0], state[0])
+    return not known, state
+
+
+def _capturing():
+    """Whether torch's current CUDA stream is being captured (the library then skips the check)."""
+    try:
+        return torch.cuda.is_current_stream_capturing()
+    except RuntimeError:  # no usable CUDA: the call fails in the library
+        return False
+
+
+def _remember_checked(state):
+    if state is None:
+        return
+    if len(_CHECKED_SEQLENS) >= _CHECKED_SEQLENS_MAX:
+        for key in [key for key, (refs, _) in _CHECKED_SEQLENS.items() if refs[0]() is None]:
+            del _CHECKED_SEQLENS[key]
+        if len(_CHECKED_SEQLENS) >= _CHECKED_SEQLENS_MAX:
+            _CHECKED_SEQLENS.clear()
+    _CHECKED_SEQLENS[id(state[0][0]())] = state
+
+
 def forward_varlen_into(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,
                         seqused_k=None, softmax_scale=None, causal=False, window_left=-1, window_right=-1,
                         softcap=0.0, check_seqlens=True):
@@ -565,13 +627,19 @@ def forward_varlen_into(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqle
     mask (causal, window_left, window_right) is aligned bottom-right in each sequence (its
     lengths: the used ones); softmax_scale, softcap: forward_into's. check_seqlens: the library
     checks the values of cu_seqlens and seqused (a device-to-host copy and a stream
-    synchronization; skipped while the stream is captured into a CUDA graph); False skips it
-    (bad values then give undefined results, never an access out of bounds).
+    synchronization; skipped while the stream is captured into a CUDA graph), once per set of
+    length tensors: a later call with the same tensor objects, unchanged (torch's version
+    counters; inference tensors have none and are checked every time), the same maxima and
+    packed lengths does not check again. Values written without torch (raw pointers) are not
+    seen: pass check_seqlens=True with new tensors then. False skips the check (bad values then
+    give undefined results, never an access out of bounds).
     Raises ValueError with the library's message on invalid arguments, RuntimeError otherwise
     (also for a libflash3.so without variable-length batches)."""
     scale = _scale_arg(softmax_scale)
     mask = mask_fields(window_left, window_right, softcap)
-    seqlens = _seqlen_fields(max_seqlen_q, max_seqlen_k, check_seqlens)
+    check_now, state = _checked_once(check_seqlens, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+                                     max_seqlen_k, q, k)
+    seqlens = _seqlen_fields(max_seqlen_q, max_seqlen_k, check_now)
     try:
         tensors = (*_fields(q), *_fields(k), *_fields(v), *_fields(out), *_fields(lse))
         varlen = _varlen_fields(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
@@ -588,6 +656,8 @@ def forward_varlen_into(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqle
                                 *_NULL * 3, *mask, *varlen, *seqlens)
         rc = lib.flash3_fwd(args, buf, _lib.ERR_LEN)
     _check(rc, buf, "flash3_fwd")
+    if check_now:
+        _remember_checked(state)
     return out, lse
 
 
@@ -600,7 +670,9 @@ def backward_varlen_into(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_s
     written as 0. Returns (dq, dk, dv). Raises as forward_varlen_into."""
     scale = _scale_arg(softmax_scale)
     mask = mask_fields(window_left, window_right, softcap)
-    seqlens = _seqlen_fields(max_seqlen_q, max_seqlen_k, check_seqlens)
+    check_now, state = _checked_once(check_seqlens, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+                                     max_seqlen_k, q, k)
+    seqlens = _seqlen_fields(max_seqlen_q, max_seqlen_k, check_now)
     try:  # the C order: q, k, v, out, dout, lse, dq, dk, dv
         tensors = (*_fields(q), *_fields(k), *_fields(v), *_fields(out), *_fields(dout), *_fields(lse),
                    *_fields(dq), *_fields(dk), *_fields(dv))
@@ -625,6 +697,8 @@ def backward_varlen_into(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_s
     _run_bwd(lib, buf, index, q.device, key, _BWD_VARLEN,
              (_lib.BWD_ARGS_SIZE, 1 if causal else 0, 1 if deterministic else 0, scale), tensors,
              (*mask, *varlen, *seqlens))
+    if check_now:
+        _remember_checked(state)
     return dq, dk, dv
 
 
