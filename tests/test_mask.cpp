@@ -73,9 +73,15 @@ void check(const Rule& rule) {
       pair[m][n] = visited;
       ASSERT_EQ(visited, any) << "query block " << m << ", key block " << n
                               << (any ? ": holds a visible pair but is skipped" : ": visited but holds none");
-      if (visited && !mask.template needs_masking<kBlockM, kBlockN>(m * kBlockM, n * kBlockN)) {
+      const bool needs = mask.template needs_masking<kBlockM, kBlockN>(m * kBlockM, n * kBlockN);
+      if (visited && !needs) {
         ASSERT_TRUE(all) << "query block " << m << ", key block " << n << " left unmasked holds an invisible pair";
       }
+      // The per-tile ranges the main loops test instead: the same answer for every block pair.
+      ASSERT_EQ((mask.template unmasked_n_blocks<kBlockM, kBlockN>(m * kBlockM).masks(n)), needs)
+          << "query block " << m << ", key block " << n << ": unmasked_n_blocks";
+      ASSERT_EQ((mask.template unmasked_m_blocks<kBlockM, kBlockN>(n * kBlockN).masks(m)), needs)
+          << "query block " << m << ", key block " << n << ": unmasked_m_blocks";
     }
   }
   for (int n = 0; n < n_blocks; ++n) {

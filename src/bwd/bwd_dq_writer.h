@@ -84,17 +84,28 @@ __device__ __forceinline__ void bwd_dq_writer(typename Traits::Params const& par
   }
   float* dq_accum = params.dq_accum + (tile0 * groups + group) * Traits::kDQElems;
   int* sem = params.dq_sem != nullptr ? params.dq_sem + tile0 * groups + group : nullptr;
+  // A window with a left bound skips the first key blocks of a query block: the first one that
+  // query block m visits is first_reaching(m x kBlockM + lo_off) (Mask::n_block_range; never past
+  // this key block, which visits m). Without a left bound it is block 0. NOTES: lo_off once per
+  // item, not the pair's Mask per visit: that cost these 24-register warps about 400
+  // instructions and two global loads per visit (ncu source counters, docs/perf-log.md V4).
+  int lo_off = 0;
+  bool left_bound = false;
+  if constexpr (Traits::kGeneral) {
+    left_bound = params.mask.left >= 0;
+    if (left_bound) {
+      lo_off = Traits::MaskT::template at<true>(params.seqlens.template of<true>(int(bh / params.nheads)),
+                                                params.mask).lo_off;
+    }
+  }
   const int first = g_begin + ((writer - g_begin) % Traits::kDQWriters + Traits::kDQWriters) % Traits::kDQWriters;
   for (int i = first; i < g_end; i += Traits::kDQWriters) {
     const int m = m_at(i), buf = i % Traits::kDQStages;
     // The turn of the group's first key block to visit tile m (0 unless a window skips the
     // first key blocks): it stores, and the others count their turns from it.
     int turn0 = 0;
-    if constexpr (Traits::kGeneral) {
-      const auto mask = Traits::MaskT::template at<true>(params.seqlens.template of<true>(int(bh / params.nheads)),
-                                                         params.mask);
-      int n_first, n_end;
-      mask.template n_block_range<Traits::kBlockM, Traits::kBlockN>(m, n_first, n_end);
+    if (Traits::kGeneral && left_bound) {
+      const int n_first = Traits::MaskT::template first_reaching<Traits::kBlockN>(m * Traits::kBlockM + lo_off);
       turn0 = (n_first + ((group - n_first % groups) % groups + groups) % groups) / groups;
     }
     named_barrier_sync(Traits::kDQBarThreads, kBwdBarDQFull + i % Traits::kDQFullBars);

@@ -91,10 +91,11 @@ __device__ __forceinline__ void bwd_mainloop_ss(typename Traits::Params const& p
   constexpr int kRows = decltype(size<0>(tSrS_rc))::value;
   constexpr int kCols = decltype(size<1>(tSrS_rc))::value;
   // Softcap first (S becomes t = tanh(coef S), common/softmax.h).
+  const auto unmasked = mask.template unmasked_m_blocks<kBlockM, kBlockN>(col0);
   auto compute_p = [&](int m, int stage) {
     const int row0 = m * kBlockM;
     const float* lse = shared.smem_lse + stage * kBlockM;
-    const bool need_mask = mask.template needs_masking<kBlockM, kBlockN>(row0, col0);
+    const bool need_mask = unmasked.masks(m);
     if constexpr (Traits::kGeneral) {
       if (params.softcap_coef != 0.f) apply_softcap(tSrS, params.softcap_coef);
     }

@@ -102,6 +102,7 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
     pipeline_do.consumer_wait(rdo);
     gemm(cute::true_type{}, mma_sdp, tdPrV, tdPrdO(_, _, _, rdo.index()), tdPrdP);
   };
+  const auto unmasked = mask.template unmasked_m_blocks<kBlockM, kBlockN>(col0);
   auto compute_p = [&](int m, int stage) __attribute__((always_inline)) {
     // P^T = exp2(S^T * scale_log2 - lse) in place, 0 where masked (keys past seqlen_k, or in the
     // causal future: S = -inf first). Query columns past seqlen_q have lse = +inf (and dO = 0):
@@ -112,7 +113,7 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
     if constexpr (Traits::kGeneral) {
       if (params.softcap_coef != 0.f) apply_softcap(tSrS, params.softcap_coef);  // t = tanh(coef S)
     }
-    if (mask.template needs_masking<kBlockM, kBlockN>(row0, col0)) mask.apply_transposed(tSrS_rc, tScS_rc, row0, col0);
+    if (unmasked.masks(m)) mask.apply_transposed(tSrS_rc, tScS_rc, row0, col0);
     CUTLASS_PRAGMA_UNROLL
     for (int j = 0; j < kCols; ++j) {
       const float col_lse = lse[get<1>(tScS_rc(0, j))];

@@ -143,6 +143,46 @@ struct Mask {
            (kWindow && col0 < last_row + lo_off);
   }
 
+  // The blocks a loop over one block's partners leaves unmasked, [lo, hi): needs_masking is false
+  // exactly there (tests/test_mask.cpp). Computed once per tile, so that the loop tests its block
+  // index against two bounds instead of the mask's four fields and the tile's row. NOTES: the
+  // per-block needs_masking kept seqlen_q, seqlen_k, lo_off, hi_off and row0 live through the
+  // general kernels' main loops, where ptxas spilled (docs/perf-log.md V5).
+  // kHasLo: the range has a lower bound (else lo is ignored: every index is >= 0).
+  template <bool kHasLo>
+  struct Unmasked {
+    int lo, hi;
+    FLASH3_HD bool masks(int block) const { return (kHasLo && block < lo) || block >= hi; }
+  };
+  // Key blocks of the query block whose first row is row0 (the forward's loop).
+  template <int kBlockM, int kBlockN>
+  FLASH3_HD Unmasked<kWindow> unmasked_n_blocks(int row0) const {
+    const int last_row = (row0 + kBlockM < seqlen_q ? row0 + kBlockM : seqlen_q) - 1;
+    // (n + 1) kBlockN > x  <=>  n >= floor(x / kBlockN);  n kBlockN < y  <=>  n < ceil(y / kBlockN).
+    int hi = floor_div(seqlen_k, kBlockN);
+    if (kRightBound) hi = min_int(hi, floor_div(row0 + hi_off, kBlockN));
+    const int lo = kWindow ? -floor_div(-(last_row + lo_off), kBlockN) : 0;
+    return Unmasked<kWindow>{lo, hi};
+  }
+  // Query blocks of the key block whose first key is col0 (the backward's loop).
+  template <int kBlockM, int kBlockN>
+  FLASH3_HD Unmasked<kRightBound> unmasked_m_blocks(int col0) const {
+    constexpr int kNone = 1 << 30;  // past any block index
+    if (col0 + kBlockN > seqlen_k) return Unmasked<kRightBound>{kNone, -kNone};
+    // Right of the window: col0 + kBlockN > m kBlockM + hi_off for m < ceil((col0 + kBlockN - hi_off) / kBlockM).
+    const int lo = kRightBound ? -floor_div(-(col0 + kBlockN - hi_off), kBlockM) : 0;
+    // Left of it: col0 - lo_off < min(m kBlockM + kBlockM, seqlen_q) - 1, for every m past
+    // floor((w - kBlockM + 1) / kBlockM) while w < seqlen_q - 1.
+    int hi = kNone;
+    if (kWindow) {
+      const int w = col0 - lo_off;
+      if (w < seqlen_q - 1) hi = floor_div(w - kBlockM + 1, kBlockM) + 1;
+    }
+    return Unmasked<kRightBound>{lo, hi};
+  }
+  FLASH3_HD static int floor_div(int x, int d) { return x >= 0 ? x / d : -((-x + d - 1) / d); }
+  FLASH3_HD static int min_int(int a, int b) { return a < b ? a : b; }
+
 #if defined(__CUDACC__)
   // S in (row, col) view with its coordinates inside the tile (tScS, same view); row0 / col0:
   // the tile's first query row / key column. Invisible scores become -inf.

@@ -168,9 +168,9 @@ struct FwdFp8Mainloop {
     clear(tOrO);
     float o_unit = 1.f;
 
+    const auto unmasked = mask.template unmasked_n_blocks<kBlockM, kBlockN>(row0);
     auto softmax_step = [&](int n_block, float coef, float (&rescale)[kRows]) -> bool {
-      const int col0 = n_block * kBlockN;
-      if (mask.template needs_masking<kBlockM, kBlockN>(row0, col0)) mask.apply(tSrS_rc, tScS_rc, row0, col0);
+      if (unmasked.masks(n_block)) mask.apply(tSrS_rc, tScS_rc, row0, n_block * kBlockN);
       return softmax.step(tSrS_rc, coef, rescale);
     };
     auto gemm_qk = [&]() {

@@ -116,12 +116,12 @@ struct FwdMainloop {
     // S = Q K_j^T landed in tSrS: softcap it (if on), mask it where the block crosses the end of
     // the keys or the window (causal: the diagonal), then the online softmax (lines 18-19), which gives the O rescale factors
     // and whether any row of the warp needs them (softmax.h).
+    const auto unmasked = mask.template unmasked_n_blocks<kBlockM, kBlockN>(row0);
     auto softmax_step_on = [&](decltype(tSrS_rc)& s_rc, int n_block, float (&rescale)[kRows]) -> bool {
-      const int col0 = n_block * kBlockN;
       if constexpr (Traits::kGeneral) {
         if (p.softcap_coef != 0.f) apply_softcap(s_rc, p.softcap_coef);
       }
-      if (mask.template needs_masking<kBlockM, kBlockN>(row0, col0)) mask.apply(s_rc, tScS_rc, row0, col0);
+      if (unmasked.masks(n_block)) mask.apply(s_rc, tScS_rc, row0, n_block * kBlockN);
       return softmax.step(s_rc, rescale);
     };
     auto softmax_step = [&](int n_block, float (&rescale)[kRows]) -> bool {
