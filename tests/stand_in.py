@@ -1,12 +1,13 @@
 """CPU stand-ins for flash3's library calls (forward_into, backward_into, forward_varlen_into,
-backward_varlen_into, quantize_fp8_into), for the tests that run without a GPU: the attention
-math in float64, written into the caller's buffers as the library would (rows that see no key:
-out 0, lse +inf; dq 0; FP8 inputs dequantized by their scales first; variable-length batches one
-sequence at a time, out and lse rows past seqused_q untouched, gradient rows past seqused 0),
-and the FP8 block quantization (with the Hadamard rotation of src/quant/hadamard.h) computed as
-the kernel does, in float32 where it rounds. Everything above them (the operators, their fakes
-and autograd, the eager paths, the allocation of outputs and the handling of dout) is flash3's
-own code.
+backward_varlen_into, forward_kvcache_into, quantize_fp8_into), for the tests that run without a
+GPU: the attention math in float64, written into the caller's buffers as the library would (rows
+that see no key: out 0, lse +inf; dq 0; FP8 inputs dequantized by their scales first;
+variable-length batches one sequence at a time, out and lse rows past seqused_q untouched,
+gradient rows past seqused 0; a KV cache one batch entry at a time over its first cache_seqlens
+keys), and the FP8 block quantization (with the Hadamard rotation of src/quant/hadamard.h)
+computed as the kernel does, in float32 where it rounds. Everything above them (the operators,
+their fakes and autograd, the eager paths, the allocation of outputs and the handling of dout)
+is flash3's own code.
 
     calls = stand_in.install(monkeypatch)   # each call appends (name, dict of its arguments)
 """
@@ -184,7 +185,7 @@ def dequantize(t, scale, block, heads_kv):
 
 def install(monkeypatch):
     """Puts the stand-ins in place of flash3._kernels.forward_into / backward_into /
-    forward_varlen_into / backward_varlen_into / quantize_fp8_into (what flash3's kernels,
+    forward_varlen_into / backward_varlen_into / forward_kvcache_into / quantize_fp8_into (what flash3's kernels,
     operators and autograd call); returns the list the calls are logged in."""
     calls = []
 
@@ -251,9 +252,25 @@ def install(monkeypatch):
             buf.copy_(g)
         return dq, dk, dv
 
+    def forward_kvcache_into(q, k_cache, v_cache, out, lse, cache_seqlens=None, softmax_scale=None, causal=False,
+                             window_left=-1, window_right=-1, softcap=0.0, check_seqlens=True):
+        calls.append(("fwd_kvcache", dict(q=q, k_cache=k_cache, v_cache=v_cache, out=out, lse=lse,
+                                          cache_seqlens=cache_seqlens, softmax_scale=softmax_scale, causal=causal,
+                                          window_left=window_left, window_right=window_right, softcap=softcap,
+                                          check_seqlens=check_seqlens)))
+        kw = dict(softmax_scale=softmax_scale, causal=causal, window=(window_left, window_right), softcap=softcap)
+        for b in range(q.shape[0]):  # entry b over its first cache_seqlens[b] keys
+            n = k_cache.shape[1] if cache_seqlens is None else min(max(int(cache_seqlens[b]), 0), k_cache.shape[1])
+            o, l = attention(q[b:b + 1], k_cache[b:b + 1, :n], v_cache[b:b + 1, :n], **kw)
+            out[b] = o[0]
+            if lse is not None:
+                lse[b] = l[0]
+        return out, lse
+
     monkeypatch.setattr(flash3._kernels, "forward_into", forward_into)
     monkeypatch.setattr(flash3._kernels, "backward_into", backward_into)
     monkeypatch.setattr(flash3._kernels, "quantize_fp8_into", quantize_fp8_into)
     monkeypatch.setattr(flash3._kernels, "forward_varlen_into", forward_varlen_into)
     monkeypatch.setattr(flash3._kernels, "backward_varlen_into", backward_varlen_into)
+    monkeypatch.setattr(flash3._kernels, "forward_kvcache_into", forward_kvcache_into)
     return calls

@@ -46,8 +46,9 @@ def test_cpu_ops_registered_with_schemas():
     for op in (torch.ops.flash3.fwd.default, torch.ops.flash3.bwd.default):
         assert torch.Tag.pt2_compliant_tag in op.tags
         assert not op._schema.is_mutable  # functional: no copies under functionalization
-    # FP8: tests/test_fp8.py; varlen: tests/test_varlen.py
-    assert list(flash3._ops.OPS) == ["fwd", "bwd", "fwd_fp8", "quantize_fp8", "fwd_varlen", "bwd_varlen"]
+    # FP8: tests/test_fp8.py; varlen: tests/test_varlen.py; KV cache: tests/test_kvcache.py
+    assert list(flash3._ops.OPS) == ["fwd", "bwd", "fwd_fp8", "quantize_fp8", "fwd_varlen", "bwd_varlen",
+                                     "fwd_kvcache"]
     assert flash3._ops.fwd is torch.ops.flash3.fwd.default and flash3._ops.bwd is torch.ops.flash3.bwd.default
 
 

@@ -553,45 +553,50 @@ def _seqlen_fields(max_seqlen_q, max_seqlen_k, check_seqlens):
 
 
 # The length tensors whose values the library has checked (check_seqlens), so that a training
-# step's many calls with the same cu_seqlens synchronize once: id(cu_seqlens_q) -> (a weak
-# reference to it, the other tensors' weak references, every tensor's version counter, the maxima
-# and the packed lengths at that check). In-place changes bump a tensor's version, so they are
-# checked again; inference tensors have no version counter and are checked at every call.
-# (Keyed by id with the reference compared by `is`: tensors cannot be dict keys, their == is
-# elementwise.)
+# step's many calls with the same cu_seqlens synchronize once: id(the first given length
+# tensor) -> (weak references to the four, their version counters, the maxima and the sides'
+# row shapes at that check). In-place changes bump a tensor's version, so they are checked
+# again; inference tensors have no version counter and are checked at every call. (Keyed by id
+# with the references compared by `is`: tensors cannot be dict keys, their == is elementwise.)
 _CHECKED_SEQLENS = {}
 _CHECKED_SEQLENS_MAX = 64
 
 
-def _seqlens_state(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, total_q, total_k):
+def _seqlens_state(tensors, max_seqlen_q, max_seqlen_k, rows_q, rows_k):
     """What a check of these lengths covers: (weak references, values), or None where it cannot
     be told."""
-    tensors = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     try:
         versions = tuple(None if t is None else t._version for t in tensors)
         refs = tuple(None if t is None else weakref.ref(t) for t in tensors)
     except (AttributeError, RuntimeError, TypeError):
         return None
-    return refs, (versions, max_seqlen_q, max_seqlen_k, total_q, total_k)
+    return refs, (versions, max_seqlen_q, max_seqlen_k, rows_q, rows_k)
 
 
 def _same_tensors(a, b):
     return all((x is None) == (y is None) and (x is None or x() is y()) for x, y in zip(a, b))
 
 
+def _alive(refs):
+    return all(r is None or r() is not None for r in refs)
+
+
 def _checked_once(check_seqlens, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
                   q, k):
-    """(whether the library must check the length values now, the state to remember once it did)."""
+    """(whether the library must check the length values now, what to remember once it did)."""
     if not check_seqlens or _capturing():
         return False, None
+    tensors = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    anchor = next((t for t in tensors if t is not None), None)
     try:
-        state = _seqlens_state(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
-                               q.shape[0], k.shape[0])
+        state = _seqlens_state(tensors, max_seqlen_q, max_seqlen_k, tuple(q.shape[:-2]), tuple(k.shape[:-2]))
     except (AttributeError, IndexError, TypeError):
         return True, None
-    old = _CHECKED_SEQLENS.get(id(cu_seqlens_q))
-    known = state is not None and old is not None and old[1] == state[1] and _same_tensors(old[0], state[0])
-    return not known, state
+    if state is None or anchor is None:
+        return True, None
+    old = _CHECKED_SEQLENS.get(id(anchor))
+    known = old is not None and old[1] == state[1] and _same_tensors(old[0], state[0])
+    return not known, (id(anchor), state)
 
 
 def _capturing():
@@ -602,15 +607,16 @@ def _capturing():
         return False
 
 
-def _remember_checked(state):
-    if state is None:
+def _remember_checked(entry):
+    if entry is None:
         return
     if len(_CHECKED_SEQLENS) >= _CHECKED_SEQLENS_MAX:
-        for key in [key for key, (refs, _) in _CHECKED_SEQLENS.items() if refs[0]() is None]:
+        for key in [key for key, (refs, _) in _CHECKED_SEQLENS.items() if not _alive(refs)]:
             del _CHECKED_SEQLENS[key]
         if len(_CHECKED_SEQLENS) >= _CHECKED_SEQLENS_MAX:
             _CHECKED_SEQLENS.clear()
-    _CHECKED_SEQLENS[id(state[0][0]())] = state
+    key, state = entry
+    _CHECKED_SEQLENS[key] = state
 
 
 def forward_varlen_into(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,
@@ -737,3 +743,85 @@ def bwd_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     return backward_varlen_into(kernel_readable(dout), q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
                                 max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, softmax_scale, causal,
                                 deterministic, window_left, window_right, softcap)
+
+
+# ---- KV cache (decoding) --------------------------------------------------------------------
+
+def kvcache_shapes(q, k_cache, v_cache, cache_seqlens):
+    """(batch, seqlen_q, nheads): the shape arithmetic of the KV-cache attention of q (batch,
+    seqlen_q, nheads, headdim) over k_cache, v_cache (batch, seqlen_cache, nheads_kv, headdim)
+    (symbolic sizes stay symbolic). ValueError naming the argument where q, k_cache or v_cache is
+    not a 4-dim tensor, float8 q (NotImplementedError), or cache_seqlens (not None) is not a
+    rank-1 torch.int32 tensor of batch entries on q's device. The rest is the library's to check."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            what = "(batch, seqlen_q, nheads, headdim)" if name == "q" else "(batch, seqlen_cache, nheads_kv, headdim)"
+            raise ValueError(f"{name}: expected {what}, got shape {tuple(t.shape)}")
+    if q.dtype in FP8_DTYPES:
+        raise NotImplementedError(f"q: dtype {q.dtype} is not supported by flash3's KV-cache attention "
+                                  "(torch.bfloat16 or torch.float16 q, k_cache, v_cache only)")
+    b, sq, h, _ = q.shape
+    if cache_seqlens is not None:
+        _seqlens_tensor("cache_seqlens", cache_seqlens, q, "batch", b, f"q has batch = {b}")
+    return b, sq, h
+
+
+# The library's names for the cache arguments (the lengths are its seqused_k) -> the caller's.
+_CACHE_NAMES = ((re.compile(r"\bseqused_k\b"), "cache_seqlens"), (re.compile(r"(?<![\w.])k(?=[:.\[ ,)]|$)"), "k_cache"),
+                (re.compile(r"(?<![\w.])v(?=[:.\[ ,)]|$)"), "v_cache"))
+
+
+def _cache_names(msg):
+    for pattern, name in _CACHE_NAMES:
+        msg = pattern.sub(name, msg)
+    return msg
+
+
+def forward_kvcache_into(q, k_cache, v_cache, out, lse, cache_seqlens=None, softmax_scale=None, causal=False,
+                         window_left=-1, window_right=-1, softcap=0.0, check_seqlens=True):
+    """Attention of new queries over a KV cache (decoding), into caller-given buffers: q and out
+    (batch, seqlen_q, nheads, headdim), k_cache and v_cache (batch, seqlen_cache, nheads_kv,
+    headdim), bfloat16 or float16; cache_seqlens int32 (batch) on q's device, or None (the whole
+    cache): batch entry b attends to its first cache_seqlens[b] keys, the masks (causal,
+    window_left, window_right) aligned bottom-right to them: query row i is the key position
+    cache_seqlens[b] - seqlen_q + i. lse float32 (batch, nheads, seqlen_q) or None. Rows that
+    see no key: out 0, lse +inf. softmax_scale, softcap: forward_into's. check_seqlens: as
+    forward_varlen_into's (each cache_seqlens at most seqlen_cache; once per set of tensors).
+    This is the library's variable-length forward with seqused_k = cache_seqlens and neither
+    side packed. Raises ValueError naming the argument, RuntimeError otherwise."""
+    scale = _scale_arg(softmax_scale)
+    mask = mask_fields(window_left, window_right, softcap)
+    check_now, state = _checked_once(check_seqlens, None, None, None, cache_seqlens, 0, 0, q, k_cache)
+    seqlens = _seqlen_fields(0, 0, check_now)
+    try:
+        tensors = (*_fields(q), *_fields(k_cache), *_fields(v_cache), *_fields(out), *_fields(lse))
+        varlen = (*_NULL, *_NULL, *_NULL, *_fields(cache_seqlens))
+        index = q.get_device()
+    except (AttributeError, KeyError, IndexError, TypeError, ValueError):
+        _explain((("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out), ("lse", lse),
+                  ("cache_seqlens", cache_seqlens)), optional=("lse", "cache_seqlens"))
+        raise
+    _has_varlen()
+    lib, buf = _lib.lib(), _lib.err_buffer()
+    with _on_device(index):  # on torch's current stream of q's device
+        args = _FWD_VARLEN.pack(_lib.FWD_ARGS_SIZE, 1 if causal else 0, scale, 0, *tensors, _stream(index),
+                                *_NULL * 3, *mask, *varlen, *seqlens)
+        rc = lib.flash3_fwd(args, buf, _lib.ERR_LEN)
+    _check(rc, buf, "flash3_fwd", _cache_names)
+    if check_now:
+        _remember_checked(state)
+    return out, lse
+
+
+def fwd_kvcache(q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None, causal=False, want_lse=True,
+                window_left=-1, window_right=-1, softcap=0.0):
+    """(out, lse) of forward_kvcache_into: out contiguous, shaped and typed like q; lse float32
+    (batch, nheads, seqlen_q), contiguous (None when not want_lse). The shapes and layouts are
+    those of the fake of flash3::fwd_kvcache (_ops.py): keep them in step."""
+    b, sq, h = kvcache_shapes(q, k_cache, v_cache, cache_seqlens)
+    out = torch.empty_like(q, memory_format=_CONTIGUOUS)
+    lse = q.new_empty((b, h, sq), dtype=_FLOAT32) if want_lse else None
+    return forward_kvcache_into(q, k_cache, v_cache, out, lse, cache_seqlens, softmax_scale, causal, window_left,
+                                window_right, softcap)

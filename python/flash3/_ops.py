@@ -18,6 +18,10 @@ CUDA graphs (mode="reduce-overhead") and FakeTensor tracing:
                                 causal=False, deterministic=False, window_left=-1, window_right=-1,
                                 softcap=0.0) -> (dq, dk, dv)
 
+    torch.ops.flash3.fwd_kvcache(q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None,
+                                 causal=False, window_left=-1, window_right=-1, softcap=0.0)
+                                 -> (out, lse)
+
 window_left, window_right: FlashAttention-3's sliding window (-1: no bound on that side; the
 library refuses < -1), softcap: > 0 caps the scaled scores (0.0: none; 16-bit inputs only), as
 _kernels.forward_into; the backward must be given the forward's. (Appended with defaults: calls
@@ -43,6 +47,9 @@ cu_seqlens_q / cu_seqlens_k int32 (batch + 1), seqused_q / seqused_k int32 (batc
 float32 (nheads, total_q); max_seqlen_q / max_seqlen_k are SymInts (the outputs' shapes do not
 depend on them, nor on the values of the length tensors). fwd_varlen is differentiable in q, k,
 v through bwd_varlen. With seqused_q, out rows past it are 0 and lse rows +inf.
+fwd_kvcache (decoding, _kernels.forward_kvcache_into): q (batch, seqlen_q, nheads, head_dim) over
+k_cache, v_cache (batch, seqlen_cache, nheads_kv, head_dim), cache_seqlens int32 (batch) or None
+(the whole cache); out like q, lse float32 (batch, nheads, seqlen_q); inference only, as fwd_fp8.
 
 Adding an operator (a KV cache, say): a kernel in _kernels.py, then here one annotated
 function that calls it, its fake (shape arithmetic and new_empty / empty_like on the fake
@@ -289,6 +296,23 @@ def _bwd_varlen_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_se
             torch.empty_like(v, memory_format=cf))
 
 
+# ---- flash3::fwd_kvcache -------------------------------------------------------------------
+
+def _fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Optional[Tensor] = None,
+                 softmax_scale: Optional[float] = None, causal: bool = False, window_left: int = -1,
+                 window_right: int = -1, softcap: float = 0.0) -> tuple[Tensor, Tensor]:
+    return _kernels.fwd_kvcache(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal, True, window_left,
+                                window_right, softcap)
+
+
+def _fwd_kvcache_fake(q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None, causal=False, window_left=-1,
+                      window_right=-1, softcap=0.0):
+    _check_mask(window_left, window_right, softcap)
+    b, sq, h = _kernels.kvcache_shapes(q, k_cache, v_cache, cache_seqlens)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    return out, q.new_empty((b, h, sq), dtype=torch.float32)
+
+
 if available:
     fwd = _define("fwd", _fwd, _fwd_fake, fwd_setup_context, fwd_backward)
     bwd = _define("bwd", _bwd, _bwd_fake)
@@ -296,6 +320,7 @@ if available:
     quantize_fp8 = _define("quantize_fp8", _quantize_fp8, _quantize_fp8_fake)
     fwd_varlen = _define("fwd_varlen", _fwd_varlen, _fwd_varlen_fake, fwd_varlen_setup_context, fwd_varlen_backward)
     bwd_varlen = _define("bwd_varlen", _bwd_varlen, _bwd_varlen_fake)
+    fwd_kvcache = _define("fwd_kvcache", _fwd_kvcache, _fwd_kvcache_fake)
 else:  # pragma: no cover (PyTorch < 2.4)
     fwd, bwd, fwd_fp8, quantize_fp8 = _fwd, _bwd, _fwd_fp8, _quantize_fp8
-    fwd_varlen, bwd_varlen = _fwd_varlen, _bwd_varlen
+    fwd_varlen, bwd_varlen, fwd_kvcache = _fwd_varlen, _bwd_varlen, _fwd_kvcache

@@ -41,6 +41,14 @@ num_splits (FlashAttention-3 splits the keys across blocks; flash3 picks its own
 its output is the same for every value), pack_gqa (a GQA layout choice) and sm_margin (SMs left
 free for other kernels).
 
+Decoding, as FlashAttention-3's flash_attn_with_kvcache, over a contiguous cache: q (batch,
+seqlen_q, nheads, headdim) attends to k_cache, v_cache (batch, seqlen_cache, nheads_kv, headdim),
+entry b to its first cache_seqlens[b] keys (an int, an int32 (batch) tensor, or None: the whole
+cache), masks aligned bottom-right to them; inference only. Not yet (NotImplementedError naming
+the argument): appending k, v, rotary, cache_batch_idx, cache_leftpad, page_table,
+cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, rotary_seqlens, the descales, scheduler_metadata;
+num_splits, pack_gqa and sm_margin are accepted and ignored.
+
 In eager mode the calls run the library directly (the lowest host time); under torch.compile,
 torch.export or any FakeTensor / dispatch-mode tracing they call the torch.library operators
 torch.ops.flash3.fwd / bwd and fwd_varlen / bwd_varlen (_ops.py), which trace without a graph
@@ -52,7 +60,7 @@ import torch
 
 from . import _kernels, _ops
 
-__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func"]
+__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]
 
 # FlashAttention-3 arguments flash3 accepts and ignores (speed only; see above).
 _IGNORED = ("num_splits", "pack_gqa", "sm_margin")
@@ -408,3 +416,97 @@ def flash_attn_varlen_func(
         out, lse = _ops.fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
                                    seqused_k, softmax_scale, causal, deterministic, left, right, softcap)
     return (out, lse) if return_attn_probs else out
+
+
+def _cache_seqlens(cache_seqlens, q):
+    """cache_seqlens as an int32 (batch) tensor on q's device (None stays None): an int is every
+    entry's length; ValueError naming it for what is neither (a tensor is checked by the kernel)."""
+    if cache_seqlens is None or isinstance(cache_seqlens, torch.Tensor):
+        return cache_seqlens
+    if isinstance(cache_seqlens, _SymInt):
+        n = cache_seqlens
+    else:
+        try:
+            n = operator.index(cache_seqlens)
+        except TypeError:
+            raise ValueError(f"cache_seqlens: expected an int, a torch.int32 tensor (batch,) or None, got "
+                             f"{type(cache_seqlens).__name__}") from None
+        if not 0 <= n <= _INT32_MAX:
+            raise ValueError(f"cache_seqlens: {n} is out of range; it must be in [0, seqlen_cache]")
+    return torch.full((q.shape[0],), n, dtype=torch.int32, device=q.device)
+
+
+def flash_attn_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    qv=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens=None,
+    cache_batch_idx=None,
+    cache_leftpad=None,
+    page_table=None,
+    cu_seqlens_q=None,
+    cu_seqlens_k_new=None,
+    max_seqlen_q=None,
+    rotary_seqlens=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    attention_chunk=0,
+    softcap=0.0,
+    rotary_interleaved=True,
+    scheduler_metadata=None,
+    num_splits=0,
+    pack_gqa=None,
+    sm_margin=0,
+    return_softmax_lse=False,
+):
+    """Attention of new queries over a KV cache (decoding), as FlashAttention-3's
+    flash_attn_with_kvcache, for a contiguous cache.
+
+    q (batch, seqlen_q, nheads, headdim); k_cache, v_cache (batch, seqlen_cache, nheads_kv,
+    headdim): CUDA tensors, bf16 or fp16, headdim 64, 128 or 256, nheads a multiple of nheads_kv.
+    cache_seqlens: int, int32 (batch) on q's device, or None (seqlen_cache): entry b attends to
+    k_cache[b, :cache_seqlens[b]]; each at most seqlen_cache (checked, one device-to-host copy per
+    set of tensors; not while a CUDA graph is captured). causal, window_size, softcap,
+    softmax_scale: as flash_attn_func's, aligned bottom-right: query row i is at key position
+    cache_seqlens[b] - seqlen_q + i. A row that sees no key gives out 0 (softmax_lse +inf).
+    Returns out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse) when
+    return_softmax_lse, softmax_lse float32 (batch, nheads, seqlen_q). Inference only.
+    The unsupported and ignored arguments: see the module's docstring.
+    """
+    for name, value in (("k", k), ("v", v), ("qv", qv), ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
+                        ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
+                        ("page_table", page_table), ("cu_seqlens_q", cu_seqlens_q),
+                        ("cu_seqlens_k_new", cu_seqlens_k_new), ("max_seqlen_q", max_seqlen_q),
+                        ("rotary_seqlens", rotary_seqlens), ("q_descale", q_descale), ("k_descale", k_descale),
+                        ("v_descale", v_descale), ("scheduler_metadata", scheduler_metadata)):
+        if value is not None:
+            _unsupported(name, value)
+    if attention_chunk:
+        _unsupported("attention_chunk", attention_chunk)
+    left = right = -1
+    if window_size != (-1, -1):
+        causal, left, right = _window(window_size, causal)
+    if type(softcap) is not float or softcap != 0.0:
+        softcap = _softcap(softcap)
+    causal = bool(causal)
+    if isinstance(q, torch.Tensor) and q.dim() == 4:
+        cache_seqlens = _cache_seqlens(cache_seqlens, q)
+    lengths = () if cache_seqlens is None else (cache_seqlens,)
+    if _direct(q, k_cache, v_cache, *lengths) and not (
+            _grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad)):
+        out, lse = _kernels.fwd_kvcache(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal,
+                                        return_softmax_lse, left, right, softcap)
+    else:
+        # inputs that require grad: the operator, whose backward raises (inference only)
+        _kernels.kvcache_shapes(q, k_cache, v_cache, cache_seqlens)
+        out, lse = _ops.fwd_kvcache(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal, left, right, softcap)
+    return (out, lse) if return_softmax_lse else out

@@ -1,0 +1,272 @@
+"""Decoding over a contiguous KV cache: flash3.flash_attn_with_kvcache (FlashAttention-3's
+signature), the operator flash3::fwd_kvcache (schema, fake), forward_kvcache_into, the
+arguments not supported yet, argument errors, torch.compile, CUDA graphs, and the kernels'
+results.
+
+Entry b of q (batch, seqlen_q, nheads, headdim) attends to k_cache[b, :cache_seqlens[b]], the
+masks aligned bottom-right to that length. The reference: tests/test_torch.py's check (FP64
+stand-in, tolerance 2 x the plain input-precision error + 1e-5, lse within 1e-3) on each batch
+entry's slice of the cache; an entry with an empty cache gives out 0, lse +inf.
+Tests named test_cpu_* run without a GPU (the library calls stood in for on the CPU by
+tests/stand_in.py); tests parametrized over [cpu] and [cuda] make the same checks on both
+(cuda: a Hopper GPU and libflash3.so, skipped elsewhere); the others need the GPU.
+Run: PYTHONPATH=python python3 -m pytest -q tests/test_kvcache.py
+"""
+import inspect
+import os
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
+import flash3  # noqa: E402
+import stand_in  # noqa: E402
+from test_torch import check, gpu  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+FWD_KVCACHE_SCHEMA = ("flash3::fwd_kvcache(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? cache_seqlens=None, "
+                      "float? softmax_scale=None, bool causal=False, SymInt window_left=-1, SymInt window_right=-1, "
+                      "float softcap=0.) -> (Tensor, Tensor)")
+_ = inspect.Parameter.empty
+# FlashAttention-3, hopper/flash_attn_interface.py: (name, default) in order.
+FA3_FLASH_ATTN_WITH_KVCACHE = [
+    ("q", _), ("k_cache", _), ("v_cache", _), ("k", None), ("v", None), ("qv", None), ("rotary_cos", None),
+    ("rotary_sin", None), ("cache_seqlens", None), ("cache_batch_idx", None), ("cache_leftpad", None),
+    ("page_table", None), ("cu_seqlens_q", None), ("cu_seqlens_k_new", None), ("max_seqlen_q", None),
+    ("rotary_seqlens", None), ("q_descale", None), ("k_descale", None), ("v_descale", None),
+    ("softmax_scale", None), ("causal", False), ("window_size", (-1, -1)), ("attention_chunk", 0),
+    ("softcap", 0.0), ("rotary_interleaved", True), ("scheduler_metadata", None), ("num_splits", 0),
+    ("pack_gqa", None), ("sm_margin", 0), ("return_softmax_lse", False),
+]
+
+
+def problem(batch, seqlen_q, seqlen_cache, h, hk, d, dtype=torch.bfloat16, device="cpu", seed=0, lengths=None):
+    """Random q, k_cache, v_cache (N(0, 1)) and cache_seqlens (the given lengths, else random
+    in [0, seqlen_cache] with 0 and seqlen_cache among them)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device=device, dtype=torch.float32).to(dtype)
+
+    if lengths is None:
+        r = torch.randint(0, seqlen_cache + 1, (batch,), generator=torch.Generator().manual_seed(seed)).tolist()
+        lengths = ([0, seqlen_cache] + r)[:batch]
+    return dict(q=randn(batch, seqlen_q, h, d), k_cache=randn(batch, seqlen_cache, hk, d),
+                v_cache=randn(batch, seqlen_cache, hk, d),
+                cache_seqlens=torch.tensor(lengths, dtype=torch.int32, device=device))
+
+
+def check_kvcache(p, out, lse, causal=False, window=(-1, -1), softcap=0.0, scale=None):
+    """Each batch entry against the reference over its slice of the cache."""
+    q, k, v = p["q"], p["k_cache"], p["v_cache"]
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
+    for b, n in enumerate(p["cache_seqlens"].tolist()):
+        if n == 0:  # no key: out 0, lse +inf
+            assert (out[b] == 0).all() and torch.isposinf(lse[b]).all(), f"entry {b}: empty cache"
+            continue
+        check(q[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n], causal, scale, out=out[b:b + 1], lse=lse[b:b + 1],
+              window=window, softcap=softcap)
+
+
+# ---- registration, signature, fake ---------------------------------------------------------------
+
+def test_cpu_op_registered_and_signature_is_fa3s():
+    assert str(torch.ops.flash3.fwd_kvcache.default._schema) == FWD_KVCACHE_SCHEMA
+    op = torch.ops.flash3.fwd_kvcache.default
+    assert torch.Tag.pt2_compliant_tag in op.tags and not op._schema.is_mutable
+    assert {"flash_attn_with_kvcache", "forward_kvcache_into"} <= set(flash3.__all__)
+    assert flash3.flash_attn_interface.flash_attn_with_kvcache is flash3.flash_attn_with_kvcache
+    params = list(inspect.signature(flash3.flash_attn_with_kvcache).parameters.values())
+    assert [(x.name, x.default) for x in params] == FA3_FLASH_ATTN_WITH_KVCACHE
+    assert all(x.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for x in params)
+
+
+def test_cpu_fake_shapes():
+    """Under FakeTensorMode: out like q, contiguous; lse float32 (batch, nheads, seqlen_q)."""
+    with FakeTensorMode():
+        q = torch.empty(3, 2, 32, 128, dtype=torch.bfloat16, device="cuda")
+        k = torch.empty(3, 1000, 8, 128, dtype=torch.bfloat16, device="cuda")
+        lens = torch.empty(3, dtype=torch.int32, device="cuda")
+        qt = torch.empty(3, 32, 2, 128, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
+        for qq in (q, qt):
+            for cache_seqlens in (lens, None):
+                out, lse = torch.ops.flash3.fwd_kvcache(qq, k, k, cache_seqlens, causal=True)
+                assert out.shape == qq.shape and out.dtype == qq.dtype and out.is_contiguous()
+                assert lse.shape == (3, 32, 2) and lse.dtype == torch.float32
+
+
+# ---- results ----------------------------------------------------------------------------------------
+
+CASES = [  # batch, seqlen_q, seqlen_cache, h, hk, causal, window, softcap
+    ("decode_gqa8", 4, 1, 300, 8, 1, True, (-1, -1), 0.0),
+    ("decode_mha", 3, 1, 257, 4, 4, False, (-1, -1), 0.0),
+    ("spec4_gqa4_causal", 4, 4, 300, 8, 2, True, (-1, -1), 0.0),
+    ("chunk130_causal_window", 3, 130, 400, 4, 2, True, (100, -1), 0.0),
+    ("spec3_softcap", 3, 3, 200, 4, 1, False, (-1, -1), 10.0),
+]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("hdim", [64, 128, 256])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_kvcache_matches_fp64(monkeypatch, device, dtype, hdim, case):
+    """cache_seqlens with 0, the whole cache and random lengths; GQA / MHA, causal, window,
+    softcap; on the GPU also forward_kvcache_into into NaN-poisoned buffers (every element
+    written, the same bits)."""
+    if device == "cpu":
+        if hdim != 64:
+            pytest.skip("the CPU run checks the wiring: one head dim")
+        stand_in.install(monkeypatch)
+    _, b, sq, sc, h, hk, causal, window, softcap = case
+    p = problem(b, sq, sc, h, hk, hdim, dtype, device, seed=hash((case[0], hdim)) % 2**31)
+    out, lse = flash3.flash_attn_with_kvcache(p["q"], p["k_cache"], p["v_cache"], cache_seqlens=p["cache_seqlens"],
+                                              causal=causal, window_size=window, softcap=softcap,
+                                              return_softmax_lse=True)
+    check_kvcache(p, out, lse, causal, window, softcap)
+    assert torch.equal(flash3.flash_attn_with_kvcache(p["q"], p["k_cache"], p["v_cache"],
+                                                      cache_seqlens=p["cache_seqlens"], causal=causal,
+                                                      window_size=window, softcap=softcap), out)
+    if device == "cuda":
+        c, left, right = flash3.flash_attn_interface._window(window, causal)
+        out2, lse2 = torch.full_like(out, float("nan")), torch.full_like(lse, float("nan"))
+        flash3.forward_kvcache_into(p["q"], p["k_cache"], p["v_cache"], out2, lse2, p["cache_seqlens"], causal=c,
+                                    window_left=left, window_right=right, softcap=softcap)
+        torch.cuda.synchronize()
+        assert torch.equal(out2, out) and torch.equal(lse2, lse), "forward_kvcache_into into poisoned buffers differs"
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+def test_int_and_missing_cache_seqlens(monkeypatch, device):
+    """An int is every entry's length (FlashAttention-3's torch.full); None is the whole cache,
+    the same as flash_attn_func over it."""
+    if device == "cpu":
+        stand_in.install(monkeypatch)
+    p = problem(3, 2, 150, 4, 2, 64, device=device, seed=5, lengths=[77, 77, 77])
+    q, k, v = p["q"], p["k_cache"], p["v_cache"]
+    by_tensor = flash3.flash_attn_with_kvcache(q, k, v, cache_seqlens=p["cache_seqlens"], causal=True)
+    assert torch.equal(flash3.flash_attn_with_kvcache(q, k, v, cache_seqlens=77, causal=True), by_tensor)
+    whole, lse = flash3.flash_attn_with_kvcache(q, k, v, causal=True, return_softmax_lse=True)
+    ref, ref_lse = flash3.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    torch.testing.assert_close(whole, ref, rtol=0, atol=0)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=0)
+
+
+def test_cpu_compile_fullgraph(calls):
+    """torch.compile(fullgraph=True, dynamic=True) through flash3::fwd_kvcache, with an int and a
+    tensor cache_seqlens, and the reference's results."""
+    def f(q, k, v, lens):
+        return flash3.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, causal=True, return_softmax_lse=True)
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager", dynamic=True)
+    for seed, sc in ((1, 120), (2, 90)):
+        p = problem(2, 3, sc, 4, 2, 64, seed=seed)
+        out, lse = compiled(p["q"], p["k_cache"], p["v_cache"], p["cache_seqlens"])
+        check_kvcache(p, out, lse, causal=True)
+    assert [name for name, _ in calls] == ["fwd_kvcache"] * 2
+    out = torch.compile(lambda q, k, v: flash3.flash_attn_with_kvcache(q, k, v, cache_seqlens=40), fullgraph=True,
+                        backend="aot_eager")(p["q"], p["k_cache"], p["v_cache"])
+    assert calls[-1][1]["cache_seqlens"].tolist() == [40, 40] and out.shape == p["q"].shape
+
+
+# ---- arguments ----------------------------------------------------------------------------------------
+
+UNSUPPORTED = ["k", "v", "qv", "rotary_cos", "rotary_sin", "cache_batch_idx", "cache_leftpad", "page_table",
+               "cu_seqlens_q", "cu_seqlens_k_new", "max_seqlen_q", "rotary_seqlens", "q_descale", "k_descale",
+               "v_descale", "scheduler_metadata"]
+
+
+@pytest.mark.parametrize("name", UNSUPPORTED + ["attention_chunk"])
+def test_cpu_unsupported_arguments_raise_naming_them(calls, name):
+    p = problem(2, 1, 16, 2, 1, 64)
+    value = 128 if name == "attention_chunk" else torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match=rf"^{name}=.* is not supported by flash3"):
+        flash3.flash_attn_with_kvcache(p["q"], p["k_cache"], p["v_cache"], cache_seqlens=p["cache_seqlens"],
+                                       **{name: value})
+    assert calls == []
+
+
+def test_cpu_speed_hints_accepted_and_ignored(calls):
+    p = problem(2, 1, 16, 2, 1, 64, seed=3)
+    base = flash3.flash_attn_with_kvcache(p["q"], p["k_cache"], p["v_cache"], cache_seqlens=p["cache_seqlens"])
+    hinted = flash3.flash_attn_with_kvcache(p["q"], p["k_cache"], p["v_cache"], cache_seqlens=p["cache_seqlens"],
+                                            num_splits=4, pack_gqa=True, sm_margin=8, rotary_interleaved=False)
+    assert torch.equal(base, hinted)
+
+
+@pytest.mark.parametrize("change, error, pattern", [
+    (dict(cache_seqlens=torch.zeros(2, dtype=torch.int64)), ValueError, r"^cache_seqlens: dtype torch.int64"),
+    (dict(cache_seqlens=torch.zeros(3, dtype=torch.int32)), ValueError, r"^cache_seqlens: shape \(3,\), expected"),
+    (dict(cache_seqlens=torch.zeros(2, 1, dtype=torch.int32)), ValueError, r"^cache_seqlens: expected shape"),
+    (dict(cache_seqlens=-1), ValueError, r"^cache_seqlens: -1 is out of range"),
+    (dict(cache_seqlens=1.5), ValueError, r"^cache_seqlens: expected an int"),
+    (dict(k_cache=torch.zeros(2, 16, 64)), ValueError, r"^k_cache: expected \(batch, seqlen_cache"),
+    (dict(q=torch.zeros(2, 2, 64)), ValueError, r"^q: expected \(batch, seqlen_q"),
+    (dict(window_size=(1, 2, 3)), ValueError, r"^window_size"),
+], ids=["lens_dtype", "lens_length", "lens_rank", "lens_negative_int", "lens_float", "k_rank", "q_rank", "window"])
+def test_cpu_bad_arguments_raise_naming_them(calls, change, error, pattern):
+    p = problem(2, 1, 16, 2, 1, 64)
+    args = dict(q=p["q"], k_cache=p["k_cache"], v_cache=p["v_cache"], cache_seqlens=p["cache_seqlens"])
+    args.update(change)
+    with pytest.raises(error, match=pattern):
+        flash3.flash_attn_with_kvcache(**args)
+    assert calls == []
+
+
+def test_cpu_library_names_are_the_callers():
+    """The library's messages name its seqused_k, k and v; the caller reads cache_seqlens,
+    k_cache and v_cache."""
+    names = flash3._kernels._cache_names
+    assert names("flash3::fwd: seqused_k[1] is 9 but k.shape[1] (seqlen_k) is 8; seqused must be at most "
+                 "the sequence's length") == ("flash3::fwd: cache_seqlens[1] is 9 but k_cache.shape[1] (seqlen_k) "
+                                              "is 8; seqused must be at most the sequence's length")
+    assert names("flash3::fwd: v: shape (2, 8, 1, 64) does not match k (2, 9, 1, 64)") == (
+        "flash3::fwd: v_cache: shape (2, 8, 1, 64) does not match k_cache (2, 9, 1, 64)")
+    assert names("q, k, v must be bfloat16") == "q, k_cache, v_cache must be bfloat16"
+
+
+# ---- GPU only ---------------------------------------------------------------------------------------
+
+@gpu
+def test_cache_seqlens_past_the_cache_raise_naming_it():
+    """A length above seqlen_cache: the library's check of the values, naming cache_seqlens (not
+    once the check was passed for the same unchanged tensor: then an in-place change is seen)."""
+    p = problem(3, 1, 64, 4, 1, 128, device="cuda", lengths=[10, 65, 3])
+    with pytest.raises(ValueError, match=r"cache_seqlens\[1\] is 65"):
+        flash3.flash_attn_with_kvcache(p["q"], p["k_cache"], p["v_cache"], cache_seqlens=p["cache_seqlens"])
+    lens = torch.tensor([10, 64, 3], dtype=torch.int32, device="cuda")
+    flash3.flash_attn_with_kvcache(p["q"], p["k_cache"], p["v_cache"], cache_seqlens=lens)
+    lens[2] = 70
+    with pytest.raises(ValueError, match=r"cache_seqlens\[2\] is 70"):
+        flash3.flash_attn_with_kvcache(p["q"], p["k_cache"], p["v_cache"], cache_seqlens=lens)
+
+
+@gpu
+def test_cuda_graph_decode_step_replayed_with_new_lengths():
+    """A decode step captured into a CUDA graph and replayed after cache_seqlens changed in place:
+    each replay attends to the new lengths (the reference's results)."""
+    p = problem(4, 1, 512, 16, 2, 128, device="cuda", seed=7, lengths=[1, 100, 511, 256])
+    q, k, v, lens = p["q"], p["k_cache"], p["v_cache"], p["cache_seqlens"]
+
+    def step():
+        return flash3.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, causal=True, return_softmax_lse=True)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        out, lse = step()
+    for new in ([2, 101, 512, 0], [300, 7, 64, 129]):
+        lens.copy_(torch.tensor(new, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check_kvcache(dict(p, cache_seqlens=lens), out, lse, causal=True)
