@@ -4,11 +4,13 @@
 # and the benchmarks. Logs and JSON go to $OUT (default ./out). The CUTLASS headers and the
 # GoogleTest sources must already be in third_party/ (run scripts/setup.sh here, then carry
 # third_party: the GPU machine has no network).
-#   usage: bash scripts/device_run.sh [all|build|bwdcheck|test|sanitize|profile|prof|causal|bench|bwdbench|power|fp8|mask|varlen|quick]...
+#   usage: bash scripts/device_run.sh [all|build|bwdcheck|test|sanitize|profile|prof|causal|bench|bwdbench|power|fp8|mask|varlen|decode|quick]...
 # fp8: bench/bench_fp8.py (the FP8 forward beside FlashAttention-3's, Table 3, the quantizer);
 # it needs .anchors/fa3_anchor.so.xz carried (../shared/anchors/fa3/), else runs without FA3.
 # mask: bench/bench_mask.py (sliding window and softcap beside FlashAttention-3; the same anchor).
 # varlen: bench/bench_varlen.py (variable-length batches beside FlashAttention-3; the same anchor).
+# decode: bench/bench_decode.py (KV-cache decoding beside FlashAttention-3's inference build; it
+# needs .anchors/fa3_decode.so.xz carried, ../shared/anchors/fa3_decode/).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -128,6 +130,12 @@ if has varlen; then
     timeout ${VARLEN_TIMEOUT:-300} python3 bench/bench_varlen.py --fa3 /tmp/fa3_anchor.so --json "$OUT/varlen.json" ${VARLEN_ARGS:-} > "$OUT/varlen.log" 2>&1
   log "varlen rc=$?"
   grep -E "^(equal|packed) " "$OUT/varlen.log" >> "$OUT/summary.txt"
+fi
+if has decode; then
+  FLASH3_LIB="$root/build/libflash3.so" PYTHONPATH="$root/python" PYTHONUNBUFFERED=1 \
+    timeout ${DECODE_TIMEOUT:-300} python3 bench/bench_decode.py --fa3 .anchors/fa3_decode.so.xz --json "$OUT/decode.json" ${DECODE_ARGS:-} > "$OUT/decode.log" 2>&1
+  log "decode rc=$?"
+  grep -E "^ +[0-9]+ +[0-9]+ \|" "$OUT/decode.log" >> "$OUT/summary.txt"
 fi
 if has power; then
   # Backward under sustained load beside cuDNN, with the SM clock and power draw (tools/bwd_power.py;

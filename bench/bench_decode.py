@@ -1,0 +1,157 @@
+#!/usr/bin/env python3
+"""Decoding speed: flash3's KV-cache attention beside FlashAttention-3's inference build, in one
+process, round robin (issue 44).
+
+    python3 bench/bench_decode.py --fa3 .anchors/fa3_decode.so.xz [--batches 1,8,64,128]
+        [--caches 1024,8192,65536,131072] [--heads 32,4] [--runs 3] [--reps 20] [--warmup 5]
+        [--json out.json]
+
+One point per (batch, cache length): q (batch, 1, heads_q, 128) bf16, a contiguous cache k, v
+(batch, cache, heads_kv, 128) bf16 (--heads: 32 query heads over 4 kv heads, GQA 8:1, as issue 44
+asks), cache_seqlens = the cache length for every entry, causal. A point whose cache (and the copy's buffer) would not
+fit in 80% of the free GPU memory is skipped.
+  flash3: flash3.forward_kvcache_into into preallocated out and lse, without the check of the
+          cache_seqlens values (which synchronizes; FlashAttention-3 has none);
+  FA3:    torch.ops.flash_attn_3.fwd(q, k_cache, v_cache, seqused_k=cache_seqlens, is_causal=True)
+          (its own split and GQA-packing heuristics);
+  copy:   the ceiling, a device-to-device copy of k_cache (bytes read + written per second).
+Reported per point: each time, t_fa3 / t_flash3 as median [min-max] over runs (>= 1: flash3 at or
+above FlashAttention-3), and the fraction of the copy's bandwidth at which each reads the cache
+(bytes of k and v / time / copy bandwidth). Timing as bench/timing.py (spin kernel, CUDA events,
+round robin, median per run).
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from timing import first_line, hopper_torch, ints, log, rel_diff, round_robin, sha256  # noqa: E402
+
+HDIM = 128
+SPIN = 200_000
+
+
+def stats(xs):
+    xs = [x for x in xs if x is not None]
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)} if xs else None
+
+
+def rng(st):
+    return "-" if not st else f"{st['median']:.3f} [{st['min']:.3f}-{st['max']:.3f}]"
+
+
+def load_decode_anchor(torch, path):
+    """torch.ops.flash_attn_3 of FlashAttention-3's inference build (a .so, or a .so.xz unpacked
+    into a temporary folder) and its info."""
+    import lzma
+    import shutil
+    so = path
+    if path.endswith(".xz"):
+        so = os.path.join(tempfile.mkdtemp(), "fa3_decode.so")
+        with lzma.open(path) as f, open(so, "wb") as g:
+            shutil.copyfileobj(f, g)
+    torch.ops.load_library(so)
+    fa3 = torch.ops.flash_attn_3
+    return fa3, {"path": os.path.abspath(path), "sha256": sha256(so), "fwd_schema": str(fa3.fwd.default._schema)}
+
+
+def time_point(torch, flash3, fa3, r, run, a, heads_q, heads_kv, seed):
+    """One run of one point: the calls timed round robin, each one's median into r["ms_runs"]
+    (the tensors are freed on return, before the next point's)."""
+    dev = torch.device("cuda")
+    b, c = r["batch"], r["cache"]
+    g = torch.Generator(device=dev)
+    g.manual_seed(seed)
+    q = torch.randn(b, 1, heads_q, HDIM, device=dev, dtype=torch.bfloat16, generator=g)
+    k = torch.randn(b, c, heads_kv, HDIM, device=dev, dtype=torch.bfloat16, generator=g)
+    v = torch.randn(b, c, heads_kv, HDIM, device=dev, dtype=torch.bfloat16, generator=g)
+    lens = torch.full((b,), c, dtype=torch.int32, device=dev)
+    out = torch.empty_like(q)
+    lse = torch.empty(b, heads_q, 1, device=dev, dtype=torch.float32)
+    copy_dst = torch.empty_like(k)
+    calls = {
+        "flash3": lambda: flash3.forward_kvcache_into(q, k, v, out, lse, lens, causal=True, check_seqlens=False)[0],
+        "copy": lambda: copy_dst.copy_(k),
+    }
+    if fa3 is not None:
+        calls["fa3"] = lambda: fa3.fwd(q, k, v, seqused_k=lens, is_causal=True)[0]
+    errors = r["errors"]
+    if run == 0 and fa3 is not None:
+        try:
+            r["check"]["vs_fa3"] = rel_diff(calls["flash3"]().clone(), calls["fa3"]())
+        except Exception as e:  # noqa: BLE001 - recorded
+            errors["check"] = first_line(e)
+    times = round_robin(torch, {n: f for n, f in calls.items() if n not in errors}, a.warmup, a.reps, SPIN, errors)
+    for n, t in times.items():
+        r["ms_runs"].setdefault(n, [None] * a.runs)[run] = statistics.median(t) if t else None
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--fa3", default=".anchors/fa3_decode.so.xz")
+    p.add_argument("--batches", type=ints, default=[1, 8, 64, 128])
+    p.add_argument("--caches", type=ints, default=[1024, 8192, 65536, 131072])
+    p.add_argument("--heads", type=ints, default=[32, 4], help="query heads, kv heads")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--json")
+    a = p.parse_args(argv)
+    heads_q, heads_kv = a.heads
+    torch = hopper_torch("bench_decode")
+    if torch is None:
+        return 0
+    import flash3
+    fa3, fa3_info = None, None
+    if a.fa3 != "none" and os.path.exists(a.fa3):
+        fa3, fa3_info = load_decode_anchor(torch, a.fa3)
+    rows = [{"batch": b, "cache": c, "ms_runs": {}, "errors": {}, "check": {}}
+            for b in a.batches for c in a.caches]
+    for run in range(a.runs):
+        for i, r in enumerate(rows):
+            b, c = r["batch"], r["cache"]
+            kv_bytes = 2 * b * c * heads_kv * HDIM * 2
+            free, _ = torch.cuda.mem_get_info()
+            if 1.5 * kv_bytes > 0.8 * free:  # k, v and the copy's buffer (half of kv)
+                r["skipped"] = f"cache of {kv_bytes / 2**30:.1f} GiB does not fit"
+                continue
+            r["kv_bytes"] = kv_bytes  # the copy of k also moves |k| + |v| bytes (read and written)
+            time_point(torch, flash3, fa3, r, run, a, heads_q, heads_kv, seed=1000 + i)
+            torch.cuda.empty_cache()
+        log(f"run {run + 1}/{a.runs} done")
+    print(f"device: {torch.cuda.get_device_name()}; q (b, 1, {heads_q}, {HDIM}), cache (b, n, {heads_kv}, {HDIM}) bf16, "
+          f"causal; FA3 {fa3_info['path'] if fa3_info else 'none'}")
+    print(f"{'batch':>5} {'cache':>7} | {'flash3 us':>9} {'fa3 us':>8} {'copy us':>8} | {'FA3/flash3':>22} | "
+          f"{'flash3 / copy bw':>16} {'fa3 / copy bw':>14} | check")
+    for r in rows:
+        if r.get("skipped"):
+            print(f"{r['batch']:>5} {r['cache']:>7} | skipped: {r['skipped']}")
+            continue
+        ms = r["ms_runs"]
+        f3, fa, cp = ms.get("flash3", []), ms.get("fa3", []), ms.get("copy", [])
+        r["fa3_over_flash3"] = stats([x / y if x and y else None for x, y in zip(fa, f3)])
+        # fraction of the copy's bandwidth: (kv bytes / t) / (copy bytes / t_copy)
+        r["flash3_of_copy_bw"] = stats([c / x if x and c else None for x, c in zip(f3, cp)])
+        r["fa3_of_copy_bw"] = stats([c / x if x and c else None for x, c in zip(fa, cp)])
+        med = lambda xs: statistics.median([x for x in xs if x]) if any(xs) else None  # noqa: E731
+        r["flash3_ms"], r["fa3_ms"], r["copy_ms"] = med(f3), med(fa), med(cp)
+        us = lambda x: f"{1000 * x:.1f}" if x else "-"  # noqa: E731
+        print(f"{r['batch']:>5} {r['cache']:>7} | {us(r['flash3_ms']):>9} {us(r['fa3_ms']):>8} "
+              f"{us(r['copy_ms']):>8} | {rng(r['fa3_over_flash3']):>22} | "
+              f"{(r['flash3_of_copy_bw'] or {}).get('median', float('nan')):>16.3f} "
+              f"{(r['fa3_of_copy_bw'] or {}).get('median', float('nan')):>14.3f} | "
+              f"{json.dumps(r['check'])} {json.dumps(r['errors']) if r['errors'] else ''}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "fa3": fa3_info,
+                       "options": vars(a), "shape": {"heads_q": heads_q, "heads_kv": heads_kv, "hdim": HDIM},
+                       "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
