@@ -619,6 +619,18 @@ def _remember_checked(entry):
     _CHECKED_SEQLENS[key] = state
 
 
+def _run_fwd_varlen(index, causal, scale, tensors, mask, varlen, seqlens, note=None):
+    """flash3_fwd with the flash3_fwd_args v4 struct (the variable-length fields) on torch's
+    current stream of CUDA device `index`; raises the library's error (_check, with note)."""
+    _has_varlen()
+    lib, buf = _lib.lib(), _lib.err_buffer()
+    with _on_device(index):
+        args = _FWD_VARLEN.pack(_lib.FWD_ARGS_SIZE, 1 if causal else 0, scale, 0, *tensors, _stream(index),
+                                *_NULL * 3, *mask, *varlen, *seqlens)
+        rc = lib.flash3_fwd(args, buf, _lib.ERR_LEN)
+    _check(rc, buf, "flash3_fwd", note)
+
+
 def forward_varlen_into(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,
                         seqused_k=None, softmax_scale=None, causal=False, window_left=-1, window_right=-1,
                         softcap=0.0, check_seqlens=True):
@@ -655,13 +667,7 @@ def forward_varlen_into(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqle
                   ("cu_seqlens_k", cu_seqlens_k), ("seqused_q", seqused_q), ("seqused_k", seqused_k)),
                  optional=("lse", "seqused_q", "seqused_k"))
         raise
-    _has_varlen()
-    lib, buf = _lib.lib(), _lib.err_buffer()
-    with _on_device(index):  # on torch's current stream of q's device
-        args = _FWD_VARLEN.pack(_lib.FWD_ARGS_SIZE, 1 if causal else 0, scale, 0, *tensors, _stream(index),
-                                *_NULL * 3, *mask, *varlen, *seqlens)
-        rc = lib.flash3_fwd(args, buf, _lib.ERR_LEN)
-    _check(rc, buf, "flash3_fwd")
+    _run_fwd_varlen(index, causal, scale, tensors, mask, varlen, seqlens)
     if check_now:
         _remember_checked(state)
     return out, lse
@@ -803,13 +809,7 @@ def forward_kvcache_into(q, k_cache, v_cache, out, lse, cache_seqlens=None, soft
         _explain((("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out), ("lse", lse),
                   ("cache_seqlens", cache_seqlens)), optional=("lse", "cache_seqlens"))
         raise
-    _has_varlen()
-    lib, buf = _lib.lib(), _lib.err_buffer()
-    with _on_device(index):  # on torch's current stream of q's device
-        args = _FWD_VARLEN.pack(_lib.FWD_ARGS_SIZE, 1 if causal else 0, scale, 0, *tensors, _stream(index),
-                                *_NULL * 3, *mask, *varlen, *seqlens)
-        rc = lib.flash3_fwd(args, buf, _lib.ERR_LEN)
-    _check(rc, buf, "flash3_fwd", _cache_names)
+    _run_fwd_varlen(index, causal, scale, tensors, mask, varlen, seqlens, _cache_names)
     if check_now:
         _remember_checked(state)
     return out, lse
