@@ -29,19 +29,11 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from timing import first_line, hopper_torch, ints, log, rel_diff, round_robin, sha256  # noqa: E402
+from timing import (first_line, hopper_torch, ints, log, median_or_none, rel_diff, rng, round_robin,  # noqa: E402
+                    sha256, spread)
 
 HDIM = 128
 SPIN = 200_000
-
-
-def stats(xs):
-    xs = [x for x in xs if x is not None]
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)} if xs else None
-
-
-def rng(st):
-    return "-" if not st else f"{st['median']:.3f} [{st['min']:.3f}-{st['max']:.3f}]"
 
 
 def load_decode_anchor(torch, path):
@@ -133,12 +125,11 @@ def main(argv=None):
             continue
         ms = r["ms_runs"]
         f3, fa, cp = ms.get("flash3", []), ms.get("fa3", []), ms.get("copy", [])
-        r["fa3_over_flash3"] = stats([x / y if x and y else None for x, y in zip(fa, f3)])
+        r["fa3_over_flash3"] = spread([x / y if x and y else None for x, y in zip(fa, f3)])
         # fraction of the copy's bandwidth: (kv bytes / t) / (copy bytes / t_copy)
-        r["flash3_of_copy_bw"] = stats([c / x if x and c else None for x, c in zip(f3, cp)])
-        r["fa3_of_copy_bw"] = stats([c / x if x and c else None for x, c in zip(fa, cp)])
-        med = lambda xs: statistics.median([x for x in xs if x]) if any(xs) else None  # noqa: E731
-        r["flash3_ms"], r["fa3_ms"], r["copy_ms"] = med(f3), med(fa), med(cp)
+        r["flash3_of_copy_bw"] = spread([c / x if x and c else None for x, c in zip(f3, cp)])
+        r["fa3_of_copy_bw"] = spread([c / x if x and c else None for x, c in zip(fa, cp)])
+        r["flash3_ms"], r["fa3_ms"], r["copy_ms"] = median_or_none(f3), median_or_none(fa), median_or_none(cp)
         us = lambda x: f"{1000 * x:.1f}" if x else "-"  # noqa: E731
         print(f"{r['batch']:>5} {r['cache']:>7} | {us(r['flash3_ms']):>9} {us(r['fa3_ms']):>8} "
               f"{us(r['copy_ms']):>8} | {rng(r['fa3_over_flash3']):>22} | "

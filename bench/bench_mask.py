@@ -55,7 +55,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from timing import (BWD_FLOPS_FACTOR, HIDDEN, MISMATCH, SPIN_CYCLES, TOKENS, first_line, fmt,  # noqa: E402
-                    hopper_torch, ints, load_fa3, log, rel_diff, round_robin, sha256)
+                    hopper_torch, ints, load_fa3, log, median_or_none, rel_diff, rng, round_robin, sha256)
 
 SKIPPABLE = ("window", "softcap", "check")
 AREA_TARGET = 1.10     # flash3 (t_window / t_causal) / area ratio at most this
@@ -121,18 +121,6 @@ def scaled(st, f):
     """A ratio's statistics divided by the constant f."""
     return {k: (v / f if v is not None else None) if k != "runs" else [x / f if x is not None else None for x in v]
             for k, v in st.items()}
-
-
-def median_or_none(xs):
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
-def rng(st, spec=".3f"):
-    """'median [min-max]' of a ratio's statistics, '-' where there is none."""
-    if not st or st.get("median") is None:
-        return "-"
-    return f"{st['median']:{spec}} [{st['min']:{spec}}-{st['max']:{spec}}]"
 
 
 def col(x, spec, w):

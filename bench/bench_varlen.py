@@ -29,7 +29,8 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from timing import SPIN_CYCLES, first_line, hopper_torch, ints, load_fa3, log, rel_diff, round_robin  # noqa: E402
+from timing import (SPIN_CYCLES, first_line, hopper_torch, ints, load_fa3, log, median_or_none, rel_diff,  # noqa: E402
+                    rng, round_robin, spread)
 
 HIDDEN = 2048
 EQUAL_TARGET = 1.03
@@ -44,15 +45,6 @@ def doc_lengths(tokens, lo=64, hi=8192, seed=0):
         out.append(int(round(math.exp(r.uniform(math.log(lo), math.log(hi))))))
     out[-1] -= sum(out) - tokens
     return [x for x in out if x > 0]
-
-
-def stats(xs):
-    xs = [x for x in xs if x is not None]
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)} if xs else None
-
-
-def rng(st):
-    return "-" if not st else f"{st['median']:.3f} [{st['min']:.3f}-{st['max']:.3f}]"
 
 
 def main(argv=None):
@@ -159,10 +151,9 @@ def main(argv=None):
     for r in rows:
         ms = r["ms_runs"]
         f3, fa, fx = ms.get("flash3", []), ms.get("fa3", []), ms.get("flash3_fixed", [])
-        r["fa3_over_flash3"] = stats([x / y if x and y else None for x, y in zip(fa, f3)])
-        r["varlen_over_fixed"] = stats([x / y if x and y else None for x, y in zip(f3, fx)]) if fx else None
-        med = lambda xs: statistics.median([x for x in xs if x]) if any(xs) else None  # noqa: E731
-        r["flash3_ms"], r["fa3_ms"] = med(f3), med(fa)
+        r["fa3_over_flash3"] = spread([x / y if x and y else None for x, y in zip(fa, f3)])
+        r["varlen_over_fixed"] = spread([x / y if x and y else None for x, y in zip(f3, fx)]) if fx else None
+        r["flash3_ms"], r["fa3_ms"] = median_or_none(f3), median_or_none(fa)
         print(f"{r['part']:7} {r['pass']:4} {r['hdim']:>4} {str(r['causal']):>6} "
               f"{(r['flash3_ms'] or float('nan')):>10.3f} {(r['fa3_ms'] or float('nan')):>8.3f}  "
               f"{rng(r['fa3_over_flash3']):>22}  {rng(r['varlen_over_fixed']):>22}  "

@@ -73,7 +73,7 @@ import time
 
 from timing import (sha256, BWD_FLOPS_FACTOR, DEFAULT_HDIMS, DEFAULT_SEQLENS, MISMATCH, SPIN_CYCLES,
                     first_line, fmt, gemm_tflops, geomean, ints, log, rel_diff, sdpa, spin_kernel,
-                    sweep_points, tflops, load_fa3, round_robin, hopper_torch)
+                    sweep_points, tflops, load_fa3, round_robin, hopper_torch, rng)
 
 PASSES = ("fwd", "bwd")
 FLOOR = 0.01  # the rule's smallest allowed slowdown
@@ -226,13 +226,6 @@ def point_label(r):
 
 
 # ---- report (no torch) -------------------------------------------------------------------------
-
-def rng(st, spec=".3f"):
-    """'median [min-max]' of a ratio's statistics."""
-    if st is None or st.get("median") is None:
-        return "-"
-    return f"{st['median']:{spec}} [{st['min']:{spec}}-{st['max']:{spec}}]"
-
 
 def table_lines(rows, builds, have_fa3, have_cudnn):
     """The compact table: pass, hdim, causal, seqlen | TFLOP/s medians | B/base [range] | build/FA3

@@ -39,6 +39,24 @@ def ratio(x, y):
     return x / y if x is not None and y else None
 
 
+def spread(xs):
+    """{"median", "min", "max"} of the numbers in xs (None skipped); None when there are none."""
+    xs = [x for x in xs if x is not None]
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)} if xs else None
+
+
+def median_or_none(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def rng(st, spec=".3f"):
+    """'median [min-max]' of a ratio's statistics (spread), '-' where there is none."""
+    if not st or st.get("median") is None:
+        return "-"
+    return f"{st['median']:{spec}} [{st['min']:{spec}}-{st['max']:{spec}}]"
+
+
 def geomean(xs):
     """Geometric mean of the positive numbers in xs (None and 0 skipped); None when there are none."""
     xs = [x for x in xs if x]
