@@ -102,7 +102,9 @@ struct FwdArgs {
   // entries, optional, also without cu_seqlens): only the first seqused[b] rows of sequence b
   // take part (at most its length); out rows past them are not written. max_seqlen_q /
   // max_seqlen_k: at least every sequence's length (with cu_seqlens; else the dim 1 of q / k).
-  // Masks (causal, windows) are aligned bottom-right per sequence.
+  // Masks (causal, windows) are aligned bottom-right per sequence. Decoding over a KV cache
+  // (FlashAttention-3's flash_attn_with_kvcache, contiguous cache): q (batch, seqlen_q, ...), k
+  // and v the cache (batch, seqlen_cache, nheads_kv, head_dim), seqused_k its lengths.
   TensorRef cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k;
   int max_seqlen_q = 0, max_seqlen_k = 0;
   // Whether fwd() checks the values of cu_seqlens and seqused against these rules (one small
