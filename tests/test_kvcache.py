@@ -121,7 +121,7 @@ def test_kvcache_matches_fp64(monkeypatch, device, dtype, hdim, case):
     if device == "cpu":
         if hdim != 64:
             pytest.skip("the CPU run checks the wiring: one head dim")
-        stand_in.install(monkeypatch)
+        stand_in_calls = stand_in.install(monkeypatch)
     _, b, sq, sc, h, hk, causal, window, softcap = case
     p = problem(b, sq, sc, h, hk, hdim, dtype, device, seed=hash((case[0], hdim)) % 2**31)
     out, lse = flash3.flash_attn_with_kvcache(p["q"], p["k_cache"], p["v_cache"], cache_seqlens=p["cache_seqlens"],
@@ -131,6 +131,8 @@ def test_kvcache_matches_fp64(monkeypatch, device, dtype, hdim, case):
     assert torch.equal(flash3.flash_attn_with_kvcache(p["q"], p["k_cache"], p["v_cache"],
                                                       cache_seqlens=p["cache_seqlens"], causal=causal,
                                                       window_size=window, softcap=softcap), out)
+    if device == "cpu":  # the values stay on the device: no check, as FlashAttention-3
+        assert not any(c["check_seqlens"] for name, c in stand_in_calls if name == "fwd_kvcache")
     if device == "cuda":
         c, left, right = flash3.flash_attn_interface._window(window, causal)
         out2, lse2 = torch.full_like(out, float("nan")), torch.full_like(lse, float("nan"))
@@ -232,17 +234,22 @@ def test_cpu_library_names_are_the_callers():
 # ---- GPU only ---------------------------------------------------------------------------------------
 
 @gpu
-def test_cache_seqlens_past_the_cache_raise_naming_it():
-    """A length above seqlen_cache: the library's check of the values, naming cache_seqlens (not
-    once the check was passed for the same unchanged tensor: then an in-place change is seen)."""
+def test_cache_seqlens_past_the_cache():
+    """A length above seqlen_cache: unchecked (the default), it counts as seqlen_cache; with
+    check_seqlens=True the library's check raises naming cache_seqlens (also after an in-place
+    change of a tensor that had passed)."""
     p = problem(3, 1, 64, 4, 1, 128, device="cuda", lengths=[10, 65, 3])
+    q, k, v = p["q"], p["k_cache"], p["v_cache"]
+    clamped = torch.tensor([10, 64, 3], dtype=torch.int32, device="cuda")
+    assert torch.equal(flash3.flash_attn_with_kvcache(q, k, v, cache_seqlens=p["cache_seqlens"]),
+                       flash3.flash_attn_with_kvcache(q, k, v, cache_seqlens=clamped))
+    out, lse = torch.empty_like(q), torch.empty(3, 4, 1, device="cuda")
     with pytest.raises(ValueError, match=r"cache_seqlens\[1\] is 65"):
-        flash3.flash_attn_with_kvcache(p["q"], p["k_cache"], p["v_cache"], cache_seqlens=p["cache_seqlens"])
-    lens = torch.tensor([10, 64, 3], dtype=torch.int32, device="cuda")
-    flash3.flash_attn_with_kvcache(p["q"], p["k_cache"], p["v_cache"], cache_seqlens=lens)
-    lens[2] = 70
+        flash3.forward_kvcache_into(q, k, v, out, lse, p["cache_seqlens"], check_seqlens=True)
+    flash3.forward_kvcache_into(q, k, v, out, lse, clamped, check_seqlens=True)
+    clamped[2] = 70
     with pytest.raises(ValueError, match=r"cache_seqlens\[2\] is 70"):
-        flash3.flash_attn_with_kvcache(p["q"], p["k_cache"], p["v_cache"], cache_seqlens=lens)
+        flash3.forward_kvcache_into(q, k, v, out, lse, clamped, check_seqlens=True)
 
 
 @gpu

@@ -786,15 +786,20 @@ def _cache_names(msg):
 
 
 def forward_kvcache_into(q, k_cache, v_cache, out, lse, cache_seqlens=None, softmax_scale=None, causal=False,
-                         window_left=-1, window_right=-1, softcap=0.0, check_seqlens=True):
+                         window_left=-1, window_right=-1, softcap=0.0, check_seqlens=False):
     """Attention of new queries over a KV cache (decoding), into caller-given buffers: q and out
     (batch, seqlen_q, nheads, headdim), k_cache and v_cache (batch, seqlen_cache, nheads_kv,
     headdim), bfloat16 or float16; cache_seqlens int32 (batch) on q's device, or None (the whole
     cache): batch entry b attends to its first cache_seqlens[b] keys, the masks (causal,
     window_left, window_right) aligned bottom-right to them: query row i is the key position
     cache_seqlens[b] - seqlen_q + i. lse float32 (batch, nheads, seqlen_q) or None. Rows that
-    see no key: out 0, lse +inf. softmax_scale, softcap: forward_into's. check_seqlens: as
-    forward_varlen_into's (each cache_seqlens at most seqlen_cache; once per set of tensors).
+    see no key: out 0, lse +inf. softmax_scale, softcap: forward_into's. The values of
+    cache_seqlens live on the GPU: by default (as FlashAttention-3) the host does not read them,
+    and a value past the cache counts as seqlen_cache (never an access out of bounds);
+    check_seqlens=True checks that each is in [0, seqlen_cache] and raises ValueError naming
+    cache_seqlens (a device-to-host copy and a stream synchronization, once per set of tensors
+    as forward_varlen_into's; a decoding loop that changes the lengths in place pays it at every
+    step).
     This is the library's variable-length forward with seqused_k = cache_seqlens and neither
     side packed. Raises ValueError naming the argument, RuntimeError otherwise."""
     scale = _scale_arg(softmax_scale)
@@ -824,4 +829,4 @@ def fwd_kvcache(q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None, cau
     out = torch.empty_like(q, memory_format=_CONTIGUOUS)
     lse = q.new_empty((b, h, sq), dtype=_FLOAT32) if want_lse else None
     return forward_kvcache_into(q, k_cache, v_cache, out, lse, cache_seqlens, softmax_scale, causal, window_left,
-                                window_right, softcap)
+                                window_right, softcap, check_seqlens=False)

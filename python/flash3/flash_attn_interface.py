@@ -474,8 +474,9 @@ def flash_attn_with_kvcache(
     q (batch, seqlen_q, nheads, headdim); k_cache, v_cache (batch, seqlen_cache, nheads_kv,
     headdim): CUDA tensors, bf16 or fp16, headdim 64, 128 or 256, nheads a multiple of nheads_kv.
     cache_seqlens: int, int32 (batch) on q's device, or None (seqlen_cache): entry b attends to
-    k_cache[b, :cache_seqlens[b]]; each at most seqlen_cache (checked, one device-to-host copy per
-    set of tensors; not while a CUDA graph is captured). causal, window_size, softcap,
+    k_cache[b, :cache_seqlens[b]]. Its values are not read by the host (as FlashAttention-3): a
+    value past the cache counts as seqlen_cache (flash3.forward_kvcache_into(...,
+    check_seqlens=True) checks them, with a synchronization). causal, window_size, softcap,
     softmax_scale: as flash_attn_func's, aligned bottom-right: query row i is at key position
     cache_seqlens[b] - seqlen_q + i. A row that sees no key gives out 0 (softmax_lse +inf).
     Returns out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse) when
