@@ -1,6 +1,7 @@
 """Decoding over a contiguous KV cache: flash3.flash_attn_with_kvcache (FlashAttention-3's
-signature), the operator flash3::fwd_kvcache (schema, fake), forward_kvcache_into, the
-arguments not supported yet, argument errors, torch.compile, CUDA graphs, and the kernels'
+signature), the operator flash3::fwd_kvcache (schema, fake), forward_kvcache_into, the append of
+new keys and values with rotary embedding (flash3.kvcache) against a float64 RoPE written here,
+the arguments not supported yet, argument errors, torch.compile, CUDA graphs, and the kernels'
 results.
 
 Entry b of q (batch, seqlen_q, nheads, headdim) attends to k_cache[b, :cache_seqlens[b]], the
@@ -175,9 +176,126 @@ def test_cpu_compile_fullgraph(calls):
     assert calls[-1][1]["cache_seqlens"].tolist() == [40, 40] and out.shape == p["q"].shape
 
 
+# ---- append with rotary ------------------------------------------------------------------------------
+
+def rope_reference(x, cos, sin, positions, interleaved):
+    """RoPE in float64, element by element: for each pair (a, b) of the first 2 x cos.shape[1]
+    dims (interleaved: dims 2i, 2i + 1; else i, i + rotary_dim / 2) at position p,
+    (a cos(p, i) - b sin(p, i), a sin(p, i) + b cos(p, i))."""
+    out = x.double().clone()
+    half = cos.shape[1]
+    for bi in range(x.shape[0]):
+        for si in range(x.shape[1]):
+            p = int(positions[bi][si])
+            for i in range(half):
+                ia, ib = (2 * i, 2 * i + 1) if interleaved else (i, i + half)
+                c, s = float(cos[p, i]), float(sin[p, i])
+                a, b = x[bi, si, :, ia].double(), x[bi, si, :, ib].double()
+                out[bi, si, :, ia], out[bi, si, :, ib] = a * c - b * s, a * s + b * c
+    return out
+
+
+def rotary_tables(seqlen_ro, rotary_dim, device, dtype=torch.float32):
+    inv = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+    angles = torch.arange(seqlen_ro, dtype=torch.float64)[:, None] * inv[None, :]
+    return angles.cos().to(device=device, dtype=dtype), angles.sin().to(device=device, dtype=dtype)
+
+
+APPEND_CASES = [  # seqlen_q, seqlen_new, causal, window, rotary_dim (0: none), interleaved
+    ("decode_rotary_neox", 1, 1, True, (-1, -1), 64, False),
+    ("spec3_rotary_interleaved", 3, 3, True, (-1, -1), 32, True),
+    ("chunk40_noncausal_rotary", 40, 40, False, (-1, -1), 64, False),
+    ("window_rotary_interleaved", 5, 5, False, (8, 0), 16, True),
+    ("append_without_rotary", 2, 7, True, (-1, -1), 0, False),
+]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+@pytest.mark.parametrize("case", APPEND_CASES, ids=[c[0] for c in APPEND_CASES])
+def test_append_with_rotary(monkeypatch, device, case):
+    """k, v appended at cache_seqlens (rows before and after untouched), the new keys and q rotated
+    as FlashAttention-3 says (q at cache_seqlens + i when causal or local, else at cache_seqlens),
+    against the float64 RoPE within the input dtype's rounding; out is the attention of the
+    rotated q over the cache with cache_seqlens + seqlen_new keys (the reference's results)."""
+    if device == "cpu":
+        stand_in.install(monkeypatch)
+    _, sq, s_new, causal, window, rot, interleaved = case
+    b, sc, h, hk, d = 3, 96, 4, 2, 64
+    p = problem(b, sq, sc, h, hk, d, device=device, seed=hash(case[0]) % 2**31, lengths=[0, 50, sc - s_new])
+    g = torch.Generator(device=device).manual_seed(11)
+    k_new = torch.randn(b, s_new, hk, d, generator=g, device=device).to(torch.bfloat16)
+    v_new = torch.randn(b, s_new, hk, d, generator=g, device=device).to(torch.bfloat16)
+    cos, sin = rotary_tables(sc + 8, rot, device) if rot else (None, None)
+    k_before, v_before = p["k_cache"].clone(), p["v_cache"].clone()
+    lens = p["cache_seqlens"]
+    out, lse = flash3.flash_attn_with_kvcache(p["q"], p["k_cache"], p["v_cache"], k_new, v_new, rotary_cos=cos,
+                                              rotary_sin=sin, cache_seqlens=lens, causal=causal, window_size=window,
+                                              rotary_interleaved=interleaved, return_softmax_lse=True)
+    assert lens.tolist() == [0, 50, sc - s_new], "cache_seqlens must not change (the caller advances it)"
+    start = lens.long()[:, None]
+    pos_k = start + torch.arange(s_new, device=device)[None, :]
+    local = causal or window != (-1, -1)
+    pos_q = start + torch.arange(sq, device=device)[None, :] if local else start.expand(b, sq)
+    want_k = rope_reference(k_new, cos, sin, pos_k, interleaved) if rot else k_new.double()
+    want_q = rope_reference(p["q"], cos, sin, pos_q, interleaved) if rot else p["q"].double()
+    for e, n in enumerate(lens.tolist()):
+        got_k, got_v = p["k_cache"][e, n:n + s_new], p["v_cache"][e, n:n + s_new]
+        torch.testing.assert_close(got_k.double(), want_k[e], rtol=2**-7, atol=1e-6)
+        assert torch.equal(got_v, v_new[e]), f"entry {e}: v not appended as given"
+        for name, now, before in (("k", p["k_cache"], k_before), ("v", p["v_cache"], v_before)):
+            assert torch.equal(now[e, :n], before[e, :n]) and torch.equal(now[e, n + s_new:], before[e, n + s_new:]), \
+                f"entry {e}: {name}_cache rows outside the append changed"
+    q_rot = want_q.to(torch.bfloat16)
+    check_kvcache(dict(p, q=q_rot, cache_seqlens=lens + s_new), out, lse, causal, window)
+
+
+def test_cpu_compile_fullgraph_with_append(calls):
+    """The append with rotary under torch.compile(fullgraph=True): the cache updated in place and
+    the same results as the eager call."""
+    def f(q, kc, vc, k, v, cos, sin, lens):
+        return flash3.flash_attn_with_kvcache(q, kc, vc, k, v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=lens,
+                                              causal=True)
+
+    p = problem(2, 2, 40, 4, 2, 64, seed=4, lengths=[5, 30])
+    g = torch.Generator().manual_seed(5)
+    k, v = (torch.randn(2, 2, 2, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    cos, sin = rotary_tables(48, 32, "cpu")
+    kc, vc = p["k_cache"].clone(), p["v_cache"].clone()
+    eager = f(p["q"], kc, vc, k, v, cos, sin, p["cache_seqlens"])
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(p["q"], p["k_cache"], p["v_cache"], k, v, cos, sin,
+                                                                p["cache_seqlens"])
+    assert torch.equal(got, eager)
+    assert torch.equal(p["k_cache"], kc) and torch.equal(p["v_cache"], vc)
+
+
+@pytest.mark.parametrize("change, pattern", [
+    (dict(v=None), r"^k and v: give both or neither"),
+    (dict(k=torch.zeros(2, 3, 1, 32, dtype=torch.bfloat16)), r"^k: shape \(2, 3, 1, 32\), expected"),
+    (dict(v=torch.zeros(2, 4, 1, 64, dtype=torch.bfloat16)), r"^v: seqlen_new 4 differs from k's 3"),
+    (dict(k=torch.zeros(2, 3, 1, 64, dtype=torch.float16)), r"^k: torch.float16 on cpu, expected k_cache's"),
+    (dict(rotary_sin=None), r"^rotary_cos and rotary_sin: give both or neither"),
+    (dict(k=None, v=None), r"^rotary_cos: applies with k and v only"),
+    (dict(rotary_cos=torch.zeros(10, 40), rotary_sin=torch.zeros(10, 40)), r"^rotary_cos: shape \(10, 40\); "),
+    (dict(rotary_sin=torch.zeros(10, 8)), r"^rotary_sin: shape \(10, 8\) differs"),
+    (dict(cache_seqlens=None), r"^cache_seqlens: required with k and v"),
+], ids=["v_missing", "k_shape", "v_seqlen", "k_dtype", "sin_missing", "rotary_without_k", "rotary_dim", "sin_shape",
+        "lens_missing"])
+def test_cpu_bad_append_arguments_raise_naming_them(calls, change, pattern):
+    p = problem(2, 1, 16, 2, 1, 64)
+    cos, sin = rotary_tables(20, 32, "cpu")
+    args = dict(q=p["q"], k_cache=p["k_cache"], v_cache=p["v_cache"], k=torch.zeros(2, 3, 1, 64, dtype=torch.bfloat16),
+                v=torch.zeros(2, 3, 1, 64, dtype=torch.bfloat16), rotary_cos=cos, rotary_sin=sin,
+                cache_seqlens=p["cache_seqlens"])
+    args.update(change)
+    before = p["k_cache"].clone()
+    with pytest.raises(ValueError, match=pattern):
+        flash3.flash_attn_with_kvcache(**args)
+    assert calls == [] and torch.equal(p["k_cache"], before)
+
+
 # ---- arguments ----------------------------------------------------------------------------------------
 
-UNSUPPORTED = ["k", "v", "qv", "rotary_cos", "rotary_sin", "cache_batch_idx", "cache_leftpad", "page_table",
+UNSUPPORTED = ["qv", "cache_batch_idx", "cache_leftpad", "page_table",
                "cu_seqlens_q", "cu_seqlens_k_new", "max_seqlen_q", "rotary_seqlens", "q_descale", "k_descale",
                "v_descale", "scheduler_metadata"]
 

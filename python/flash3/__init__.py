@@ -7,7 +7,7 @@
 
     out = flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
                                                           # q: (total_q, nheads, headdim), packed
-    out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens)   # decoding
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens)  # decoding, append
 
 flash_attn_func, flash_attn_qkvpacked_func and flash_attn_varlen_func follow FlashAttention-3's
 `flash_attn_interface` (names, argument order, defaults, return values); so does the module

@@ -44,10 +44,12 @@ free for other kernels).
 Decoding, as FlashAttention-3's flash_attn_with_kvcache, over a contiguous cache: q (batch,
 seqlen_q, nheads, headdim) attends to k_cache, v_cache (batch, seqlen_cache, nheads_kv, headdim),
 entry b to its first cache_seqlens[b] keys (an int, an int32 (batch) tensor, or None: the whole
-cache), masks aligned bottom-right to them; inference only. Not yet (NotImplementedError naming
-the argument): appending k, v, rotary, cache_batch_idx, cache_leftpad, page_table,
-cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, rotary_seqlens, the descales, scheduler_metadata;
-num_splits, pack_gqa and sm_margin are accepted and ignored.
+cache), masks aligned bottom-right to them; inference only. New keys and values k, v are
+appended in place at cache_seqlens, rotated with rotary_cos, rotary_sin (the queries too), as
+FlashAttention-3 does (flash3.kvcache: torch operations before the attention kernel, not yet
+fused into it). Not yet (NotImplementedError naming the argument): cache_batch_idx,
+cache_leftpad, page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, rotary_seqlens, qv, the
+descales, scheduler_metadata; num_splits, pack_gqa and sm_margin are accepted and ignored.
 
 In eager mode the calls run the library directly (the lowest host time); under torch.compile,
 torch.export or any FakeTensor / dispatch-mode tracing they call the torch.library operators
@@ -58,7 +60,7 @@ import operator
 
 import torch
 
-from . import _kernels, _ops
+from . import _kernels, _ops, kvcache
 
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]
 
@@ -474,7 +476,12 @@ def flash_attn_with_kvcache(
     q (batch, seqlen_q, nheads, headdim); k_cache, v_cache (batch, seqlen_cache, nheads_kv,
     headdim): CUDA tensors, bf16 or fp16, headdim 64, 128 or 256, nheads a multiple of nheads_kv.
     cache_seqlens: int, int32 (batch) on q's device, or None (seqlen_cache): entry b attends to
-    k_cache[b, :cache_seqlens[b]]. Its values are not read by the host (as FlashAttention-3): a
+    k_cache[b, :cache_seqlens[b]]. k, v (batch, seqlen_new, nheads_kv, headdim), with
+    cache_seqlens: written into k_cache, v_cache in place at rows cache_seqlens[b] ..
+    cache_seqlens[b] + seqlen_new - 1 (which must fit in the cache), and attended to; with
+    rotary_cos, rotary_sin ((seqlen_ro, rotary_dim / 2), covering those positions) the new keys are
+    rotated at their positions and q at positions cache_seqlens + i (causal or a window) or
+    cache_seqlens (otherwise), interleaved pairs or GPT-NeoX halves (rotary_interleaved). Its values are not read by the host (as FlashAttention-3): a
     value past the cache counts as seqlen_cache (flash3.forward_kvcache_into(...,
     check_seqlens=True) checks them, with a synchronization). causal, window_size, softcap,
     softmax_scale: as flash_attn_func's, aligned bottom-right: query row i is at key position
@@ -483,8 +490,7 @@ def flash_attn_with_kvcache(
     return_softmax_lse, softmax_lse float32 (batch, nheads, seqlen_q). Inference only.
     The unsupported and ignored arguments: see the module's docstring.
     """
-    for name, value in (("k", k), ("v", v), ("qv", qv), ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
-                        ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
+    for name, value in (("qv", qv), ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
                         ("page_table", page_table), ("cu_seqlens_q", cu_seqlens_q),
                         ("cu_seqlens_k_new", cu_seqlens_k_new), ("max_seqlen_q", max_seqlen_q),
                         ("rotary_seqlens", rotary_seqlens), ("q_descale", q_descale), ("k_descale", k_descale),
@@ -501,6 +507,11 @@ def flash_attn_with_kvcache(
     causal = bool(causal)
     if isinstance(q, torch.Tensor) and q.dim() == 4:
         cache_seqlens = _cache_seqlens(cache_seqlens, q)
+    if k is not None or v is not None or rotary_cos is not None or rotary_sin is not None:
+        _kernels.kvcache_shapes(q, k_cache, v_cache, cache_seqlens)
+        kvcache.check_append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens)
+        q, cache_seqlens = kvcache.append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                          rotary_interleaved, causal or left >= 0 or right >= 0)
     lengths = () if cache_seqlens is None else (cache_seqlens,)
     if _direct(q, k_cache, v_cache, *lengths) and not (
             _grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad)):

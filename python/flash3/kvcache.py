@@ -1,0 +1,99 @@
+"""The KV cache's append with rotary embedding, for flash_attn_with_kvcache (flash_attn_interface):
+new keys and values written into the cache in place at each entry's length, the rotary embedding
+(FlashAttention-3's meaning) applied to the new keys and to the queries first.
+
+These steps are torch operations (a gather of cos / sin, the rotation in float32, an indexed
+store), not yet fused into the attention kernel as FlashAttention-3 does: a decoding step with
+an append costs their launches on top of the attention's.
+"""
+import torch
+
+_INT64 = torch.int64
+
+
+def rotary(x, cos, sin, positions, interleaved):
+    """x (batch, seqlen, nheads, headdim) with its first rotary_dim = 2 x cos.shape[1] dims
+    rotated by the angles of rows `positions` (batch, seqlen) of cos and sin (seqlen_ro,
+    rotary_dim / 2): pairs (2i, 2i + 1) when interleaved, else (i, i + rotary_dim / 2) (GPT-NeoX);
+    out_a = a cos - b sin, out_b = a sin + b cos, in float32, rounded to x's dtype. Positions
+    past the table are clamped to its last row (the caller's precondition: seqlen_ro covers
+    them)."""
+    half = cos.shape[1]
+    rot = 2 * half
+    pos = positions.clamp(0, cos.shape[0] - 1)
+    c = cos[pos].float()[:, :, None, :]  # (batch, seqlen, 1, half)
+    s = sin[pos].float()[:, :, None, :]
+    xr = x[..., :rot].float()
+    if interleaved:
+        a, b = xr[..., 0::2], xr[..., 1::2]
+        out = torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2)
+    else:
+        a, b = xr[..., :half], xr[..., half:]
+        out = torch.cat((a * c - b * s, a * s + b * c), dim=-1)
+    return torch.cat((out.to(x.dtype), x[..., rot:]), dim=-1)
+
+
+def check_append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens):
+    """ValueError naming the argument where the append's arguments do not fit: k and v given
+    together, (batch, seqlen_new, nheads_kv, headdim) like the cache's entries, on its device
+    and of its dtype; rotary_cos and rotary_sin together, only with k and v, (seqlen_ro,
+    rotary_dim / 2) with rotary_dim <= headdim, floating, on q's device; cache_seqlens given."""
+    if (k is None) != (v is None):
+        raise ValueError(f"k and v: give both or neither (k is {'None' if k is None else 'given'}, v is "
+                         f"{'None' if v is None else 'given'})")
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos and rotary_sin: give both or neither")
+    if k is None:
+        if rotary_cos is not None:
+            raise ValueError("rotary_cos: applies with k and v only (the new keys and the queries are rotated)")
+        return
+    if cache_seqlens is None:
+        raise ValueError("cache_seqlens: required with k and v (where the new keys go)")
+    for name, t, cache in (("k", k, k_cache), ("v", v, v_cache)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        want = (cache.shape[0], None, *cache.shape[2:])
+        if t.dim() != 4 or t.shape[0] != want[0] or tuple(t.shape[2:]) != tuple(want[2:]):
+            raise ValueError(f"{name}: shape {tuple(t.shape)}, expected (batch, seqlen_new, nheads_kv, headdim) = "
+                             f"({want[0]}, seqlen_new, {want[2]}, {want[3]}) as {name}_cache's entries")
+        if t.dtype != cache.dtype or t.device != cache.device:
+            raise ValueError(f"{name}: {t.dtype} on {t.device}, expected {name}_cache's {cache.dtype} on "
+                             f"{cache.device}")
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"v: seqlen_new {v.shape[1]} differs from k's {k.shape[1]}")
+    if rotary_cos is not None:
+        for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 2 or not t.is_floating_point():
+                raise ValueError(f"{name}: expected a floating tensor (seqlen_ro, rotary_dim / 2)")
+            if t.device != q.device:
+                raise ValueError(f"{name}: on device {t.device} but q is on {q.device}")
+        if rotary_sin.shape != rotary_cos.shape:
+            raise ValueError(f"rotary_sin: shape {tuple(rotary_sin.shape)} differs from rotary_cos's "
+                             f"{tuple(rotary_cos.shape)}")
+        if not 0 < 2 * rotary_cos.shape[1] <= q.shape[-1] or rotary_cos.shape[0] == 0:
+            raise ValueError(f"rotary_cos: shape {tuple(rotary_cos.shape)}; rotary_dim = 2 x its dim 1 must be in "
+                             f"[2, headdim = {q.shape[-1]}] and seqlen_ro at least 1")
+
+
+def append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, rotary_interleaved, causal_or_local):
+    """Writes k and v (rotated, with rotary_cos) into k_cache, v_cache at rows cache_seqlens[b] ..
+    cache_seqlens[b] + seqlen_new - 1 of each entry b, and returns (q, rotated where rotary is
+    given, and the lengths after the append, int32). q's rows are rotated at positions
+    cache_seqlens + i where causal_or_local, else all at cache_seqlens (FlashAttention-3's
+    rule). The rows must fit in the cache (cache_seqlens + seqlen_new <= seqlen_cache; the values
+    are on the GPU and not checked: rows past the cache are clamped to its last row, never
+    written out of bounds)."""
+    b, s_new = k.shape[0], k.shape[1]
+    start = cache_seqlens.to(_INT64)[:, None]
+    pos_k = start + torch.arange(s_new, device=k.device, dtype=_INT64)[None, :]  # (batch, seqlen_new)
+    if rotary_cos is not None:
+        k = rotary(k, rotary_cos, rotary_sin, pos_k, rotary_interleaved)
+        sq = q.shape[1]
+        pos_q = start + torch.arange(sq, device=q.device, dtype=_INT64)[None, :] if causal_or_local else \
+            start.expand(b, sq)
+        q = rotary(q, rotary_cos, rotary_sin, pos_q, rotary_interleaved)
+    rows = pos_k.clamp(max=k_cache.shape[1] - 1)
+    entries = torch.arange(b, device=k.device, dtype=_INT64)[:, None].expand_as(rows)
+    k_cache[entries, rows] = k
+    v_cache[entries, rows] = v
+    return q, (cache_seqlens + s_new).to(torch.int32)
