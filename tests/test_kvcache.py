@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
 import flash3  # noqa: E402
 import stand_in  # noqa: E402
-from test_torch import check, gpu  # noqa: E402
+from test_torch import capture, check, gpu  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -380,15 +380,7 @@ def test_cuda_graph_decode_step_replayed_with_new_lengths():
     def step():
         return flash3.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, causal=True, return_softmax_lse=True)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        out, lse = step()
+    graph, _, (out, lse) = capture(step)
     for new in ([2, 101, 512, 0], [300, 7, 64, 129]):
         lens.copy_(torch.tensor(new, dtype=torch.int32))
         out.fill_(float("nan"))

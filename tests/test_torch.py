@@ -384,6 +384,22 @@ def test_backward_with_scale_strided_inputs_and_side_stream():
     check_grads(q, k, v, dout, True, (q.grad, k.grad, v.grad), scale=0.3)
 
 
+def capture(step):
+    """(graph, eager, captured): step() run once eagerly on a side stream (its outputs cloned into
+    eager; this also allocates the stream's scratch and counters), then captured into a CUDA
+    graph on that stream (its outputs, rewritten by each graph.replay(), in captured)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        eager = [t.clone() for t in step()]
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        captured = step()
+    return graph, eager, captured
+
+
 @gpu
 @pytest.mark.parametrize("causal", [False, True])
 def test_cuda_graph_capture_and_replay(causal):
@@ -406,15 +422,7 @@ def test_cuda_graph_capture_and_replay(causal):
         grads = torch.autograd.grad(out, (q, k, v), dout)
         return (out,) + tuple(grads)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        eager = [t.clone() for t in step()]  # also allocates the stream's scratch and counters
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        captured = step()
+    graph, eager, captured = capture(step)
     for _ in range(2):
         for t in captured:
             t.fill_(float("nan"))

@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import flash3  # noqa: E402
 import stand_in  # noqa: E402
 from test_compile import _graph_capturing_backend, _targets  # noqa: E402
-from test_torch import attention, gpu, visible  # noqa: E402
+from test_torch import attention, capture, gpu, visible  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext  # noqa: E402
 
@@ -1021,15 +1021,7 @@ def test_cuda_graph_capture_and_replay():
                                             deterministic=True)
         return (out,) + tuple(torch.autograd.grad(out, (q, k, v), dout))
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        eager = [t.clone() for t in step()]
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        captured = step()
+    graph, eager, captured = capture(step)
     for _ in range(2):
         for t in captured:
             t.fill_(float("nan"))

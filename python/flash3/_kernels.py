@@ -554,49 +554,34 @@ def _seqlen_fields(max_seqlen_q, max_seqlen_k, check_seqlens):
 
 # The length tensors whose values the library has checked (check_seqlens), so that a training
 # step's many calls with the same cu_seqlens synchronize once: id(the first given length
-# tensor) -> (weak references to the four, their version counters, the maxima and the sides'
-# row shapes at that check). In-place changes bump a tensor's version, so they are checked
-# again; inference tensors have no version counter and are checked at every call. (Keyed by id
-# with the references compared by `is`: tensors cannot be dict keys, their == is elementwise.)
+# tensor) -> (weak references to the four, (their version counters, the maxima, the sides' row
+# shapes) at that check). In-place changes bump a tensor's version, so they are checked again;
+# inference tensors have no version counter and are checked at every call. (Keyed by id with
+# the references compared by `is`: tensors cannot be dict keys, their == is elementwise.)
 _CHECKED_SEQLENS = {}
 _CHECKED_SEQLENS_MAX = 64
 
 
-def _seqlens_state(tensors, max_seqlen_q, max_seqlen_k, rows_q, rows_k):
-    """What a check of these lengths covers: (weak references, values), or None where it cannot
-    be told."""
-    try:
-        versions = tuple(None if t is None else t._version for t in tensors)
-        refs = tuple(None if t is None else weakref.ref(t) for t in tensors)
-    except (AttributeError, RuntimeError, TypeError):
-        return None
-    return refs, (versions, max_seqlen_q, max_seqlen_k, rows_q, rows_k)
-
-
-def _same_tensors(a, b):
-    return all((x is None) == (y is None) and (x is None or x() is y()) for x, y in zip(a, b))
-
-
-def _alive(refs):
-    return all(r is None or r() is not None for r in refs)
-
-
 def _checked_once(check_seqlens, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
                   q, k):
-    """(whether the library must check the length values now, what to remember once it did)."""
-    if not check_seqlens or _capturing():
+    """(whether the library must check the length values now, what _remember_checked keeps once
+    it did). The tensors already checked, unchanged, cost a dict lookup and these comparisons."""
+    if not check_seqlens:
         return False, None
     tensors = (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     anchor = next((t for t in tensors if t is not None), None)
-    try:
-        state = _seqlens_state(tensors, max_seqlen_q, max_seqlen_k, tuple(q.shape[:-2]), tuple(k.shape[:-2]))
-    except (AttributeError, IndexError, TypeError):
+    if anchor is None:
         return True, None
-    if state is None or anchor is None:
+    try:
+        values = (tuple(None if t is None else t._version for t in tensors), max_seqlen_q, max_seqlen_k,
+                  tuple(q.shape[:-2]), tuple(k.shape[:-2]))
+    except (AttributeError, IndexError, RuntimeError, TypeError):
         return True, None
     old = _CHECKED_SEQLENS.get(id(anchor))
-    known = old is not None and old[1] == state[1] and _same_tensors(old[0], state[0])
-    return not known, (id(anchor), state)
+    if old is not None and old[1] == values and all(
+            (r is None) == (t is None) and (r is None or r() is t) for r, t in zip(old[0], tensors)):
+        return False, None
+    return True, (anchor, tensors, values)
 
 
 def _capturing():
@@ -608,15 +593,22 @@ def _capturing():
 
 
 def _remember_checked(entry):
-    if entry is None:
+    """Keeps what _checked_once returned once the library has checked it (not while a CUDA graph
+    is captured: the library skips the check then)."""
+    if entry is None or _capturing():
+        return
+    anchor, tensors, values = entry
+    try:
+        refs = tuple(None if t is None else weakref.ref(t) for t in tensors)
+    except TypeError:
         return
     if len(_CHECKED_SEQLENS) >= _CHECKED_SEQLENS_MAX:
-        for key in [key for key, (refs, _) in _CHECKED_SEQLENS.items() if not _alive(refs)]:
+        for key in [key for key, (old, _) in _CHECKED_SEQLENS.items()
+                    if not all(r is None or r() is not None for r in old)]:
             del _CHECKED_SEQLENS[key]
         if len(_CHECKED_SEQLENS) >= _CHECKED_SEQLENS_MAX:
             _CHECKED_SEQLENS.clear()
-    key, state = entry
-    _CHECKED_SEQLENS[key] = state
+    _CHECKED_SEQLENS[id(anchor)] = (refs, values)
 
 
 def _run_fwd_varlen(index, causal, scale, tensors, mask, varlen, seqlens, note=None):

@@ -142,6 +142,18 @@ def _softcap(softcap):
     return _kernels.softcap_arg(softcap)
 
 
+def _mask_args(window_size, causal, softcap):
+    """(causal, window_left, window_right, softcap) for the library from FlashAttention-3's
+    window_size, causal and softcap (_window, _softcap); the common case, no window and softcap
+    0.0, costs two comparisons."""
+    left = right = -1
+    if window_size != (-1, -1):
+        causal, left, right = _window(window_size, causal)
+    if type(softcap) is not float or softcap != 0.0:
+        softcap = _softcap(softcap)
+    return causal, left, right, softcap
+
+
 def _attention(q, k, v, softmax_scale, causal, deterministic, return_attn_probs, window_left=-1, window_right=-1,
                softcap=0.0):
     if _direct(q, k, v):
@@ -221,11 +233,7 @@ def flash_attn_func(
         _unsupported("qv", qv)
     if attention_chunk:
         _unsupported("attention_chunk", attention_chunk)
-    left = right = -1
-    if window_size != (-1, -1):
-        causal, left, right = _window(window_size, causal)
-    if type(softcap) is not float or softcap != 0.0:
-        softcap = _softcap(softcap)
+    causal, left, right, softcap = _mask_args(window_size, causal, softcap)
     if q_descale is not None or k_descale is not None or v_descale is not None or q.dtype in _FP8:
         return _fp8_attention(q, k, v, q_descale, k_descale, v_descale, softmax_scale, bool(causal),
                               return_attn_probs, left, right, softcap)
@@ -307,11 +315,7 @@ def flash_attn_qkvpacked_func(
     if attention_chunk:
         _unsupported("attention_chunk", attention_chunk)
     causal, deterministic = bool(causal), bool(deterministic)
-    left = right = -1
-    if window_size != (-1, -1):
-        causal, left, right = _window(window_size, causal)
-    if type(softcap) is not float or softcap != 0.0:
-        softcap = _softcap(softcap)
+    causal, left, right, softcap = _mask_args(window_size, causal, softcap)
     if q_descale is not None or k_descale is not None or v_descale is not None or qkv.dtype in _FP8:
         q, k, v = _split_qkv(qkv, num_heads_q)
         return _fp8_attention(q, k, v, q_descale, k_descale, v_descale, softmax_scale, causal, return_attn_probs,
@@ -389,11 +393,7 @@ def flash_attn_varlen_func(
     for name, s in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
         if s is not None:
             _unsupported(name, s)
-    left = right = -1
-    if window_size != (-1, -1):
-        causal, left, right = _window(window_size, causal)
-    if type(softcap) is not float or softcap != 0.0:
-        softcap = _softcap(softcap)
+    causal, left, right, softcap = _mask_args(window_size, causal, softcap)
     causal, deterministic = bool(causal), bool(deterministic)
     if seqused_q is None and seqused_k is None:
         plain = _direct(q, k, v, cu_seqlens_q, cu_seqlens_k)
@@ -499,11 +499,7 @@ def flash_attn_with_kvcache(
             _unsupported(name, value)
     if attention_chunk:
         _unsupported("attention_chunk", attention_chunk)
-    left = right = -1
-    if window_size != (-1, -1):
-        causal, left, right = _window(window_size, causal)
-    if type(softcap) is not float or softcap != 0.0:
-        softcap = _softcap(softcap)
+    causal, left, right, softcap = _mask_args(window_size, causal, softcap)
     causal = bool(causal)
     if isinstance(q, torch.Tensor) and q.dim() == 4:
         cache_seqlens = _cache_seqlens(cache_seqlens, q)

@@ -2,7 +2,8 @@
 // forward and backward kernels, their schedulers, the dQ writers and the launchers all ask it:
 //   n_block_range   the key blocks a query block visits (forward; the backward's dQ order),
 //   m_block_range   the query blocks a key block visits (backward),
-//   needs_masking   whether a (query block, key block) pair needs element masking,
+//   needs_masking   whether a (query block, key block) pair needs element masking (the rule;
+//                   the main loops test its per-tile form, unmasked_n_blocks / unmasked_m_blocks),
 //   key_begin/end   the keys one query row sees,
 //   apply / apply_transposed   -inf on the invisible scores of S or S^T in registers.
 // Query i sees key j iff j < seqlen_k and, with d = seqlen_k - seqlen_q (masks aligned
