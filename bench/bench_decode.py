@@ -3,17 +3,18 @@
 process, round robin (issue 44).
 
     python3 bench/bench_decode.py --fa3 .anchors/fa3_decode.so.xz [--batches 1,8,64,128]
-        [--caches 1024,8192,65536,131072] [--heads 32,4] [--runs 3] [--reps 20] [--warmup 5]
-        [--json out.json]
+        [--caches 1024,8192,65536,131072] [--layouts contiguous,paged256,paged16] [--heads 32,4]
+        [--runs 3] [--reps 20] [--warmup 5] [--json out.json]
 
-One point per (batch, cache length): q (batch, 1, heads_q, 128) bf16, a contiguous cache k, v
-(batch, cache, heads_kv, 128) bf16 (--heads: 32 query heads over 4 kv heads, GQA 8:1, as issue 44
-asks), cache_seqlens = the cache length for every entry, causal. A point whose cache (and the copy's buffer) would not
-fit in 80% of the free GPU memory is skipped.
-  flash3: flash3.forward_kvcache_into into preallocated out and lse, without the check of the
-          cache_seqlens values (which synchronizes; FlashAttention-3 has none);
-  FA3:    torch.ops.flash_attn_3.fwd(q, k_cache, v_cache, seqused_k=cache_seqlens, is_causal=True)
-          (its own split and GQA-packing heuristics);
+One point per (layout, batch, cache length): q (batch, 1, heads_q, 128) bf16 over a cache k, v of
+heads_kv heads bf16 (--heads: 32 query heads over 4 kv heads, GQA 8:1, as issue 44 asks),
+cache_seqlens = the cache length for every entry, causal. Layouts: contiguous (batch, cache,
+heads_kv, 128); pagedN: pages of N rows (num_pages, N, heads_kv, 128), each sequence's pages in
+a random order (a permutation as page_table). A point whose cache (and the copy's buffer) would
+not fit in 80% of the free GPU memory is skipped.
+  flash3: flash3.forward_kvcache_into into preallocated out and lse (its split heuristic);
+  FA3:    torch.ops.flash_attn_3.fwd(q, k_cache, v_cache, seqused_k=cache_seqlens, is_causal=True,
+          [page_table=]) (its own split and GQA-packing heuristics);
   copy:   the ceiling, a device-to-device copy of k_cache (bytes read + written per second).
 Reported per point: each time, t_fa3 / t_flash3 as median [min-max] over runs (>= 1: flash3 at or
 above FlashAttention-3), and the fraction of the copy's bandwidth at which each reads the cache
@@ -55,22 +56,31 @@ def time_point(torch, flash3, fa3, r, run, a, heads_q, heads_kv, seed):
     """One run of one point: the calls timed round robin, each one's median into r["ms_runs"]
     (the tensors are freed on return, before the next point's)."""
     dev = torch.device("cuda")
-    b, c = r["batch"], r["cache"]
+    b, c, layout = r["batch"], r["cache"], r["layout"]
     g = torch.Generator(device=dev)
     g.manual_seed(seed)
     q = torch.randn(b, 1, heads_q, HDIM, device=dev, dtype=torch.bfloat16, generator=g)
-    k = torch.randn(b, c, heads_kv, HDIM, device=dev, dtype=torch.bfloat16, generator=g)
-    v = torch.randn(b, c, heads_kv, HDIM, device=dev, dtype=torch.bfloat16, generator=g)
+    paged = {}
+    if layout == "contiguous":
+        shape = (b, c, heads_kv, HDIM)
+    else:
+        ps = int(layout[len("paged"):])
+        per_seq = -(-c // ps)
+        shape = (b * per_seq, ps, heads_kv, HDIM)
+        perm = torch.randperm(b * per_seq, device=dev, generator=g)
+        paged["page_table"] = perm.view(b, per_seq).to(torch.int32)
+    k = torch.randn(*shape, device=dev, dtype=torch.bfloat16, generator=g)
+    v = torch.randn(*shape, device=dev, dtype=torch.bfloat16, generator=g)
     lens = torch.full((b,), c, dtype=torch.int32, device=dev)
     out = torch.empty_like(q)
     lse = torch.empty(b, heads_q, 1, device=dev, dtype=torch.float32)
     copy_dst = torch.empty_like(k)
     calls = {
-        "flash3": lambda: flash3.forward_kvcache_into(q, k, v, out, lse, lens, causal=True, check_seqlens=False)[0],
+        "flash3": lambda: flash3.forward_kvcache_into(q, k, v, out, lse, lens, causal=True, **paged)[0],
         "copy": lambda: copy_dst.copy_(k),
     }
     if fa3 is not None:
-        calls["fa3"] = lambda: fa3.fwd(q, k, v, seqused_k=lens, is_causal=True)[0]
+        calls["fa3"] = lambda: fa3.fwd(q, k, v, seqused_k=lens, is_causal=True, **paged)[0]
     errors = r["errors"]
     if run == 0 and fa3 is not None:
         try:
@@ -87,6 +97,7 @@ def main(argv=None):
     p.add_argument("--fa3", default=".anchors/fa3_decode.so.xz")
     p.add_argument("--batches", type=ints, default=[1, 8, 64, 128])
     p.add_argument("--caches", type=ints, default=[1024, 8192, 65536, 131072])
+    p.add_argument("--layouts", default="contiguous,paged256,paged16")
     p.add_argument("--heads", type=ints, default=[32, 4], help="query heads, kv heads")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--reps", type=int, default=20)
@@ -101,8 +112,8 @@ def main(argv=None):
     fa3, fa3_info = None, None
     if a.fa3 != "none" and os.path.exists(a.fa3):
         fa3, fa3_info = load_decode_anchor(torch, a.fa3)
-    rows = [{"batch": b, "cache": c, "ms_runs": {}, "errors": {}, "check": {}}
-            for b in a.batches for c in a.caches]
+    rows = [{"layout": lay, "batch": b, "cache": c, "ms_runs": {}, "errors": {}, "check": {}}
+            for lay in a.layouts.split(",") for b in a.batches for c in a.caches]
     for run in range(a.runs):
         for i, r in enumerate(rows):
             b, c = r["batch"], r["cache"]
@@ -115,13 +126,13 @@ def main(argv=None):
             time_point(torch, flash3, fa3, r, run, a, heads_q, heads_kv, seed=1000 + i)
             torch.cuda.empty_cache()
         log(f"run {run + 1}/{a.runs} done")
-    print(f"device: {torch.cuda.get_device_name()}; q (b, 1, {heads_q}, {HDIM}), cache (b, n, {heads_kv}, {HDIM}) bf16, "
-          f"causal; FA3 {fa3_info['path'] if fa3_info else 'none'}")
-    print(f"{'batch':>5} {'cache':>7} | {'flash3 us':>9} {'fa3 us':>8} {'copy us':>8} | {'FA3/flash3':>22} | "
+    print(f"device: {torch.cuda.get_device_name()}; q (b, 1, {heads_q}, {HDIM}), cache of {heads_kv} heads of {HDIM} "
+          f"bf16, causal; FA3 {fa3_info['path'] if fa3_info else 'none'}")
+    print(f"{'layout':>10} {'batch':>5} {'cache':>7} | {'flash3 us':>9} {'fa3 us':>8} {'copy us':>8} | {'FA3/flash3':>22} | "
           f"{'flash3 / copy bw':>16} {'fa3 / copy bw':>14} | check")
     for r in rows:
         if r.get("skipped"):
-            print(f"{r['batch']:>5} {r['cache']:>7} | skipped: {r['skipped']}")
+            print(f"{r['layout']:>10} {r['batch']:>5} {r['cache']:>7} | skipped: {r['skipped']}")
             continue
         ms = r["ms_runs"]
         f3, fa, cp = ms.get("flash3", []), ms.get("fa3", []), ms.get("copy", [])
@@ -131,7 +142,7 @@ def main(argv=None):
         r["fa3_of_copy_bw"] = spread([c / x if x and c else None for x, c in zip(fa, cp)])
         r["flash3_ms"], r["fa3_ms"], r["copy_ms"] = median_or_none(f3), median_or_none(fa), median_or_none(cp)
         us = lambda x: f"{1000 * x:.1f}" if x else "-"  # noqa: E731
-        print(f"{r['batch']:>5} {r['cache']:>7} | {us(r['flash3_ms']):>9} {us(r['fa3_ms']):>8} "
+        print(f"{r['layout']:>10} {r['batch']:>5} {r['cache']:>7} | {us(r['flash3_ms']):>9} {us(r['fa3_ms']):>8} "
               f"{us(r['copy_ms']):>8} | {rng(r['fa3_over_flash3']):>22} | "
               f"{(r['flash3_of_copy_bw'] or {}).get('median', float('nan')):>16.3f} "
               f"{(r['fa3_of_copy_bw'] or {}).get('median', float('nan')):>14.3f} | "

@@ -135,7 +135,7 @@ if has decode; then
   FLASH3_LIB="$root/build/libflash3.so" PYTHONPATH="$root/python" PYTHONUNBUFFERED=1 \
     timeout ${DECODE_TIMEOUT:-300} python3 bench/bench_decode.py --fa3 .anchors/fa3_decode.so.xz --json "$OUT/decode.json" ${DECODE_ARGS:-} > "$OUT/decode.log" 2>&1
   log "decode rc=$?"
-  grep -E "^ +[0-9]+ +[0-9]+ \|" "$OUT/decode.log" >> "$OUT/summary.txt"
+  grep -E "^ *(contiguous|paged[0-9]+) +[0-9]+ +[0-9]+ \|" "$OUT/decode.log" >> "$OUT/summary.txt"
 fi
 if has power; then
   # Backward under sustained load beside cuDNN, with the SM clock and power draw (tools/bwd_power.py;

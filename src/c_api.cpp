@@ -39,6 +39,11 @@ static_assert(FLASH3_QUANTIZE_FP8_ARGS_SIZE_V1 == 8 + 3 * sizeof(flash3_tensor) 
 static_assert(offsetof(flash3_quantize_fp8_args, in) == 8, "flash3_quantize_fp8_args header");
 static_assert(sizeof(flash3_quantize_fp8_args) == FLASH3_QUANTIZE_FP8_ARGS_SIZE_V1,
               "flash3_quantize_fp8_args is v1 (update when appending)");
+static_assert(FLASH3_KVCACHE_ARGS_SIZE_V1 == 16 + 9 * sizeof(flash3_tensor) + 24, "flash3_kvcache_args v1 layout");
+static_assert(offsetof(flash3_kvcache_args, q) == 16 && offsetof(flash3_kvcache_args, stream) % 8 == 0,
+              "flash3_kvcache_args header");
+static_assert(sizeof(flash3_kvcache_args) == FLASH3_KVCACHE_ARGS_SIZE_V1,
+              "flash3_kvcache_args is v1 (update when appending)");
 
 TensorRef to_ref(const flash3_tensor* t) {
   TensorRef r;  // a NULL tensor is rank 0: rejected by validation, except fwd's lse ("not written")
@@ -104,7 +109,7 @@ T read_args(const T* args, uint32_t v1_size, const char* op, const char* type) {
   return a;
 }
 
-// The window and softcap fields (fwd v3, bwd v2; zero in an older struct: none).
+// The window and softcap fields (fwd v3, bwd v2, kvcache v1; zero in an older struct: none).
 template <class C, class Args>
 void set_mask(const C& a, Args& args) {
   if (a.window != 0) {
@@ -194,6 +199,27 @@ flash3::QuantizeArgs quantize_args(const flash3_quantize_fp8_args* c) {
   return args;
 }
 
+flash3::KvcacheArgs kvcache_args(const flash3_kvcache_args* c) {
+  const flash3_kvcache_args a =
+      read_args(c, FLASH3_KVCACHE_ARGS_SIZE_V1, "flash3::fwd_kvcache: ", "flash3_kvcache_args");
+  flash3::KvcacheArgs args;
+  args.q = to_ref(&a.q);
+  args.k_cache = to_ref(&a.k_cache);
+  args.v_cache = to_ref(&a.v_cache);
+  args.out = to_ref(&a.out);
+  args.lse = to_ref(&a.lse);
+  args.cache_seqlens = to_ref(&a.cache_seqlens);
+  args.cache_batch_idx = to_ref(&a.cache_batch_idx);
+  args.cache_leftpad = to_ref(&a.cache_leftpad);
+  args.page_table = to_ref(&a.page_table);
+  args.softmax_scale = a.softmax_scale;
+  args.causal = a.causal != 0;
+  args.num_splits = a.num_splits;
+  args.stream = static_cast<cudaStream_t>(a.stream);
+  set_mask(a, args);
+  return args;
+}
+
 }  // namespace
 
 extern "C" {
@@ -217,6 +243,10 @@ int flash3_bwd_workspace_size(const flash3_bwd_args* args, uint64_t* bytes, char
 
 int flash3_quantize_fp8(const flash3_quantize_fp8_args* args, char* err, int err_len) {
   return guarded(err, err_len, [&] { flash3::quantize_fp8(quantize_args(args)); });
+}
+
+int flash3_fwd_kvcache(const flash3_kvcache_args* args, char* err, int err_len) {
+  return guarded(err, err_len, [&] { flash3::fwd_kvcache(kvcache_args(args)); });
 }
 
 int flash3_hopper_available(char* why, int why_len) {

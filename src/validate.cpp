@@ -1,7 +1,7 @@
-// validate_fwd and validate_bwd: every precondition of flash3::fwd and flash3::bwd, checked on
-// the host before any launch. Each failure throws flash3::Error whose message starts with the
-// operation ("flash3::fwd: " or "flash3::bwd: ") and names the argument, the value it got and
-// what is allowed.
+// validate_fwd, validate_bwd and validate_kvcache: every precondition of flash3::fwd, flash3::bwd
+// and flash3::fwd_kvcache, checked on the host before any launch. Each failure throws
+// flash3::Error whose message starts with the operation ("flash3::fwd: ", "flash3::bwd: " or
+// "flash3::fwd_kvcache: ") and names the argument, the value it got and what is allowed.
 #include "flash3/flash3.h"
 
 #include <cuda_runtime_api.h>
@@ -161,7 +161,8 @@ bool is_empty(const Arg& a) {
 
 using Args = std::vector<const Arg*>;
 
-// The checks validate_fwd and validate_bwd share. `op` ("flash3::fwd: ") starts every message.
+// The checks validate_fwd, validate_bwd and validate_kvcache share. `op` ("flash3::fwd: ") starts
+// every message.
 class Checker {
  public:
   explicit Checker(const char* op) : op_(op) {}
@@ -303,6 +304,38 @@ class Checker {
     }
   }
 
+  // Index tensors (cu_seqlens, seqused, the KV cache's cache_seqlens, page_table, ...; those
+  // given): each has its rank and is int32.
+  void int32_tensors(const Args& given) const {
+    for (const Arg* a : given) {
+      if (a->t.rank != a->rank) {
+        fail(a->name, ".rank is ", a->t.rank, "; ", a->name, " must have rank ", a->rank, " ",
+             Layout{a->dims, a->rank});
+      }
+      if (a->t.dtype != DType::kInt32) fail(a->name, ".dtype is ", Name{a->t.dtype}, "; ", a->name, " must be int32");
+    }
+  }
+  // Their strides (after sizes()): the last dim contiguous, the others positive (read element by
+  // element: no 16-byte rule); dims of size 1 are not stepped along, so their strides do not count.
+  void int32_strides(const Args& given) const {
+    for (const Arg* a : given) {
+      const int last = a->rank - 1;
+      if (a->t.shape[last] > 1 && a->t.stride[last] != 1) {
+        if (a->rank == 1) {
+          fail(a->name, ".stride[0] is ", a->t.stride[0], "; ", a->name, " must be contiguous (stride 1)");
+        }
+        fail(a->name, ".stride[", last, "] is ", a->t.stride[last], "; the last dim of ", a->name,
+             " must be contiguous (stride 1)");
+      }
+      for (int d = 0; d < last; ++d) {
+        if (a->t.shape[d] > 1 && a->t.stride[d] <= 0) {
+          fail(a->name, ".stride[", d, "] (", a->dims[d], ") is ", a->t.stride[d],
+               "; strides must be positive for dims of size > 1");
+        }
+      }
+    }
+  }
+
   // cu_seqlens_q / cu_seqlens_k (given where non-null) and seqused_q / seqused_k: rank 1, int32,
   // contiguous; cu_seqlens batch + 1 >= 1 entries, the same on both sides, seqused batch entries.
   // A side without cu_seqlens has batch as the dim 0 of q (k). Returns batch.
@@ -312,18 +345,9 @@ class Checker {
     for (const Arg* a : {cu_q, cu_k, used_q, used_k}) {
       if (a != nullptr) given.push_back(a);
     }
-    for (const Arg* a : given) {
-      if (a->t.rank != 1) {
-        fail(a->name, ".rank is ", a->t.rank, "; ", a->name, " must have rank 1 ", Layout{a->dims, 1});
-      }
-      if (a->t.dtype != DType::kInt32) fail(a->name, ".dtype is ", Name{a->t.dtype}, "; ", a->name, " must be int32");
-    }
+    int32_tensors(given);
     sizes(given);
-    for (const Arg* a : given) {
-      if (a->t.shape[0] > 1 && a->t.stride[0] != 1) {
-        fail(a->name, ".stride[0] is ", a->t.stride[0], "; ", a->name, " must be contiguous (stride 1)");
-      }
-    }
+    int32_strides(given);
     for (const Arg* cu : {cu_q, cu_k}) {
       if (cu != nullptr && cu->t.shape[0] < 1) {
         fail(cu->name, ".shape[0] is 0; ", cu->name, " must have batch + 1 entries (at least 1)");
@@ -706,6 +730,136 @@ BwdProblem validate_bwd(const BwdArgs& args, PointerInspector inspect) {
   BwdProblem p = problem<BwdProblem>(dtype, q, k, vl, batch, scale, args.causal);
   p.deterministic = args.deterministic;
   c.mask(args.window_left, args.window_right, args.softcap, p);
+  return p;
+}
+
+namespace {
+
+const char* const kCacheDims[] = {"batch_cache", "seqlen_cache", "nheads_kv", "head_dim"};
+const char* const kPagedCacheDims[] = {"num_pages", "page_size", "nheads_kv", "head_dim"};
+const char* const kPageTableDims[] = {"batch", "max_pages_per_seq"};
+
+// What Checker::mask reads and normalizes, for a KV-cache problem: seqlen_k is the longest key
+// range (a bound that excludes nothing there excludes nothing in any sequence).
+struct KvcacheMask {
+  bool causal;
+  int seqlen_q, seqlen_k;
+  int window_left = -1, window_right = -1;
+  float softcap = 0.0f;
+};
+
+}  // namespace
+
+KvcacheProblem validate_kvcache(const KvcacheArgs& args, PointerInspector inspect) {
+  const Checker c("flash3::fwd_kvcache: ");
+  const bool paged = given(args.page_table), write_lse = args.lse.data != nullptr;
+  const char* const* cache_dims = paged ? kPagedCacheDims : kCacheDims;
+  const Arg q{"q", args.q, kQDims, 4}, k{"k_cache", args.k_cache, cache_dims, 4},
+      v{"v_cache", args.v_cache, cache_dims, 4}, out{"out", args.out, kQDims, 4}, lse{"lse", args.lse, kLseDims, 3};
+  const Arg seqlens{"cache_seqlens", args.cache_seqlens, kUsedDims, 1},
+      batch_idx{"cache_batch_idx", args.cache_batch_idx, kUsedDims, 1},
+      leftpad{"cache_leftpad", args.cache_leftpad, kUsedDims, 1},
+      page_table{"page_table", args.page_table, kPageTableDims, 2};
+  const Arg* lse_if = write_lse ? &lse : nullptr;
+  Args all = {&q, &k, &v, &out};
+  if (write_lse) all.push_back(&lse);
+  Args index;  // the index tensors given, in the order of KvcacheArgs
+  for (const Arg* a : {&seqlens, &batch_idx, &leftpad, &page_table}) {
+    if (given(a->t)) index.push_back(a);
+  }
+
+  if (paged && given(args.cache_batch_idx)) {
+    c.fail("cache_batch_idx is given with page_table; a paged cache is addressed through page_table alone "
+           "(cache_batch_idx selects entries of a contiguous cache)");
+  }
+  c.ranks(all);
+  const DType dtype = c.dtypes(q, {&k, &v, &out}, lse_if, "q, k_cache, v_cache and out must have the same dtype");
+  c.int32_tensors(index);
+  c.sizes(all);
+  c.sizes(index);
+  c.same_shape(out, q, "out must have the same shape as q");
+  c.same_shape(v, k, "k_cache and v_cache must have the same shape");
+  c.same(k, 3, q, 3, "q and k_cache must have the same head_dim");
+  if (write_lse) c.lse_shape(lse, q);
+  const int64_t batch = q.t.shape[0];
+  for (const Arg* a : {&seqlens, &batch_idx, &leftpad}) {
+    if (given(a->t) && a->t.shape[0] != batch) {
+      c.fail(a->name, ".shape[0] is ", a->t.shape[0], " but q.shape[0] (batch) is ", batch, "; ", a->name,
+             " must have batch entries");
+    }
+  }
+  if (paged) {
+    c.same(page_table, 0, q, 0, "page_table must have one row per batch entry");
+    if (page_table.t.shape[1] < 1) {
+      c.fail(Dim{page_table, 1}, " is 0; page_table needs at least one page per sequence");
+    }
+    if (k.t.shape[0] < 1) c.fail(Dim{k, 0}, " is 0; a paged cache needs at least one page");
+    if (k.t.shape[1] < 1) c.fail(Dim{k, 1}, " is 0; a page must hold at least one key");
+  } else if (given(args.cache_batch_idx)) {
+    if (k.t.shape[0] < 1) {
+      c.fail(Dim{k, 0}, " is 0; cache_batch_idx selects entries of k_cache, which needs at least one");
+    }
+  } else {
+    c.same(k, 0, q, 0, "without cache_batch_idx, k_cache must have one entry per batch entry (batch_cache = batch)");
+  }
+  c.heads(q, k);
+  c.strides(all, lse_if, dtype);
+  c.int32_strides(index);
+
+  // The lengths: seqlen_q and the longest key range (seqlen_cache, or max_pages_per_seq x
+  // page_size, a product of two int32 sizes formed in int64) at most kMaxSeqlen.
+  if (q.t.shape[1] > kMaxSeqlen) {
+    c.fail(Dim{q, 1}, " is ", q.t.shape[1], "; seqlen_q must be at most ", int64_t{kMaxSeqlen},
+           " (2^30): the kernels index rows in 32 bits");
+  }
+  const int64_t seqlen_cache = paged ? page_table.t.shape[1] * k.t.shape[1] : k.t.shape[1];
+  if (seqlen_cache > kMaxSeqlen) {
+    if (paged) {
+      c.fail(Dim{page_table, 1}, " x ", Dim{k, 1}, " = ", page_table.t.shape[1], " x ", k.t.shape[1], " = ",
+             seqlen_cache, " keys per sequence; max_pages_per_seq x page_size must be at most ", int64_t{kMaxSeqlen},
+             " (2^30): the kernels index keys in 32 bits");
+    }
+    c.fail(Dim{k, 1}, " is ", seqlen_cache, "; seqlen_cache must be at most ", int64_t{kMaxSeqlen},
+           " (2^30): the kernels index keys in 32 bits");
+  }
+  c.tiles(q, q.t.shape[2], batch, "query");
+  const float scale = c.scale(args.softmax_scale, q.t.shape[3], kMaxSoftmaxScale,
+                              "2^11: beyond, float32 exponents of the softmax are not exact");
+  if (args.num_splits < 0 || args.num_splits > kMaxKvcacheSplits) {
+    c.fail("num_splits is ", args.num_splits, "; it must be in [0, ", kMaxKvcacheSplits,
+           "] (0: the heuristic, kvcache_num_splits)");
+  }
+
+  KvcacheProblem p;
+  p.dtype = dtype;
+  p.batch = static_cast<int>(batch);
+  p.seqlen_q = static_cast<int>(q.t.shape[1]);
+  p.nheads = static_cast<int>(q.t.shape[2]);
+  p.nheads_kv = static_cast<int>(k.t.shape[2]);
+  p.head_dim = static_cast<int>(q.t.shape[3]);
+  p.batch_cache = static_cast<int>(k.t.shape[0]);
+  p.seqlen_cache = static_cast<int>(seqlen_cache);
+  p.paged = paged;
+  p.page_size = paged ? static_cast<int>(k.t.shape[1]) : 0;
+  p.max_pages = paged ? static_cast<int>(page_table.t.shape[1]) : 0;
+  p.has_seqlens = given(args.cache_seqlens);
+  p.has_batch_idx = given(args.cache_batch_idx);
+  p.has_leftpad = given(args.cache_leftpad);
+  p.softmax_scale = scale;
+  p.write_lse = write_lse;
+  p.num_splits = args.num_splits;
+  KvcacheMask m{args.causal, p.seqlen_q, p.seqlen_cache};
+  c.mask(args.window_left, args.window_right, args.softcap, m);
+  p.causal = m.causal;
+  p.window_left = m.window_left;
+  p.window_right = m.window_right;
+  p.softcap = m.softcap;
+
+  // Pointers last, and only when there is something to compute.
+  if (p.batch > 0 && p.seqlen_q > 0) {
+    c.pointers(all, lse_if, inspect);
+    c.int32_pointers(index, inspect);
+  }
   return p;
 }
 

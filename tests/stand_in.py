@@ -3,11 +3,13 @@ backward_varlen_into, forward_kvcache_into, quantize_fp8_into), for the tests th
 GPU: the attention math in float64, written into the caller's buffers as the library would (rows
 that see no key: out 0, lse +inf; dq 0; FP8 inputs dequantized by their scales first;
 variable-length batches one sequence at a time, out and lse rows past seqused_q untouched,
-gradient rows past seqused 0; a KV cache one batch entry at a time over its first cache_seqlens
-keys), and the FP8 block quantization (with the Hadamard rotation of src/quant/hadamard.h)
-computed as the kernel does, in float32 where it rounds. Everything above them (the operators,
-their fakes and autograd, the eager paths, the allocation of outputs and the handling of dout)
-is flash3's own code.
+gradient rows past seqused 0; a KV cache one batch entry at a time over its keys, cache
+positions [cache_leftpad[b], cache_seqlens[b]) gathered from its cache entry or its pages), and
+the FP8 block quantization (with the Hadamard rotation of src/quant/hadamard.h) computed as the
+kernel does, in float32 where it rounds. Everything above them (the operators, their fakes and
+autograd, the eager paths, the allocation of outputs and the handling of dout, the host-side
+checks of forward_kvcache_into's index values, which the stand-in calls as the real one does) is
+flash3's own code.
 
     calls = stand_in.install(monkeypatch)   # each call appends (name, dict of its arguments)
 """
@@ -118,6 +120,26 @@ def attention_grads_varlen(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q=
         dq, dk, dv = attention_grads(dout[sq][None], q[sq][None], k[sk][None], v[sk][None], **kwargs)
         grads[0][sq], grads[1][sk], grads[2][sk] = dq[0], dk[0], dv[0]
     return tuple(grads)
+
+
+def kvcache_sequence(k_cache, v_cache, b, cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
+                     page_table=None):
+    """(k, v), each (1, n, nheads_kv, headdim): the keys and values of batch entry b of a KV cache
+    in key order, its cache positions [cache_leftpad[b], cache_seqlens[b]) clamped to the cache
+    as the library clamps them (the end to [0, seqlen_cache], the start to [0, end]). Position p
+    is row p of cache entry cache_batch_idx[b] (b without it), or row p % page_size of page
+    page_table[b, p // page_size] of a paged cache (page and entry indices clamped to the cache)."""
+    paged = page_table is not None
+    n_cache = k_cache.shape[1] * (page_table.shape[1] if paged else 1)
+    end = n_cache if cache_seqlens is None else min(max(int(cache_seqlens[b]), 0), n_cache)
+    start = 0 if cache_leftpad is None else min(max(int(cache_leftpad[b]), 0), end)
+    if not paged:
+        e = b if cache_batch_idx is None else min(max(int(cache_batch_idx[b]), 0), k_cache.shape[0] - 1)
+        return k_cache[e:e + 1, start:end], v_cache[e:e + 1, start:end]
+    pos = torch.arange(start, end, device=k_cache.device)
+    page_size = k_cache.shape[1]
+    pages = page_table[b].to(k_cache.device).long()[pos // page_size].clamp(0, k_cache.shape[0] - 1)
+    return k_cache[pages, pos % page_size][None], v_cache[pages, pos % page_size][None]
 
 
 # ---- FP8 -----------------------------------------------------------------------------------------
@@ -253,15 +275,21 @@ def install(monkeypatch):
         return dq, dk, dv
 
     def forward_kvcache_into(q, k_cache, v_cache, out, lse, cache_seqlens=None, softmax_scale=None, causal=False,
-                             window_left=-1, window_right=-1, softcap=0.0, check_seqlens=False):
+                             window_left=-1, window_right=-1, softcap=0.0, cache_batch_idx=None, cache_leftpad=None,
+                             page_table=None, num_splits=0, check_page_table=False, check_seqlens=False):
         calls.append(("fwd_kvcache", dict(q=q, k_cache=k_cache, v_cache=v_cache, out=out, lse=lse,
                                           cache_seqlens=cache_seqlens, softmax_scale=softmax_scale, causal=causal,
                                           window_left=window_left, window_right=window_right, softcap=softcap,
-                                          check_seqlens=check_seqlens)))
+                                          cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+                                          page_table=page_table, num_splits=num_splits,
+                                          check_page_table=check_page_table, check_seqlens=check_seqlens)))
+        if check_seqlens or check_page_table:  # flash3's host-side check, as the real forward_kvcache_into makes it
+            flash3._kernels.check_kvcache_values(k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, page_table,
+                                                 check_seqlens, check_page_table)
         kw = dict(softmax_scale=softmax_scale, causal=causal, window=(window_left, window_right), softcap=softcap)
-        for b in range(q.shape[0]):  # entry b over its first cache_seqlens[b] keys
-            n = k_cache.shape[1] if cache_seqlens is None else min(max(int(cache_seqlens[b]), 0), k_cache.shape[1])
-            o, l = attention(q[b:b + 1], k_cache[b:b + 1, :n], v_cache[b:b + 1, :n], **kw)
+        for b in range(q.shape[0]):  # entry b over its keys, the masks aligned bottom-right to them
+            k, v = kvcache_sequence(k_cache, v_cache, b, cache_seqlens, cache_batch_idx, cache_leftpad, page_table)
+            o, l = attention(q[b:b + 1], k, v, **kw)
             out[b] = o[0]
             if lse is not None:
                 lse[b] = l[0]

@@ -1,21 +1,32 @@
-"""Decoding over a contiguous KV cache: flash3.flash_attn_with_kvcache (FlashAttention-3's
-signature), the operator flash3::fwd_kvcache (schema, fake), forward_kvcache_into, the append of
-new keys and values with rotary embedding (flash3.kvcache) against a float64 RoPE written here,
-the arguments not supported yet, argument errors, torch.compile, CUDA graphs, and the kernels'
-results.
+"""Decoding over a KV cache: flash3.flash_attn_with_kvcache (FlashAttention-3's signature), the
+operator flash3::fwd_kvcache (schema, fake), forward_kvcache_into and the C struct it packs
+(flash3_kvcache_args, read back by a C function built from include/flash3/flash3_c.h), the
+cache layouts (contiguous, a larger cache read through cache_batch_idx, paged through page_table
+with any page size and pages in any order, cache_leftpad), num_splits, the append of new keys
+and values with rotary embedding (flash3.kvcache) into each layout against a float64 RoPE written
+here, the host-side checks of the index values, the arguments not supported yet, argument
+errors, torch.compile, CUDA graphs, and the kernels' results.
 
-Entry b of q (batch, seqlen_q, nheads, headdim) attends to k_cache[b, :cache_seqlens[b]], the
-masks aligned bottom-right to that length. The reference: tests/test_torch.py's check (FP64
-stand-in, tolerance 2 x the plain input-precision error + 1e-5, lse within 1e-3) on each batch
-entry's slice of the cache; an entry with an empty cache gives out 0, lse +inf.
+Sequence b of q (batch, seqlen_q, nheads, headdim) attends to its cache positions
+[cache_leftpad[b], cache_seqlens[b]), read from cache entry cache_batch_idx[b] (default b) or
+through row b of page_table, the masks aligned bottom-right to those keys. The reference:
+tests/test_torch.py's check (FP64 stand-in, tolerance 2 x the plain input-precision error + 1e-5,
+lse within 1e-3) on each sequence's keys, gathered here position by position (sequence_keys); a
+sequence without keys gives out 0, lse +inf.
 Tests named test_cpu_* run without a GPU (the library calls stood in for on the CPU by
-tests/stand_in.py); tests parametrized over [cpu] and [cuda] make the same checks on both
-(cuda: a Hopper GPU and libflash3.so, skipped elsewhere); the others need the GPU.
+tests/stand_in.py, or, for the packing of the C struct, by a C function); tests parametrized over
+[cpu] and [cuda] make the same checks on both (cuda: a Hopper GPU and libflash3.so, skipped
+elsewhere); the others need the GPU.
 Run: PYTHONPATH=python python3 -m pytest -q tests/test_kvcache.py
 """
+import contextlib
+import ctypes
 import inspect
 import os
+import shutil
+import subprocess
 import sys
+import zlib
 
 import pytest
 
@@ -30,7 +41,9 @@ pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 FWD_KVCACHE_SCHEMA = ("flash3::fwd_kvcache(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? cache_seqlens=None, "
                       "float? softmax_scale=None, bool causal=False, SymInt window_left=-1, SymInt window_right=-1, "
-                      "float softcap=0.) -> (Tensor, Tensor)")
+                      "float softcap=0., Tensor? cache_batch_idx=None, Tensor? cache_leftpad=None, "
+                      "Tensor? page_table=None, SymInt num_splits=0) -> (Tensor, Tensor)")
+INDEX = ("cache_seqlens", "cache_batch_idx", "cache_leftpad", "page_table")  # the index tensors of a problem
 _ = inspect.Parameter.empty
 # FlashAttention-3, hopper/flash_attn_interface.py: (name, default) in order.
 FA3_FLASH_ATTN_WITH_KVCACHE = [
@@ -60,17 +73,90 @@ def problem(batch, seqlen_q, seqlen_cache, h, hk, d, dtype=torch.bfloat16, devic
                 cache_seqlens=torch.tensor(lengths, dtype=torch.int32, device=device))
 
 
+def kv_problem(lengths, seqlen_q, h, hk, d, dtype=torch.bfloat16, device="cpu", seed=0, page_size=None,
+               capacity=None, batch_idx=False, leftpad=False):
+    """A decoding problem of len(lengths) sequences (cache_seqlens = lengths): q (batch, seqlen_q,
+    h, d) and the cache N(0, 1), room for `capacity` keys per sequence (default the longest
+    length). The cache is contiguous (batch, capacity, hk, d); with batch_idx, a larger one of 2 x
+    batch + 1 entries read through cache_batch_idx, distinct entries in random order; with
+    page_size, paged: page_table (batch, ceil(capacity / page_size)) holds distinct pages of
+    num_pages = batch x max_pages + 3 in random order (a few unused). leftpad: cache_leftpad[b]
+    random in [0, lengths[b]] (0 for the first sequence, lengths[b] for the last: no key)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    cpu = torch.Generator().manual_seed(seed)
+    batch = len(lengths)
+    capacity = max(lengths) if capacity is None else capacity
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device=device, dtype=torch.float32).to(dtype)
+
+    def int32(values):
+        return torch.as_tensor(values, dtype=torch.int32).to(device)
+
+    p = dict(q=randn(batch, seqlen_q, h, d), cache_seqlens=int32(lengths), cache_batch_idx=None, cache_leftpad=None,
+             page_table=None)
+    if page_size is not None:
+        max_pages = max(1, -(-capacity // page_size))
+        num_pages = batch * max_pages + 3
+        p["page_table"] = int32(torch.randperm(num_pages, generator=cpu)[:batch * max_pages].view(batch, max_pages))
+        shape = (num_pages, page_size, hk, d)
+    elif batch_idx:
+        p["cache_batch_idx"] = int32(torch.randperm(2 * batch + 1, generator=cpu)[:batch])
+        shape = (2 * batch + 1, capacity, hk, d)
+    else:
+        shape = (batch, capacity, hk, d)
+    p["k_cache"], p["v_cache"] = randn(*shape), randn(*shape)
+    if leftpad:
+        pad = [int(torch.randint(0, n + 1, (1,), generator=cpu)) for n in lengths]
+        pad[0], pad[-1] = 0, lengths[-1]
+        p["cache_leftpad"] = int32(pad)
+    return p
+
+
+def index_args(p):
+    """The problem's index tensors as keyword arguments (None: not given)."""
+    return {name: p.get(name) for name in INDEX}
+
+
+def cache_slots(p, b, start, end):
+    """(entries, rows), int64 tensors: where cache positions start .. end - 1 of batch entry b of
+    problem p lie, looked up one by one: rows of cache entry cache_batch_idx[b] (default b), or
+    row pos % page_size of page page_table[b, pos // page_size] (apart from the stand-in's and
+    flash3.kvcache's index arithmetic, so that each checks the other)."""
+    table, entry = p.get("page_table"), p.get("cache_batch_idx")
+    if table is None:
+        e = b if entry is None else int(entry[b])
+        where = [(e, pos) for pos in range(start, end)]
+    else:
+        row, page_size = table[b].tolist(), p["k_cache"].shape[1]
+        where = [(row[pos // page_size], pos % page_size) for pos in range(start, end)]
+    device = p["k_cache"].device
+    return (torch.tensor([w[0] for w in where], dtype=torch.long, device=device),
+            torch.tensor([w[1] for w in where], dtype=torch.long, device=device))
+
+
+def sequence_keys(p, b):
+    """(k, v), each (1, n, nheads_kv, headdim): the keys and values of batch entry b of problem p,
+    its cache positions [cache_leftpad[b], cache_seqlens[b]) (cache_slots)."""
+    kc, vc, table, pad, lens = (p.get(name) for name in ("k_cache", "v_cache", "page_table", "cache_leftpad",
+                                                         "cache_seqlens"))
+    size = kc.shape[1] if table is None else kc.shape[1] * table.shape[1]
+    end = size if lens is None else int(lens[b])
+    entries, rows = cache_slots(p, b, 0 if pad is None else int(pad[b]), end)
+    return kc[entries, rows][None], vc[entries, rows][None]
+
+
 def check_kvcache(p, out, lse, causal=False, window=(-1, -1), softcap=0.0, scale=None):
-    """Each batch entry against the reference over its slice of the cache."""
-    q, k, v = p["q"], p["k_cache"], p["v_cache"]
+    """Each batch entry against the reference over its keys (sequence_keys)."""
+    q = p["q"]
     assert out.shape == q.shape and out.dtype == q.dtype
     assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
-    for b, n in enumerate(p["cache_seqlens"].tolist()):
-        if n == 0:  # no key: out 0, lse +inf
-            assert (out[b] == 0).all() and torch.isposinf(lse[b]).all(), f"entry {b}: empty cache"
+    for b in range(q.shape[0]):
+        k, v = sequence_keys(p, b)
+        if k.shape[1] == 0:  # no key: out 0, lse +inf
+            assert (out[b] == 0).all() and torch.isposinf(lse[b]).all(), f"entry {b}: no key"
             continue
-        check(q[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n], causal, scale, out=out[b:b + 1], lse=lse[b:b + 1],
-              window=window, softcap=softcap)
+        check(q[b:b + 1], k, v, causal, scale, out=out[b:b + 1], lse=lse[b:b + 1], window=window, softcap=softcap)
 
 
 # ---- registration, signature, fake ---------------------------------------------------------------
@@ -87,17 +173,31 @@ def test_cpu_op_registered_and_signature_is_fa3s():
 
 
 def test_cpu_fake_shapes():
-    """Under FakeTensorMode: out like q, contiguous; lse float32 (batch, nheads, seqlen_q)."""
+    """Under FakeTensorMode: out like q, contiguous; lse float32 (batch, nheads, seqlen_q), whatever
+    the cache's layout (contiguous, a larger cache with cache_batch_idx, paged) and num_splits;
+    the fake refuses what the kernel refuses before the library (kvcache_shapes)."""
     with FakeTensorMode():
         q = torch.empty(3, 2, 32, 128, dtype=torch.bfloat16, device="cuda")
         k = torch.empty(3, 1000, 8, 128, dtype=torch.bfloat16, device="cuda")
+        big = torch.empty(7, 1000, 8, 128, dtype=torch.bfloat16, device="cuda")
+        pages = torch.empty(40, 16, 8, 128, dtype=torch.bfloat16, device="cuda")
         lens = torch.empty(3, dtype=torch.int32, device="cuda")
+        table = torch.empty(3, 10, dtype=torch.int32, device="cuda")
         qt = torch.empty(3, 32, 2, 128, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
+        layouts = [(k, {}), (big, dict(cache_batch_idx=lens, cache_leftpad=lens)),
+                   (pages, dict(page_table=table, num_splits=3)), (pages, dict(page_table=table, cache_leftpad=lens))]
         for qq in (q, qt):
             for cache_seqlens in (lens, None):
-                out, lse = torch.ops.flash3.fwd_kvcache(qq, k, k, cache_seqlens, causal=True)
-                assert out.shape == qq.shape and out.dtype == qq.dtype and out.is_contiguous()
-                assert lse.shape == (3, 32, 2) and lse.dtype == torch.float32
+                for cache, kw in layouts:
+                    out, lse = torch.ops.flash3.fwd_kvcache(qq, cache, cache, cache_seqlens, causal=True, **kw)
+                    assert out.shape == qq.shape and out.dtype == qq.dtype and out.is_contiguous()
+                    assert lse.shape == (3, 32, 2) and lse.dtype == torch.float32
+        with pytest.raises(ValueError, match=r"^cache_batch_idx: not supported with page_table"):
+            torch.ops.flash3.fwd_kvcache(q, pages, pages, lens, page_table=table, cache_batch_idx=lens)
+        with pytest.raises(ValueError, match=r"^num_splits: must be an int in \[0, 64\]"):
+            torch.ops.flash3.fwd_kvcache(q, k, k, lens, num_splits=65)
+        with pytest.raises(ValueError, match=r"^page_table: shape \(3,\), expected"):
+            torch.ops.flash3.fwd_kvcache(q, pages, pages, lens, page_table=lens)
 
 
 # ---- results ----------------------------------------------------------------------------------------
@@ -145,8 +245,8 @@ def test_kvcache_matches_fp64(monkeypatch, device, dtype, hdim, case):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
 def test_int_and_missing_cache_seqlens(monkeypatch, device):
-    """An int is every entry's length (FlashAttention-3's torch.full); None is the whole cache,
-    the same as flash_attn_func over it."""
+    """An int is every entry's length (FlashAttention-3's torch.full); None is the whole cache (the
+    reference's results; on the CPU, the stand-in's flash_attn_func over it, bitwise)."""
     if device == "cpu":
         stand_in.install(monkeypatch)
     p = problem(3, 2, 150, 4, 2, 64, device=device, seed=5, lengths=[77, 77, 77])
@@ -154,9 +254,11 @@ def test_int_and_missing_cache_seqlens(monkeypatch, device):
     by_tensor = flash3.flash_attn_with_kvcache(q, k, v, cache_seqlens=p["cache_seqlens"], causal=True)
     assert torch.equal(flash3.flash_attn_with_kvcache(q, k, v, cache_seqlens=77, causal=True), by_tensor)
     whole, lse = flash3.flash_attn_with_kvcache(q, k, v, causal=True, return_softmax_lse=True)
-    ref, ref_lse = flash3.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
-    torch.testing.assert_close(whole, ref, rtol=0, atol=0)
-    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=0)
+    check_kvcache(dict(p, cache_seqlens=None), whole, lse, causal=True)
+    if device == "cpu":  # the same math as flash_attn_func's; the GPU's decoding kernel rounds its own way
+        ref, ref_lse = flash3.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+        torch.testing.assert_close(whole, ref, rtol=0, atol=0)
+        torch.testing.assert_close(lse, ref_lse, rtol=0, atol=0)
 
 
 def test_cpu_compile_fullgraph(calls):
@@ -174,6 +276,113 @@ def test_cpu_compile_fullgraph(calls):
     out = torch.compile(lambda q, k, v: flash3.flash_attn_with_kvcache(q, k, v, cache_seqlens=40), fullgraph=True,
                         backend="aot_eager")(p["q"], p["k_cache"], p["v_cache"])
     assert calls[-1][1]["cache_seqlens"].tolist() == [40, 40] and out.shape == p["q"].shape
+
+
+# ---- cache layouts: cache_batch_idx, cache_leftpad, page_table; num_splits ---------------------------
+
+def seed_of(*parts):
+    """A seed that is the same in every run (str hashes are salted per process)."""
+    return zlib.crc32(repr(parts).encode())
+
+
+LAYOUTS = [  # name, page_size (None: contiguous), cache_batch_idx, cache_leftpad, num_splits
+    ("contiguous_split3", None, False, False, 3),
+    ("batch_idx", None, True, False, 0),
+    ("leftpad_split1", None, False, True, 1),
+    ("batch_idx_leftpad_split64", None, True, True, 64),
+    ("paged1", 1, False, False, 0),
+    ("paged16_leftpad_split3", 16, False, True, 3),
+    ("paged64_split64", 64, False, False, 64),
+    ("paged256_leftpad", 256, False, True, 0),
+]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[c[0] for c in LAYOUTS])
+def test_layouts_match_fp64(monkeypatch, device, layout):
+    """Each layout through flash_attn_with_kvcache (lengths with 0 and around pages and 64-key
+    tiles; GQA 4; 3 causal query rows): the reference's results. On the CPU also: the index
+    tensors and num_splits reach forward_kvcache_into as given, and nothing is checked on the
+    host (as FlashAttention-3)."""
+    if device == "cpu":
+        calls = stand_in.install(monkeypatch)
+    name, page_size, batch_idx, leftpad, splits = layout
+    p = kv_problem([0, 1, 15, 16, 17, 63, 64, 65, 200], 3, 8, 2, 64, device=device, seed=seed_of(name),
+                   page_size=page_size, capacity=256, batch_idx=batch_idx, leftpad=leftpad)
+    out, lse = flash3.flash_attn_with_kvcache(p["q"], p["k_cache"], p["v_cache"], **index_args(p), causal=True,
+                                              num_splits=splits, return_softmax_lse=True)
+    check_kvcache(p, out, lse, causal=True)
+    if device == "cpu":
+        (op, c), = calls
+        assert op == "fwd_kvcache" and c["num_splits"] == splits
+        assert not c["check_page_table"] and not c["check_seqlens"]
+        assert all(c[n] is p[n] for n in INDEX)
+
+
+def boundary_lengths(page_size, capacity):
+    """cache_seqlens around the boundaries of pages (page_size, 2 x page_size) and of 64-key tiles,
+    with 0, 1 and the whole capacity: distinct, sorted, in [0, capacity]."""
+    near = {0, 1, 63, 64, 65, 127, 129, capacity}
+    for n in (page_size, 2 * page_size):
+        near |= {n - 1, n, n + 1}
+    return sorted(x for x in near if 0 <= x <= capacity)
+
+
+DECODE_CASES = [  # name, seqlen_q, nheads, nheads_kv, causal, window, softcap, num_splits, cache_leftpad
+    ("decode_gqa8_causal_split3", 1, 16, 2, True, (-1, -1), 0.0, 3, False),
+    ("decode_gqa16_leftpad_heuristic", 1, 32, 2, False, (-1, -1), 0.0, 0, True),
+    ("spec4_gqa4_window_split64", 4, 8, 2, True, (40, -1), 0.0, 64, False),
+    ("chunk130_mha_causal_leftpad_split1", 130, 2, 2, True, (-1, -1), 0.0, 1, True),
+    ("spec3_gqa4_softcap_split3", 3, 8, 2, False, (-1, -1), 15.0, 3, False),
+    ("decode_gqa8_local_leftpad_heuristic", 1, 16, 2, False, (100, 0), 0.0, 0, True),
+]
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("hdim", [64, 128, 256])
+@pytest.mark.parametrize("layout", ["contiguous", "batch_idx", "paged1", "paged16", "paged64", "paged256"])
+@pytest.mark.parametrize("case", DECODE_CASES, ids=[c[0] for c in DECODE_CASES])
+def test_decode_matches_fp64(dtype, hdim, layout, case):
+    """The kernel over every layout (contiguous; a permutation into a cache of 2 x batch + 1
+    entries; pages of 1, 16, 64, 256 keys in random order) with cache_seqlens 0 and around page and
+    64-key tile boundaries (boundary_lengths, up to 600 keys), cache_leftpad, num_splits 1, 3, 64
+    and 0, GQA 1, 4, 8, 16, seqlen_q 1, 3, 4 and 130 (chunked prefill: rows that see no key),
+    causal, windows, softcap: forward_kvcache_into into NaN-poisoned out and lse against the FP64
+    reference, and flash_attn_with_kvcache the same bits."""
+    name, sq, h, hk, causal, window, softcap, splits, leftpad = case
+    page_size = int(layout[5:]) if layout.startswith("paged") else None
+    p = kv_problem(boundary_lengths(page_size or 64, 600), sq, h, hk, hdim, dtype, "cuda",
+                   seed=seed_of(name, layout, hdim), page_size=page_size, capacity=600,
+                   batch_idx=layout == "batch_idx", leftpad=leftpad)
+    q = p["q"]
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((q.shape[0], h, sq), float("nan"), device="cuda")
+    c, left, right = flash3.flash_attn_interface._window(window, causal)
+    flash3.forward_kvcache_into(q, p["k_cache"], p["v_cache"], out, lse, causal=c, window_left=left, window_right=right,
+                                softcap=softcap, num_splits=splits, **index_args(p))
+    torch.cuda.synchronize()
+    check_kvcache(p, out, lse, causal, window, softcap)
+    out2, lse2 = flash3.flash_attn_with_kvcache(q, p["k_cache"], p["v_cache"], **index_args(p), causal=causal,
+                                                window_size=window, softcap=softcap, num_splits=splits,
+                                                return_softmax_lse=True)
+    assert torch.equal(out2, out) and torch.equal(lse2, lse), "flash_attn_with_kvcache differs from the _into call"
+
+
+@gpu
+def test_num_splits_agree():
+    """One long-context problem (8k keys in pages of 64, GQA 8, batch 2: few blocks without a
+    split) at every split count: each within the reference's tolerance, and num_splits 1 against
+    the others within a few units of the last place."""
+    p = kv_problem([8192, 5000], 1, 16, 2, 128, device="cuda", seed=3, page_size=64, capacity=8192)
+    outs = {}
+    for splits in (1, 2, 3, 7, 64, 0):
+        out, lse = flash3.flash_attn_with_kvcache(p["q"], p["k_cache"], p["v_cache"], **index_args(p), causal=True,
+                                                  num_splits=splits, return_softmax_lse=True)
+        check_kvcache(p, out, lse, causal=True)
+        outs[splits] = out
+    for splits, out in outs.items():
+        torch.testing.assert_close(out, outs[1], rtol=2**-6, atol=2**-8, msg=f"num_splits {splits}")
 
 
 # ---- append with rotary ------------------------------------------------------------------------------
@@ -249,6 +458,117 @@ def test_append_with_rotary(monkeypatch, device, case):
     check_kvcache(dict(p, q=q_rot, cache_seqlens=lens + s_new), out, lse, causal, window)
 
 
+def rope64(x, cos, sin, positions, interleaved):
+    """RoPE in float64 as a complex rotation (vectorized; rope_reference's statement, checked
+    against it): each pair (a, b) of the first 2 x cos.shape[1] dims (interleaved: dims 2i,
+    2i + 1; else i, i + rotary_dim / 2) at position p becomes (a + ib)(cos(p, i) + i sin(p, i))."""
+    half = cos.shape[1]
+    out = x.double().clone()
+    ia, ib = (slice(0, 2 * half, 2), slice(1, 2 * half, 2)) if interleaved else (slice(0, half),
+                                                                                slice(half, 2 * half))
+    pos = positions.long()
+    turn = torch.complex(cos.double()[pos], sin.double()[pos])[:, :, None, :]  # (batch, seqlen, 1, half)
+    z = torch.complex(out[..., ia], out[..., ib]) * turn
+    out[..., ia], out[..., ib] = z.real, z.imag
+    return out
+
+
+def test_cpu_rope64_is_rope_reference():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 3, 2, 32, generator=g)
+    cos, sin = rotary_tables(20, 16, "cpu")
+    positions = torch.tensor([[0, 5, 19], [7, 7, 7]])
+    for interleaved in (False, True):
+        torch.testing.assert_close(rope64(x, cos, sin, positions, interleaved),
+                                   rope_reference(x, cos, sin, positions, interleaved), rtol=1e-12, atol=1e-12)
+
+
+APPEND_LAYOUT_CASES = [  # name, layout (a page size, or "batch_idx"), seqlen_new, seqlen_q, causal, window,
+    #                      rotary_dim (0: none), interleaved, cache_leftpad
+    ("paged16_decode_rotary_neox", 16, 1, 1, True, (-1, -1), 64, False, False),
+    ("paged16_spec5_rotary_interleaved_leftpad", 16, 5, 5, True, (-1, -1), 32, True, True),
+    ("paged1_append40_causal", 1, 40, 40, True, (-1, -1), 0, False, False),
+    ("paged64_append130_window_rotary_leftpad", 64, 130, 130, False, (32, 0), 64, False, True),
+    ("paged256_append300_q7_noncausal_rotary", 256, 300, 7, False, (-1, -1), 64, True, False),
+    ("batch_idx_append33_rotary_leftpad", "batch_idx", 33, 33, True, (-1, -1), 64, False, True),
+    ("batch_idx_decode_rotary_interleaved", "batch_idx", 1, 1, False, (-1, -1), 16, True, False),
+]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+@pytest.mark.parametrize("case", APPEND_LAYOUT_CASES, ids=[c[0] for c in APPEND_LAYOUT_CASES])
+def test_append_into_pages_and_entries(monkeypatch, device, case):
+    """k, v (1 to 300 new rows) appended into a paged cache (across page boundaries: lengths 0,
+    page_size - 1, 2 page_size + 5, 3 page_size - 1) or into the entries cache_batch_idx selects:
+    each new row where page_table / cache_batch_idx put cache position cache_seqlens[b] + i, k
+    rotated at that position (FlashAttention-3's: the cache position, with cache_leftpad too) and
+    v as given, every other row of the cache untouched; q rotated likewise; out the attention over
+    [cache_leftpad, cache_seqlens + seqlen_new) (the reference's results)."""
+    if device == "cpu":
+        stand_in.install(monkeypatch)
+    name, layout, s_new, sq, causal, window, rot, interleaved, leftpad = case
+    page_size = layout if isinstance(layout, int) else None
+    unit = page_size or 64
+    starts = [0, unit - 1, 2 * unit + 5, 3 * unit - 1]
+    b, h, hk, d = len(starts), 8, 2, 64
+    p = kv_problem(starts, sq, h, hk, d, device=device, seed=seed_of(name), page_size=page_size,
+                   capacity=max(starts) + s_new + 3, batch_idx=page_size is None, leftpad=leftpad)
+    g = torch.Generator(device=device).manual_seed(12)
+    k_new = torch.randn(b, s_new, hk, d, generator=g, device=device).to(torch.bfloat16)
+    v_new = torch.randn(b, s_new, hk, d, generator=g, device=device).to(torch.bfloat16)
+    cos, sin = rotary_tables(max(starts) + max(s_new, sq) + 8, rot, device) if rot else (None, None)
+    kc, vc = p["k_cache"], p["v_cache"]
+    k_before, v_before = kc.clone(), vc.clone()
+    out, lse = flash3.flash_attn_with_kvcache(p["q"], kc, vc, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
+                                              **index_args(p), causal=causal, window_size=window,
+                                              rotary_interleaved=interleaved, return_softmax_lse=True)
+    assert p["cache_seqlens"].tolist() == starts, "cache_seqlens must not change (the caller advances it)"
+    start = torch.tensor(starts, device=device)[:, None]
+    local = causal or window != (-1, -1)
+    pos_q = start + torch.arange(sq, device=device)[None, :] if local else start.expand(b, sq)
+    pos_k = start + torch.arange(s_new, device=device)[None, :]
+    want_k = rope64(k_new, cos, sin, pos_k, interleaved) if rot else k_new.double()
+    want_q = rope64(p["q"], cos, sin, pos_q, interleaved) if rot else p["q"].double()
+    written = torch.zeros(kc.shape[:2], dtype=torch.bool, device=device)
+    for e, n in enumerate(starts):
+        entries, rows = cache_slots(p, e, n, n + s_new)
+        torch.testing.assert_close(kc[entries, rows].double(), want_k[e], rtol=2**-7, atol=1e-6)
+        assert torch.equal(vc[entries, rows], v_new[e]), f"entry {e}: v not appended as given"
+        written[entries, rows] = True
+    assert int(written.sum()) == b * s_new, "two sequences' new rows landed in the same cache row"
+    assert torch.equal(kc[~written], k_before[~written]) and torch.equal(vc[~written], v_before[~written]), \
+        "cache rows outside the append changed"
+    check_kvcache(dict(p, q=want_q.to(torch.bfloat16), cache_seqlens=p["cache_seqlens"] + s_new), out, lse, causal,
+                  window)
+
+
+def test_cpu_compile_fullgraph_paged(calls):
+    """torch.compile(fullgraph=True) through flash3::fwd_kvcache with page_table, cache_leftpad and
+    num_splits, and the append with rotary into the pages: the same results and cache as the
+    eager call; the index tensors and num_splits reach the kernel."""
+    def f(q, kc, vc, k, v, cos, sin, lens, table, pad):
+        return flash3.flash_attn_with_kvcache(q, kc, vc, k, v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=lens,
+                                              cache_leftpad=pad, page_table=table, causal=True, num_splits=3,
+                                              return_softmax_lse=True)
+
+    p = kv_problem([5, 30, 17], 2, 4, 2, 64, seed=6, page_size=16, capacity=40, leftpad=True)
+    g = torch.Generator().manual_seed(7)
+    k, v = (torch.randn(3, 2, 2, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    cos, sin = rotary_tables(48, 32, "cpu")
+    args = (p["cache_seqlens"], p["page_table"], p["cache_leftpad"])
+    kc, vc = p["k_cache"].clone(), p["v_cache"].clone()
+    eager = f(p["q"], kc, vc, k, v, cos, sin, *args)
+    got = torch.compile(f, fullgraph=True, backend="aot_eager", dynamic=True)(p["q"], p["k_cache"], p["v_cache"], k,
+                                                                                v, cos, sin, *args)
+    assert torch.equal(got[0], eager[0]) and torch.equal(got[1], eager[1])
+    assert torch.equal(p["k_cache"], kc) and torch.equal(p["v_cache"], vc)
+    assert [name for name, _ in calls] == ["fwd_kvcache"] * 2
+    c = calls[-1][1]
+    assert c["num_splits"] == 3 and torch.equal(c["page_table"], p["page_table"])
+    assert torch.equal(c["cache_leftpad"], p["cache_leftpad"]) and c["cache_batch_idx"] is None
+    assert c["cache_seqlens"].tolist() == [7, 32, 19]
+
+
 def test_cpu_compile_fullgraph_with_append(calls):
     """The append with rotary under torch.compile(fullgraph=True): the cache updated in place and
     the same results as the eager call."""
@@ -295,8 +615,7 @@ def test_cpu_bad_append_arguments_raise_naming_them(calls, change, pattern):
 
 # ---- arguments ----------------------------------------------------------------------------------------
 
-UNSUPPORTED = ["qv", "cache_batch_idx", "cache_leftpad", "page_table",
-               "cu_seqlens_q", "cu_seqlens_k_new", "max_seqlen_q", "rotary_seqlens", "q_descale", "k_descale",
+UNSUPPORTED = ["qv", "cu_seqlens_q", "cu_seqlens_k_new", "max_seqlen_q", "rotary_seqlens", "q_descale", "k_descale",
                "v_descale", "scheduler_metadata"]
 
 
@@ -311,42 +630,278 @@ def test_cpu_unsupported_arguments_raise_naming_them(calls, name):
 
 
 def test_cpu_speed_hints_accepted_and_ignored(calls):
+    """pack_gqa and sm_margin are accepted and ignored; num_splits is passed on (the results do not
+    depend on it beyond rounding)."""
     p = problem(2, 1, 16, 2, 1, 64, seed=3)
     base = flash3.flash_attn_with_kvcache(p["q"], p["k_cache"], p["v_cache"], cache_seqlens=p["cache_seqlens"])
     hinted = flash3.flash_attn_with_kvcache(p["q"], p["k_cache"], p["v_cache"], cache_seqlens=p["cache_seqlens"],
                                             num_splits=4, pack_gqa=True, sm_margin=8, rotary_interleaved=False)
     assert torch.equal(base, hinted)
+    assert [c["num_splits"] for _, c in calls] == [0, 4]
+
+
+def _int32(*shape, dtype=torch.int32, device="cpu"):
+    return torch.zeros(*shape, dtype=dtype, device=device)
 
 
 @pytest.mark.parametrize("change, error, pattern", [
     (dict(cache_seqlens=torch.zeros(2, dtype=torch.int64)), ValueError, r"^cache_seqlens: dtype torch.int64"),
     (dict(cache_seqlens=torch.zeros(3, dtype=torch.int32)), ValueError, r"^cache_seqlens: shape \(3,\), expected"),
     (dict(cache_seqlens=torch.zeros(2, 1, dtype=torch.int32)), ValueError, r"^cache_seqlens: expected shape"),
+    (dict(cache_seqlens=_int32(2, device="meta")), ValueError, r"^cache_seqlens: on device meta but q is on cpu"),
     (dict(cache_seqlens=-1), ValueError, r"^cache_seqlens: -1 is out of range"),
     (dict(cache_seqlens=1.5), ValueError, r"^cache_seqlens: expected an int"),
-    (dict(k_cache=torch.zeros(2, 16, 64)), ValueError, r"^k_cache: expected \(batch, seqlen_cache"),
+    (dict(cache_batch_idx=_int32(2, dtype=torch.float32)), ValueError,
+     r"^cache_batch_idx: dtype torch.float32 is not supported; cache_batch_idx must be torch.int32"),
+    (dict(cache_batch_idx=_int32(3)), ValueError, r"^cache_batch_idx: shape \(3,\), expected \(batch,\) = \(2,\)"),
+    (dict(cache_batch_idx=_int32(2, device="meta")), ValueError, r"^cache_batch_idx: on device meta"),
+    (dict(cache_batch_idx=[0, 1]), ValueError, r"^cache_batch_idx: expected a torch.Tensor"),
+    (dict(cache_leftpad=_int32(2, dtype=torch.int16)), ValueError, r"^cache_leftpad: dtype torch.int16"),
+    (dict(cache_leftpad=_int32(2, 1)), ValueError, r"^cache_leftpad: expected shape \(batch,\), got shape \(2, 1\)"),
+    (dict(cache_leftpad=_int32(2, device="meta")), ValueError, r"^cache_leftpad: on device meta"),
+    (dict(page_table=_int32(2, 4, dtype=torch.int64)), ValueError,
+     r"^page_table: dtype torch.int64 is not supported; page_table must be torch.int32"),
+    (dict(page_table=_int32(3, 4)), ValueError,
+     r"^page_table: shape \(3, 4\), expected \(batch, max_pages_per_seq\) with batch = 2"),
+    (dict(page_table=_int32(2)), ValueError, r"^page_table: shape \(2,\), expected \(batch, max_pages_per_seq\)"),
+    (dict(page_table=_int32(2, 4, device="meta")), ValueError, r"^page_table: on device meta but q is on cpu"),
+    (dict(page_table=[[0], [1]]), ValueError, r"^page_table: expected a torch.Tensor \(torch.int32"),
+    (dict(page_table=_int32(2, 4), cache_batch_idx=_int32(2)), ValueError,
+     r"^cache_batch_idx: not supported with page_table; a paged cache is addressed through page_table alone"),
+    (dict(num_splits=65), ValueError, r"^num_splits: must be an int in \[0, 64\] \(key-range splits; 0: flash3's "
+                                      r"heuristic\), got 65"),
+    (dict(num_splits=-1), ValueError, r"^num_splits: must be an int in \[0, 64\]"),
+    (dict(num_splits=2.0), ValueError, r"^num_splits: must be an int, got float"),
+    (dict(k_cache=torch.zeros(2, 16, 64)), ValueError, r"^k_cache: expected \(batch_cache, seqlen_cache"),
+    (dict(k_cache=torch.zeros(2, 16, 64), page_table=_int32(2, 4)), ValueError,
+     r"^k_cache: expected \(num_pages, page_size, nheads_kv, headdim\) \(a paged cache: page_table given\)"),
     (dict(q=torch.zeros(2, 2, 64)), ValueError, r"^q: expected \(batch, seqlen_q"),
     (dict(window_size=(1, 2, 3)), ValueError, r"^window_size"),
-], ids=["lens_dtype", "lens_length", "lens_rank", "lens_negative_int", "lens_float", "k_rank", "q_rank", "window"])
+], ids=["lens_dtype", "lens_length", "lens_rank", "lens_device", "lens_negative_int", "lens_float", "idx_dtype",
+        "idx_length", "idx_device", "idx_list", "pad_dtype", "pad_rank", "pad_device", "table_dtype", "table_rows",
+        "table_rank", "table_device", "table_list", "idx_with_table", "splits_65", "splits_negative", "splits_float",
+        "k_rank", "k_rank_paged", "q_rank", "window"])
 def test_cpu_bad_arguments_raise_naming_them(calls, change, error, pattern):
+    """Before anything runs (no call, the cache unchanged, also with an append)."""
     p = problem(2, 1, 16, 2, 1, 64)
     args = dict(q=p["q"], k_cache=p["k_cache"], v_cache=p["v_cache"], cache_seqlens=p["cache_seqlens"])
     args.update(change)
     with pytest.raises(error, match=pattern):
         flash3.flash_attn_with_kvcache(**args)
+    before = p["k_cache"].clone()
+    if "k_cache" not in change and "q" not in change and "window_size" not in change and isinstance(
+            args["cache_seqlens"], torch.Tensor):
+        new = torch.zeros(2, 1, 1, 64, dtype=torch.bfloat16)
+        with pytest.raises(error, match=pattern):
+            flash3.flash_attn_with_kvcache(**args, k=new, v=new)
+        assert torch.equal(p["k_cache"], before)
     assert calls == []
 
 
-def test_cpu_library_names_are_the_callers():
-    """The library's messages name its seqused_k, k and v; the caller reads cache_seqlens,
-    k_cache and v_cache."""
-    names = flash3._kernels._cache_names
-    assert names("flash3::fwd: seqused_k[1] is 9 but k.shape[1] (seqlen_k) is 8; seqused must be at most "
-                 "the sequence's length") == ("flash3::fwd: cache_seqlens[1] is 9 but k_cache.shape[1] (seqlen_k) "
-                                              "is 8; seqused must be at most the sequence's length")
-    assert names("flash3::fwd: v: shape (2, 8, 1, 64) does not match k (2, 9, 1, 64)") == (
-        "flash3::fwd: v_cache: shape (2, 8, 1, 64) does not match k_cache (2, 9, 1, 64)")
-    assert names("q, k, v must be bfloat16") == "q, k_cache, v_cache must be bfloat16"
+# ---- the C struct and the host-side checks (forward_kvcache_into with a C function as the library) ----
+
+C_PROBE = r"""
+#include <stdint.h>
+#include "flash3/flash3_c.h"
+static double seen[40];
+static int calls;
+const double* probe_seen(void) { return seen; }
+int probe_calls(void) { return calls; }
+uint64_t probe_layout(int i) {
+  const uint64_t v[] = {sizeof(flash3_kvcache_args), FLASH3_KVCACHE_ARGS_SIZE_V1,
+                        offsetof(flash3_kvcache_args, causal), offsetof(flash3_kvcache_args, softmax_scale),
+                        offsetof(flash3_kvcache_args, num_splits), offsetof(flash3_kvcache_args, q),
+                        offsetof(flash3_kvcache_args, k_cache), offsetof(flash3_kvcache_args, v_cache),
+                        offsetof(flash3_kvcache_args, out), offsetof(flash3_kvcache_args, lse),
+                        offsetof(flash3_kvcache_args, cache_seqlens), offsetof(flash3_kvcache_args, cache_batch_idx),
+                        offsetof(flash3_kvcache_args, cache_leftpad), offsetof(flash3_kvcache_args, page_table),
+                        offsetof(flash3_kvcache_args, window), offsetof(flash3_kvcache_args, window_left),
+                        offsetof(flash3_kvcache_args, window_right), offsetof(flash3_kvcache_args, softcap),
+                        offsetof(flash3_kvcache_args, stream)};
+  return v[i];
+}
+int probe_fwd_kvcache(const flash3_kvcache_args* a, char* err, int n) {
+  const double v[] = {a->struct_size, a->causal, a->softmax_scale, a->num_splits, a->window, a->window_left,
+                      a->window_right, a->softcap, (double)(uintptr_t)a->stream,
+                      a->q.rank, (double)a->q.shape[1], (double)a->k_cache.shape[0], (double)a->k_cache.shape[1],
+                      a->v_cache.rank, (double)a->out.shape[2], a->lse.data != 0, a->lse.rank,
+                      a->cache_seqlens.rank, a->cache_seqlens.dtype, (double)a->cache_seqlens.shape[0],
+                      a->cache_batch_idx.data != 0, a->cache_batch_idx.rank,
+                      a->cache_leftpad.rank, (double)a->cache_leftpad.shape[0],
+                      a->page_table.rank, a->page_table.dtype, (double)a->page_table.shape[0],
+                      (double)a->page_table.shape[1], (double)a->page_table.stride[0],
+                      (double)a->page_table.stride[1]};
+  for (int i = 0; i < 30; ++i) seen[i] = v[i];
+  ++calls;
+  (void)err; (void)n;
+  return 0;
+}
+"""
+LAYOUT_FIELDS = ("causal", "softmax_scale", "num_splits", "q", "k_cache", "v_cache", "out", "lse", "cache_seqlens",
+                 "cache_batch_idx", "cache_leftpad", "page_table", "window", "window_left", "window_right", "softcap",
+                 "stream")
+
+
+@pytest.fixture
+def probe(tmp_path, monkeypatch):
+    """C_PROBE built against include/flash3/flash3_c.h in the library's place (flash3_fwd_kvcache
+    records the fields it reads), CPU tensors let through as CUDA ones; skips without a C
+    compiler."""
+    from flash3 import _kernels, _lib
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        pytest.skip("no C compiler to read include/flash3/flash3_c.h with")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    (tmp_path / "probe.c").write_text(C_PROBE)
+    so = tmp_path / "probe.so"
+    r = subprocess.run([cc, "-std=c99", "-shared", "-fPIC", "-I", os.path.join(root, "include"),
+                        str(tmp_path / "probe.c"), "-o", str(so)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    lib = ctypes.CDLL(str(so))
+    lib.probe_layout.restype = ctypes.c_uint64
+    lib.probe_seen.restype = ctypes.POINTER(ctypes.c_double)
+    lib.probe_fwd_kvcache.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
+    lib.flash3_fwd_kvcache = lib.probe_fwd_kvcache
+    monkeypatch.setattr(_lib, "lib", lambda: lib)
+    monkeypatch.setattr(_kernels, "_on_device", lambda index: contextlib.nullcontext())
+    monkeypatch.setattr(_kernels, "_stream", lambda index: 0x5000)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    return lib
+
+
+def test_cpu_kvcache_args_match_c_header(probe):
+    """The struct forward_kvcache_into packs has the layout of flash3_kvcache_args as a C compiler
+    lays it out (the size, every field's offset), and a C function reads back the values packed:
+    the flags and numbers, the tensors' ranks, dtypes, shapes and strides, "not given" (NULL data,
+    rank 0) for the index tensors left out."""
+    from flash3 import _kernels, _lib
+    layout = [probe.probe_layout(i) for i in range(2 + len(LAYOUT_FIELDS))]
+    assert layout[:2] == [_lib.KVCACHE_ARGS_SIZE] * 2 == [_kernels._KVCACHE.size] * 2 == [760, 760]
+    assert layout[2:] == [getattr(_lib.KvcacheArgs, f).offset for f in LAYOUT_FIELDS]
+    assert _lib.has_kvcache()
+
+    def seen():
+        return [probe.probe_seen()[i] for i in range(30)]
+
+    p = kv_problem([5, 40, 17], 2, 8, 2, 64, seed=1, page_size=16, capacity=48, leftpad=True)
+    q, kc, vc = p["q"], p["k_cache"], p["v_cache"]
+    out, lse = torch.empty_like(q), torch.empty(3, 8, 2)
+    table = torch.zeros(3, 8, dtype=torch.int32)[:, :3]  # rows of a wider table
+    flash3.forward_kvcache_into(q, kc, vc, out, lse, p["cache_seqlens"], 0.5, True, 7, -1, 2.5, None,
+                                p["cache_leftpad"], table, 64)
+    assert seen() == [760, 1, 0.5, 64, 1, 7, -1, 2.5, 0x5000, 4, 2, 12, 16, 4, 8, 1, 3, 1, 5, 3, 0, 0, 1, 3, 2, 5, 3,
+                      3, 8, 1]
+    flash3.forward_kvcache_into(q, kc[:3, :4].contiguous(), vc[:3, :4].contiguous(), out, None, cache_batch_idx=p[
+        "cache_seqlens"])
+    assert seen()[:9] == [760, 0, 0.0, 0, 0, -1, -1, 0.0, 0x5000]
+    assert seen()[15:] == [0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0]
+    assert probe.probe_calls() == 2
+
+
+def test_cpu_forward_kvcache_into_names_bad_tensors(probe):
+    """What the library cannot be handed (not a tensor, a dtype it has no code for, rank > 4) is
+    refused before the call, naming the argument; so are num_splits and softmax_scale."""
+    p = kv_problem([5, 40], 1, 4, 2, 64, page_size=16, capacity=48)
+    q, kc, vc = p["q"], p["k_cache"], p["v_cache"]
+    out = torch.empty_like(q)
+    cases = [(dict(page_table=p["page_table"].long()), r"^page_table: dtype torch.int64 is not supported \(use "
+                                                       r"torch.int32\)"),
+             (dict(page_table=p["page_table"], cache_leftpad=[0, 1]), r"^cache_leftpad: expected a torch.Tensor"),
+             (dict(cache_batch_idx=torch.zeros(2, dtype=torch.int16)), r"^cache_batch_idx: dtype torch.int16"),
+             (dict(page_table=p["page_table"], num_splits=99), r"^num_splits: must be an int in \[0, 64\]"),
+             (dict(softmax_scale=float("inf")), r"^softmax_scale")]
+    for kw, pattern in cases:
+        with pytest.raises(ValueError, match=pattern):
+            flash3.forward_kvcache_into(q, kc, vc, out, None, p["cache_seqlens"], **kw)
+    assert probe.probe_calls() == 0
+
+
+def test_cpu_check_page_table_reports_the_first_bad_page(probe):
+    """check_page_table=True: every page a sequence reads (slots 0 .. ceil(cache_seqlens[b] /
+    page_size) - 1 of its row; every slot without cache_seqlens) in [0, num_pages), else
+    ValueError naming page_table, the batch entry, the slot and the value of the first bad one
+    (row by row), before the library is called; slots past a sequence's pages are not read and
+    may hold anything. Off (the default), nothing is checked."""
+    p = kv_problem([5, 50, 33], 1, 4, 2, 64, page_size=16, capacity=64)  # 4 slots per row, 15 pages
+    q, kc, vc, lens, table = p["q"], p["k_cache"], p["v_cache"], p["cache_seqlens"], p["page_table"]
+    out = torch.empty_like(q)
+    table[0, 3] = 99  # slot 3 of a 5-key sequence: not read
+    table[2, 0] = -1
+    table[1, 3] = 15
+
+    def call(**kw):
+        flash3.forward_kvcache_into(q, kc, vc, out, None, lens, page_table=table, **kw)
+
+    with pytest.raises(ValueError, match=r"^page_table: page_table\[1, 3\] is 15; batch entry 1 reads the pages in "
+                                         r"slots 0 \.\. 3 of its row: ceil\(cache_seqlens\[1\] / page_size\) = "
+                                         r"ceil\(50 / 16\), and each must be in \[0, num_pages\) = \[0, 15\) "
+                                         r"\(k_cache.shape\[0\]\)$"):
+        call(check_page_table=True)
+    table[1, 3] = 14
+    with pytest.raises(ValueError, match=r"^page_table: page_table\[2, 0\] is -1; batch entry 2 reads the pages in "
+                                         r"slots 0 \.\. 2 of its row"):
+        call(check_page_table=True)
+    assert probe.probe_calls() == 0
+    call()  # unchecked: passed on
+    table[2, 0] = 0
+    call(check_page_table=True)
+    assert probe.probe_calls() == 2
+    lens[0] = 99  # a length past the cache reads every slot (the library clamps it): slot 3 now counts
+    with pytest.raises(ValueError, match=r"^page_table: page_table\[0, 3\] is 99; batch entry 0 reads the pages in "
+                                         r"slots 0 \.\. 3 of its row: ceil\(cache_seqlens\[0\] / page_size\) = "
+                                         r"ceil\(64 / 16\)"):
+        call(check_page_table=True)
+    with pytest.raises(ValueError, match=r"^page_table: page_table\[0, 3\] is 99; batch entry 0 reads the pages in "
+                                         r"slots 0 \.\. 3 of its row, and each"):
+        flash3.forward_kvcache_into(q, kc, vc, out, None, None, page_table=table, check_page_table=True)
+    assert probe.probe_calls() == 2
+
+
+def test_cpu_check_seqlens_reports_the_first_bad_value(probe):
+    """check_seqlens=True: cache_seqlens in [0, seqlen_cache], cache_leftpad in [0, cache_seqlens],
+    cache_batch_idx in [0, batch_cache), else ValueError naming the tensor, the entry and the
+    value, before the library is called."""
+    p = kv_problem([10, 64, 3], 1, 4, 1, 128, capacity=64, batch_idx=True, leftpad=True)
+    q, kc, vc = p["q"], p["k_cache"], p["v_cache"]
+    out = torch.empty_like(q)
+    kw = index_args(p)
+
+    def call():
+        flash3.forward_kvcache_into(q, kc, vc, out, None, **kw, check_seqlens=True)
+
+    call()
+    kw["cache_seqlens"] = torch.tensor([10, 65, -1], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"^cache_seqlens: cache_seqlens\[1\] is 65; it must be in \[0, "
+                                         r"seqlen_cache\] = \[0, 64\] \(k_cache.shape\[1\]\)$"):
+        call()
+    kw["cache_seqlens"] = torch.tensor([10, 64, 3], dtype=torch.int32)
+    kw["cache_leftpad"] = torch.tensor([0, 3, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"^cache_leftpad: cache_leftpad\[2\] is 4; it must be in \[0, "
+                                         r"cache_seqlens\[2\]\] = \[0, 3\]$"):
+        call()
+    kw["cache_leftpad"] = None
+    kw["cache_batch_idx"] = torch.tensor([0, 7, 6], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"^cache_batch_idx: cache_batch_idx\[1\] is 7; it must be in \[0, "
+                                         r"batch_cache\) = \[0, 7\) \(k_cache.shape\[0\]\)$"):
+        call()
+    assert probe.probe_calls() == 1
+    pp = kv_problem([10, 40], 1, 4, 1, 128, page_size=16, capacity=48)
+    with pytest.raises(ValueError, match=r"^cache_seqlens: cache_seqlens\[0\] is 49; it must be in \[0, "
+                                         r"seqlen_cache\] = \[0, 48\] \(page_table.shape\[1\] x page_size = 3 x 16\)"):
+        flash3.forward_kvcache_into(pp["q"], pp["k_cache"], pp["v_cache"], out[:2], None,
+                                    torch.tensor([49, 1], dtype=torch.int32), page_table=pp["page_table"],
+                                    check_seqlens=True)
+
+
+def test_cpu_value_checks_skip_while_capturing(monkeypatch):
+    """Under CUDA-graph capture (the values of a replay are not those of the capture) the host
+    does not read the index tensors."""
+    p = kv_problem([5, 50], 1, 4, 2, 64, page_size=16, capacity=64)
+    p["page_table"][1, 0] = -7
+    with pytest.raises(ValueError, match=r"page_table\[1, 0\] is -7"):
+        flash3._kernels.check_kvcache_values(p["k_cache"], p["cache_seqlens"], page_table=p["page_table"])
+    monkeypatch.setattr(flash3._kernels, "_capturing", lambda: True)
+    flash3._kernels.check_kvcache_values(p["k_cache"], p["cache_seqlens"], page_table=p["page_table"])
 
 
 # ---- GPU only ---------------------------------------------------------------------------------------
@@ -354,7 +909,7 @@ def test_cpu_library_names_are_the_callers():
 @gpu
 def test_cache_seqlens_past_the_cache():
     """A length above seqlen_cache: unchecked (the default), it counts as seqlen_cache; with
-    check_seqlens=True the library's check raises naming cache_seqlens (also after an in-place
+    check_seqlens=True the host-side check raises naming cache_seqlens (also after an in-place
     change of a tensor that had passed)."""
     p = problem(3, 1, 64, 4, 1, 128, device="cuda", lengths=[10, 65, 3])
     q, k, v = p["q"], p["k_cache"], p["v_cache"]
@@ -387,3 +942,31 @@ def test_cuda_graph_decode_step_replayed_with_new_lengths():
         graph.replay()
         torch.cuda.synchronize()
         check_kvcache(dict(p, cache_seqlens=lens), out, lse, causal=True)
+
+
+@gpu
+def test_cuda_graph_paged_split_decode_step_replayed():
+    """A decode step over a paged cache with num_splits 4 captured into a CUDA graph (the eager
+    warm-up on the capture stream allocates the split's scratch memory) and replayed after
+    cache_seqlens, and then page_table, changed in place: each replay attends to the new lengths
+    through the new pages (the reference's results; the eager warm-up's too)."""
+    p = kv_problem([1, 100, 511, 256], 1, 16, 2, 128, device="cuda", seed=8, page_size=16, capacity=512)
+    q, k, v, lens, table = p["q"], p["k_cache"], p["v_cache"], p["cache_seqlens"], p["page_table"]
+    p["cache_leftpad"] = torch.tensor([0, 50, 30, 0], dtype=torch.int32, device="cuda")  # within every length below
+
+    def step():
+        return flash3.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, cache_leftpad=p["cache_leftpad"],
+                                              page_table=table, causal=True, num_splits=4, return_softmax_lse=True)
+
+    graph, eager, (out, lse) = capture(step)
+    check_kvcache(p, *eager, causal=True)
+    g = torch.Generator().manual_seed(9)
+    for new, shuffle in (([2, 101, 512, 300], False), ([300, 107, 64, 429], True)):
+        lens.copy_(torch.tensor(new, dtype=torch.int32))
+        if shuffle:  # other pages, in another order
+            table.copy_(torch.randperm(k.shape[0], generator=g)[:table.numel()].view_as(table).to(table))
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check_kvcache(p, out, lse, causal=True)

@@ -1,8 +1,8 @@
-// validate_fwd and validate_bwd on the CPU: a fake PointerInspector stands in for the CUDA
-// runtime, so every rule is checked without a GPU. Each rule has one test that checks the
-// message names the argument and the value it got. Also the checks of the values of cu_seqlens
-// and seqused (host arrays; their device copy where a GPU is present) and the C ABI's error
-// reporting.
+// validate_fwd, validate_bwd and validate_kvcache on the CPU: a fake PointerInspector stands in for
+// the CUDA runtime, so every rule is checked without a GPU. Each rule has one test that checks
+// the message names the argument and the value it got. Also the checks of the values of
+// cu_seqlens and seqused (host arrays; their device copy where a GPU is present) and the C ABI's
+// error reporting.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -1849,6 +1849,585 @@ TEST(FwdFp8Validation, RejectsScalesOfTheWrongShapeDtypeOrMemory) {
   a = make_fp8_args(false);
   a.q_scale.data = nullptr;
   EXPECT_TRUE(fails_with(a, {"q_scale.data is null"}));
+}
+
+// ---- decoding over a KV cache: validate_kvcache ------------------------------------------------
+
+using flash3::KvcacheArgs;
+using flash3::KvcacheProblem;
+
+// Fake addresses of the index tensors (4-byte aligned, distinct from the others').
+constexpr uintptr_t kSeqlensAt = 0xA00000, kBatchIdxAt = 0xB00000, kLeftpadAt = 0xC00000, kPageTableAt = 0xD00000;
+
+// A valid contiguous decoding problem: q, out (b, sq, h, d), k_cache, v_cache (b, sc, hk, d),
+// lse, cache_seqlens (b), contiguous, at distinct fake addresses (q, the caches, out and
+// cache_seqlens null when with_data is false), causal.
+KvcacheArgs make_kvcache(int64_t b, int64_t sq, int64_t sc, int64_t h, int64_t hk, int64_t d, bool with_data = true) {
+  KvcacheArgs a;
+  auto ptr = [&](uintptr_t address) { return with_data ? fake_ptr(address) : nullptr; };
+  a.q = TensorRef::contiguous(ptr(0x100000), DType::kBFloat16, {b, sq, h, d});
+  a.k_cache = TensorRef::contiguous(ptr(0x200000), DType::kBFloat16, {b, sc, hk, d});
+  a.v_cache = TensorRef::contiguous(ptr(0x300000), DType::kBFloat16, {b, sc, hk, d});
+  a.out = TensorRef::contiguous(ptr(0x400000), DType::kBFloat16, {b, sq, h, d});
+  a.lse = TensorRef::contiguous(fake_ptr(0x500000), DType::kFloat32, {b, h, sq});
+  a.cache_seqlens = TensorRef::contiguous(ptr(kSeqlensAt), DType::kInt32, {b});
+  a.causal = true;
+  return a;
+}
+
+// make_kvcache with a paged cache: k_cache, v_cache (num_pages, page_size, hk, d) and page_table
+// (b, max_pages).
+KvcacheArgs make_paged(int64_t b, int64_t sq, int64_t num_pages, int64_t page_size, int64_t max_pages, int64_t h,
+                       int64_t hk, int64_t d, bool with_data = true) {
+  KvcacheArgs a = make_kvcache(b, sq, 1, h, hk, d, with_data);
+  a.k_cache = TensorRef::contiguous(a.k_cache.data, DType::kBFloat16, {num_pages, page_size, hk, d});
+  a.v_cache = TensorRef::contiguous(a.v_cache.data, DType::kBFloat16, {num_pages, page_size, hk, d});
+  a.page_table = TensorRef::contiguous(with_data ? fake_ptr(kPageTableAt) : nullptr, DType::kInt32, {b, max_pages});
+  return a;
+}
+
+TensorRef int32_entries(uintptr_t address, int64_t n) {
+  return TensorRef::contiguous(fake_ptr(address), DType::kInt32, {n});
+}
+
+KvcacheProblem problem(const KvcacheArgs& a) { return flash3::validate_kvcache(a, &fake_inspect); }
+
+// validate_kvcache throws flash3::Error whose message starts with "flash3::fwd_kvcache: " and
+// contains every one of parts.
+::testing::AssertionResult kvcache_fails(const KvcacheArgs& a, std::initializer_list<std::string> parts) {
+  return flash3::testing::throws_error([&] { problem(a); }, "flash3::fwd_kvcache: ", parts);
+}
+
+class ValidateKvcache : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    g_host = g_unknown = nullptr;
+    g_calls = 0;
+  }
+  KvcacheArgs a = make_kvcache(2, 1, 512, 16, 2, 128);            // decoding, GQA 8
+  KvcacheArgs pg = make_paged(3, 4, 40, 16, 10, 8, 2, 64);        // 10 pages of 16 keys per sequence
+};
+
+TEST_F(ValidateKvcache, ContiguousProblemIsFilled) {
+  a.cache_leftpad = int32_entries(kLeftpadAt, 2);
+  a.softmax_scale = 0.25f;
+  a.num_splits = 3;
+  const KvcacheProblem p = problem(a);
+  EXPECT_EQ(p.dtype, DType::kBFloat16);
+  EXPECT_EQ(p.batch, 2);
+  EXPECT_EQ(p.seqlen_q, 1);
+  EXPECT_EQ(p.nheads, 16);
+  EXPECT_EQ(p.nheads_kv, 2);
+  EXPECT_EQ(p.head_dim, 128);
+  EXPECT_EQ(p.batch_cache, 2);
+  EXPECT_EQ(p.seqlen_cache, 512);
+  EXPECT_FALSE(p.paged);
+  EXPECT_EQ(p.page_size, 0);
+  EXPECT_EQ(p.max_pages, 0);
+  EXPECT_TRUE(p.has_seqlens);
+  EXPECT_FALSE(p.has_batch_idx);
+  EXPECT_TRUE(p.has_leftpad);
+  EXPECT_EQ(p.softmax_scale, 0.25f);
+  EXPECT_TRUE(p.causal);
+  EXPECT_TRUE(p.write_lse);
+  EXPECT_EQ(p.window_left, -1);
+  EXPECT_EQ(p.window_right, -1);  // causal's right = 0 excludes nothing with one query row
+  EXPECT_EQ(p.softcap, 0.0f);
+  EXPECT_EQ(p.num_splits, 3);
+  EXPECT_EQ(g_calls, 7);  // q, k_cache, v_cache, out, lse, cache_seqlens, cache_leftpad
+}
+
+TEST_F(ValidateKvcache, PagedProblemIsFilled) {
+  pg.cache_leftpad = int32_entries(kLeftpadAt, 3);
+  pg.causal = false;
+  for (TensorRef* t : {&pg.q, &pg.k_cache, &pg.v_cache, &pg.out}) t->dtype = DType::kFloat16;
+  const KvcacheProblem p = problem(pg);
+  EXPECT_EQ(p.dtype, DType::kFloat16);
+  EXPECT_EQ(p.batch, 3);
+  EXPECT_EQ(p.seqlen_q, 4);
+  EXPECT_EQ(p.nheads, 8);
+  EXPECT_EQ(p.nheads_kv, 2);
+  EXPECT_EQ(p.head_dim, 64);
+  EXPECT_EQ(p.batch_cache, 40);   // num_pages
+  EXPECT_EQ(p.seqlen_cache, 160);  // max_pages x page_size
+  EXPECT_TRUE(p.paged);
+  EXPECT_EQ(p.page_size, 16);
+  EXPECT_EQ(p.max_pages, 10);
+  EXPECT_TRUE(p.has_seqlens);
+  EXPECT_FALSE(p.has_batch_idx);
+  EXPECT_TRUE(p.has_leftpad);
+  EXPECT_FLOAT_EQ(p.softmax_scale, 0.125f);  // 1/sqrt(64)
+  EXPECT_FALSE(p.causal);
+  EXPECT_EQ(p.window_left, -1);
+  EXPECT_EQ(p.window_right, -1);
+  EXPECT_EQ(p.num_splits, 0);
+  EXPECT_EQ(g_calls, 8);  // q, k_cache, v_cache, out, lse, cache_seqlens, cache_leftpad, page_table
+  // any page size, one page per sequence, a single page
+  for (int64_t size : {1, 3, 256}) {
+    pg = make_paged(3, 4, 1, size, 1, 8, 2, 64);
+    const KvcacheProblem q = problem(pg);
+    EXPECT_EQ(q.page_size, size);
+    EXPECT_EQ(q.seqlen_cache, size);
+    EXPECT_EQ(q.batch_cache, 1);
+  }
+}
+
+TEST_F(ValidateKvcache, OptionalTensors) {
+  a.cache_seqlens = TensorRef{};  // the whole cache
+  a.lse = TensorRef{};            // not written
+  const KvcacheProblem p = problem(a);
+  EXPECT_FALSE(p.has_seqlens);
+  EXPECT_FALSE(p.write_lse);
+  EXPECT_EQ(g_calls, 4);
+}
+
+// Without cache_batch_idx the cache has one entry per batch entry; with it, any number >= 1.
+TEST_F(ValidateKvcache, CacheBatchIdxAllowsAnyCacheSize) {
+  a = make_kvcache(2, 1, 512, 16, 2, 128);
+  a.k_cache.shape[0] = a.v_cache.shape[0] = 5;
+  EXPECT_TRUE(kvcache_fails(a, {"k_cache.shape[0] (batch_cache) is 5 but q.shape[0] (batch) is 2; without "
+                                "cache_batch_idx, k_cache must have one entry per batch entry (batch_cache = batch)"}));
+  a.cache_batch_idx = int32_entries(kBatchIdxAt, 2);
+  KvcacheProblem p = problem(a);
+  EXPECT_TRUE(p.has_batch_idx);
+  EXPECT_EQ(p.batch_cache, 5);
+  a.k_cache.shape[0] = a.v_cache.shape[0] = 1;
+  EXPECT_EQ(problem(a).batch_cache, 1);
+  a.k_cache.shape[0] = a.v_cache.shape[0] = 0;
+  EXPECT_TRUE(kvcache_fails(a, {"k_cache.shape[0] (batch_cache) is 0; cache_batch_idx selects entries of k_cache"}));
+}
+
+TEST_F(ValidateKvcache, CacheBatchIdxWithPageTable) {
+  pg.cache_batch_idx = int32_entries(kBatchIdxAt, 3);
+  EXPECT_TRUE(kvcache_fails(pg, {"cache_batch_idx is given with page_table; a paged cache is addressed through "
+                                 "page_table alone"}));
+}
+
+TEST_F(ValidateKvcache, Ranks) {
+  a.q.rank = 3;
+  EXPECT_TRUE(kvcache_fails(a, {"q.rank is 3; q must have rank 4 (batch, seqlen_q, nheads, head_dim)"}));
+  a = make_kvcache(2, 1, 512, 16, 2, 128);
+  a.k_cache.rank = 3;
+  EXPECT_TRUE(kvcache_fails(a, {"k_cache.rank is 3; k_cache must have rank 4 (batch_cache, seqlen_cache, "
+                                "nheads_kv, head_dim)"}));
+  pg.v_cache.rank = 2;
+  EXPECT_TRUE(kvcache_fails(pg, {"v_cache.rank is 2; v_cache must have rank 4 (num_pages, page_size, nheads_kv, "
+                                 "head_dim)"}));
+  a = make_kvcache(2, 1, 512, 16, 2, 128);
+  a.lse.rank = 2;
+  EXPECT_TRUE(kvcache_fails(a, {"lse.rank is 2; lse must have rank 3 (batch, nheads, seqlen_q)"}));
+}
+
+TEST_F(ValidateKvcache, Dtypes) {
+  for (TensorRef* t : {&a.q, &a.k_cache, &a.v_cache, &a.out}) t->dtype = DType::kFloat8E4M3;
+  EXPECT_TRUE(kvcache_fails(a, {"q.dtype is float8_e4m3; supported dtypes are float16, bfloat16"}));
+  a = make_kvcache(2, 1, 512, 16, 2, 128);
+  a.v_cache.dtype = DType::kFloat16;
+  EXPECT_TRUE(kvcache_fails(a, {"v_cache.dtype is float16 but q.dtype is bfloat16; q, k_cache, v_cache and out "
+                                "must have the same dtype"}));
+  a = make_kvcache(2, 1, 512, 16, 2, 128);
+  a.out.dtype = DType::kFloat32;
+  EXPECT_TRUE(kvcache_fails(a, {"out.dtype is float32 but q.dtype is bfloat16"}));
+  a = make_kvcache(2, 1, 512, 16, 2, 128);
+  a.lse.dtype = DType::kBFloat16;
+  EXPECT_TRUE(kvcache_fails(a, {"lse.dtype is bfloat16; lse must be float32"}));
+}
+
+// cache_seqlens, cache_batch_idx, cache_leftpad: int32 (batch), contiguous; each rule by name.
+TEST_F(ValidateKvcache, LengthAndIndexTensors) {
+  struct Entry {
+    const char* name;
+    TensorRef KvcacheArgs::*member;
+    uintptr_t at;
+  };
+  const Entry entries[] = {{"cache_seqlens", &KvcacheArgs::cache_seqlens, kSeqlensAt},
+                           {"cache_batch_idx", &KvcacheArgs::cache_batch_idx, kBatchIdxAt},
+                           {"cache_leftpad", &KvcacheArgs::cache_leftpad, kLeftpadAt}};
+  for (const Entry& e : entries) {
+    const std::string n = e.name;
+    auto fresh = [&] {
+      KvcacheArgs b = make_kvcache(2, 1, 512, 16, 2, 128);
+      b.*e.member = int32_entries(e.at, 2);
+      return b;
+    };
+    KvcacheArgs b = fresh();
+    EXPECT_NO_THROW(problem(b)) << n;
+    b.*e.member = TensorRef::contiguous(fake_ptr(e.at), DType::kInt32, {2, 1});
+    EXPECT_TRUE(kvcache_fails(b, {n + ".rank is 2; " + n + " must have rank 1 (batch)"}));
+    b = fresh();
+    (b.*e.member).dtype = DType::kFloat32;
+    EXPECT_TRUE(kvcache_fails(b, {n + ".dtype is float32; " + n + " must be int32"}));
+    b = fresh();
+    (b.*e.member).shape[0] = 3;
+    EXPECT_TRUE(
+        kvcache_fails(b, {n + ".shape[0] is 3 but q.shape[0] (batch) is 2; " + n + " must have batch entries"}));
+    b = fresh();
+    (b.*e.member).shape[0] = -1;
+    EXPECT_TRUE(kvcache_fails(b, {n + ".shape[0] (batch) is -1; sizes must be >= 0"}));
+    b = fresh();
+    (b.*e.member).stride[0] = 2;
+    EXPECT_TRUE(kvcache_fails(b, {n + ".stride[0] is 2; " + n + " must be contiguous (stride 1)"}));
+    b = fresh();
+    (b.*e.member).data = fake_ptr(e.at + 2);
+    EXPECT_TRUE(kvcache_fails(b, {n + ".data is 0x", ", not 4-byte aligned; flash3 needs 4-byte aligned int32 "
+                                                     "pointers"}));
+    b = fresh();
+    (b.*e.member).data = nullptr;
+    EXPECT_TRUE(kvcache_fails(b, {n + ".data is null; " + n + " needs a device pointer"}));
+    b = fresh();
+    g_host = (b.*e.member).data;
+    EXPECT_TRUE(kvcache_fails(b, {n + ".data points to host memory"}));
+    g_host = nullptr;
+  }
+  // batch 1: the stride of the one entry is never used
+  a = make_kvcache(1, 1, 512, 16, 2, 128);
+  a.cache_seqlens.stride[0] = 0;
+  EXPECT_NO_THROW(problem(a));
+}
+
+TEST_F(ValidateKvcache, PageTable) {
+  KvcacheArgs b = pg;
+  b.page_table = TensorRef::contiguous(fake_ptr(kPageTableAt), DType::kInt32, {3});
+  EXPECT_TRUE(kvcache_fails(b, {"page_table.rank is 1; page_table must have rank 2 (batch, max_pages_per_seq)"}));
+  b = pg;
+  b.page_table.dtype = DType::kFloat16;
+  EXPECT_TRUE(kvcache_fails(b, {"page_table.dtype is float16; page_table must be int32"}));
+  b = pg;
+  b.page_table.shape[0] = 2;
+  EXPECT_TRUE(kvcache_fails(b, {"page_table.shape[0] (batch) is 2 but q.shape[0] (batch) is 3; page_table must have "
+                                "one row per batch entry"}));
+  b = pg;
+  b.page_table.shape[1] = 0;
+  EXPECT_TRUE(kvcache_fails(b, {"page_table.shape[1] (max_pages_per_seq) is 0; page_table needs at least one page "
+                                "per sequence"}));
+  b = pg;
+  b.page_table.stride[1] = 2;
+  EXPECT_TRUE(
+      kvcache_fails(b, {"page_table.stride[1] is 2; the last dim of page_table must be contiguous (stride 1)"}));
+  b = pg;
+  b.page_table.stride[0] = 0;
+  EXPECT_TRUE(kvcache_fails(b, {"page_table.stride[0] (batch) is 0; strides must be positive for dims of size > 1"}));
+  b = pg;
+  b.page_table.stride[0] = 13;  // rows of a wider table: any positive row stride
+  EXPECT_NO_THROW(problem(b));
+  b = pg;
+  b.k_cache.shape[0] = b.v_cache.shape[0] = 0;
+  EXPECT_TRUE(kvcache_fails(b, {"k_cache.shape[0] (num_pages) is 0; a paged cache needs at least one page"}));
+  b = pg;
+  b.k_cache.shape[1] = b.v_cache.shape[1] = 0;
+  EXPECT_TRUE(kvcache_fails(b, {"k_cache.shape[1] (page_size) is 0; a page must hold at least one key"}));
+  b = pg;
+  b.page_table.data = fake_ptr(kPageTableAt + 1);
+  EXPECT_TRUE(kvcache_fails(b, {"page_table.data is 0xd00001, not 4-byte aligned"}));
+  b = pg;
+  g_unknown = b.page_table.data;
+  EXPECT_TRUE(kvcache_fails(b, {"page_table.data (0xd00000) is not a pointer the CUDA runtime knows"}));
+}
+
+TEST_F(ValidateKvcache, Shapes) {
+  a.out.shape[2] = 4;
+  EXPECT_TRUE(kvcache_fails(a, {"out.shape[2] (nheads) is 4 but q.shape[2] (nheads) is 16; out must have the same "
+                                "shape as q"}));
+  a = make_kvcache(2, 1, 512, 16, 2, 128);
+  a.v_cache.shape[1] = 511;
+  EXPECT_TRUE(kvcache_fails(a, {"v_cache.shape[1] (seqlen_cache) is 511 but k_cache.shape[1] (seqlen_cache) is 512; "
+                                "k_cache and v_cache must have the same shape"}));
+  a = make_kvcache(2, 1, 512, 16, 2, 128);
+  a.k_cache.shape[3] = a.v_cache.shape[3] = 64;
+  EXPECT_TRUE(kvcache_fails(a, {"k_cache.shape[3] (head_dim) is 64 but q.shape[3] (head_dim) is 128; q and k_cache "
+                                "must have the same head_dim"}));
+  a = make_kvcache(2, 1, 512, 16, 2, 128);
+  a.lse.shape[2] = 2;
+  EXPECT_TRUE(kvcache_fails(a, {"lse.shape[2] (seqlen_q) is 2 but q.shape[1] (seqlen_q) is 1; lse must be (batch, "
+                                "nheads, seqlen_q)"}));
+  pg.v_cache.shape[1] = 8;
+  EXPECT_TRUE(kvcache_fails(pg, {"v_cache.shape[1] (page_size) is 8 but k_cache.shape[1] (page_size) is 16"}));
+}
+
+TEST_F(ValidateKvcache, HeadsAndHeadDims) {
+  for (int64_t d : {64, 128, 256}) EXPECT_EQ(problem(make_kvcache(2, 1, 64, 16, 2, d)).head_dim, d);
+  for (int64_t h : {2, 8, 16, 32}) EXPECT_EQ(problem(make_paged(2, 1, 4, 16, 2, h, 2, 128)).nheads, h);
+  EXPECT_TRUE(kvcache_fails(make_kvcache(2, 1, 64, 16, 2, 96), {"q.shape[3] (head_dim) is 96; supported head dims are "
+                                                               "64, 128, 256"}));
+  EXPECT_TRUE(kvcache_fails(make_kvcache(2, 1, 64, 6, 4, 128), {"q.shape[2] (nheads) is 6 and k_cache.shape[2] "
+                                                               "(nheads_kv) is 4", "multiple of nheads_kv"}));
+  EXPECT_TRUE(kvcache_fails(make_paged(2, 1, 4, 16, 2, 8, 0, 128), {"k_cache.shape[2] (nheads_kv) is 0"}));
+}
+
+TEST_F(ValidateKvcache, Strides) {
+  a.q.stride[3] = 2;
+  EXPECT_TRUE(kvcache_fails(a, {"q.stride[3] is 2; the last dim must be contiguous (stride 1)"}));
+  a = make_kvcache(2, 1, 512, 16, 2, 128);
+  a.k_cache.stride[1] = 260;
+  EXPECT_TRUE(kvcache_fails(a, {"k_cache.stride[1] (seqlen_cache) is 260 elements (520 bytes)",
+                                "multiples of 8 elements (16 bytes)"}));
+  pg.v_cache.stride[1] = 132;  // page rows: (2 x 64) + 4
+  EXPECT_TRUE(kvcache_fails(pg, {"v_cache.stride[1] (page_size) is 132 elements (264 bytes)"}));
+  pg = make_paged(3, 4, 40, 16, 10, 8, 2, 64);
+  pg.k_cache.stride[0] = -pg.k_cache.stride[0];
+  EXPECT_TRUE(kvcache_fails(pg, {"k_cache.stride[0] (num_pages) is -2048", "positive"}));
+  // padded rows (a cache inside a wider buffer), lse with any positive strides
+  a = make_kvcache(2, 1, 512, 16, 2, 128);
+  for (TensorRef* t : {&a.k_cache, &a.v_cache}) {
+    t->stride[1] = 2 * 128 + 8;
+    t->stride[0] = 600 * t->stride[1];
+  }
+  a.lse.stride[1] = 3;
+  a.lse.stride[0] = 51;
+  EXPECT_NO_THROW(problem(a));
+  // page size 1: the page dim's stride is never used
+  pg = make_paged(3, 4, 40, 1, 10, 8, 2, 64);
+  pg.k_cache.stride[1] = pg.v_cache.stride[1] = 3;
+  EXPECT_NO_THROW(problem(pg));
+}
+
+// Sizes fit int32; seqlen_q and the longest key range (seqlen_cache, max_pages_per_seq x page_size
+// formed in int64) at most 2^30.
+TEST_F(ValidateKvcache, Lengths) {
+  a.k_cache.shape[1] = a.v_cache.shape[1] = int64_t{1} << 31;
+  EXPECT_TRUE(kvcache_fails(a, {"k_cache.shape[1] (seqlen_cache) is 2147483648; sizes must fit in int32"}));
+  a = make_kvcache(1, 1, int64_t{1} << 30, 1, 1, 64);
+  EXPECT_EQ(problem(a).seqlen_cache, 1 << 30);
+  a = make_kvcache(1, 1, (int64_t{1} << 30) + 1, 1, 1, 64);
+  EXPECT_TRUE(kvcache_fails(a, {"k_cache.shape[1] (seqlen_cache) is 1073741825; seqlen_cache must be at most "
+                                "1073741824 (2^30)"}));
+  a = make_kvcache(1, (int64_t{1} << 30) + 1, 64, 1, 1, 64);
+  EXPECT_TRUE(kvcache_fails(a, {"q.shape[1] (seqlen_q) is 1073741825; seqlen_q must be at most 1073741824 (2^30)"}));
+  pg = make_paged(1, 1, 4, 1024, int64_t{1} << 20, 1, 1, 64);
+  EXPECT_EQ(problem(pg).seqlen_cache, 1 << 30);
+  pg = make_paged(1, 1, 4, 1024, (int64_t{1} << 20) + 1, 1, 1, 64);
+  EXPECT_TRUE(kvcache_fails(pg, {"page_table.shape[1] (max_pages_per_seq) x k_cache.shape[1] (page_size) = 1048577 x "
+                                 "1024 = 1073742848 keys per sequence; max_pages_per_seq x page_size must be at most "
+                                 "1073741824 (2^30)"}));
+  const int64_t big = std::numeric_limits<int32_t>::max();  // the product does not overflow the check
+  pg = make_paged(1, 1, 1, big, big, 1, 1, 64);
+  EXPECT_TRUE(kvcache_fails(pg, {"= 2147483647 x 2147483647 = 4611686014132420609 keys per sequence"}));
+}
+
+TEST_F(ValidateKvcache, ScaleAndNumSplits) {
+  EXPECT_FLOAT_EQ(problem(a).softmax_scale, 1.0f / std::sqrt(128.0f));
+  a.softmax_scale = std::numeric_limits<float>::infinity();
+  EXPECT_TRUE(kvcache_fails(a, {"softmax_scale is inf; it must be finite and at most 2048"}));
+  a.softmax_scale = 2049.0f;
+  EXPECT_TRUE(kvcache_fails(a, {"softmax_scale is 2049"}));
+  a.softmax_scale = 0.0f;
+  for (int n : {0, 1, 3, 64}) {
+    a.num_splits = n;
+    EXPECT_EQ(problem(a).num_splits, n);
+  }
+  a.num_splits = -1;
+  EXPECT_TRUE(kvcache_fails(a, {"num_splits is -1; it must be in [0, 64] (0: the heuristic, kvcache_num_splits)"}));
+  a.num_splits = flash3::kMaxKvcacheSplits + 1;
+  EXPECT_TRUE(kvcache_fails(a, {"num_splits is 65; it must be in [0, 64]"}));
+}
+
+// The window, normalized as validate_fwd's with seqlen_k the longest key range (here 10 pages of
+// 16 keys: 160) and seqlen_q 4; softcap's rule.
+TEST_F(ValidateKvcache, WindowAndSoftcap) {
+  struct Row {
+    bool causal;
+    int left, right;
+    bool want_causal;
+    int want_left, want_right;
+  };
+  const Row rows[] = {
+      {false, -1, -1, false, -1, -1}, {false, 10, 2, false, 10, 2}, {false, -1, 0, true, -1, 0},
+      {true, 10, 5, true, 10, 0},     {false, 159, 3, false, -1, -1}, {false, 158, 2, false, 158, 2},
+  };
+  for (const Row& r : rows) {
+    KvcacheArgs b = pg;
+    b.causal = r.causal;
+    b.window_left = r.left;
+    b.window_right = r.right;
+    const KvcacheProblem p = problem(b);
+    EXPECT_EQ(p.causal, r.want_causal) << r.left << "," << r.right;
+    EXPECT_EQ(p.window_left, r.want_left) << r.left << "," << r.right;
+    EXPECT_EQ(p.window_right, r.want_right) << r.left << "," << r.right;
+  }
+  pg.window_left = -2;
+  EXPECT_TRUE(kvcache_fails(pg, {"window_left is -2; it must be >= 0, or -1 for no bound on the left"}));
+  pg.window_left = -1;
+  pg.softcap = 30.0f;
+  EXPECT_EQ(problem(pg).softcap, 30.0f);
+  pg.softcap = -1.0f;
+  EXPECT_TRUE(kvcache_fails(pg, {"softcap is -1; it must be finite and in [0, 2048]"}));
+}
+
+TEST_F(ValidateKvcache, Pointers) {
+  a.q.data = nullptr;
+  EXPECT_TRUE(kvcache_fails(a, {"q.data is null; a non-empty q needs a device pointer"}));
+  a = make_kvcache(2, 1, 512, 16, 2, 128);
+  a.out.data = fake_ptr(0x400008);
+  EXPECT_TRUE(kvcache_fails(a, {"out.data is 0x400008, not 16-byte aligned"}));
+  a = make_kvcache(2, 1, 512, 16, 2, 128);
+  g_host = a.v_cache.data;
+  EXPECT_TRUE(kvcache_fails(a, {"v_cache.data points to host memory; flash3 needs device memory"}));
+  g_host = nullptr;
+  a.lse.data = fake_ptr(0x500004);  // 4 bytes is enough for lse
+  EXPECT_NO_THROW(problem(a));
+}
+
+TEST_F(ValidateKvcache, PointerChecksComeLast) {
+  g_host = pg.q.data;
+  pg.k_cache.stride[2] = 4;
+  EXPECT_TRUE(kvcache_fails(pg, {"k_cache.stride[2] (nheads_kv) is 4"}));
+  pg = make_paged(3, 4, 40, 16, 10, 8, 2, 64);
+  pg.num_splits = 99;
+  EXPECT_TRUE(kvcache_fails(pg, {"num_splits is 99"}));
+  EXPECT_EQ(g_calls, 0);
+}
+
+// Nothing to compute (batch 0, or no query): no pointer is looked at; an empty cache needs no
+// cache pointers (every row sees no key: out 0, lse +inf).
+TEST_F(ValidateKvcache, EmptyProblemsSkipPointerChecks) {
+  a = make_kvcache(0, 1, 512, 16, 2, 128, /*with_data=*/false);
+  EXPECT_EQ(problem(a).batch, 0);
+  pg = make_paged(0, 1, 40, 16, 10, 8, 2, 64, /*with_data=*/false);
+  pg.cache_leftpad = TensorRef::contiguous(nullptr, DType::kInt32, {0});
+  EXPECT_EQ(problem(pg).batch, 0);
+  a = make_kvcache(2, 0, 512, 16, 2, 128, /*with_data=*/false);
+  EXPECT_EQ(problem(a).seqlen_q, 0);
+  EXPECT_EQ(g_calls, 0);
+  a = make_kvcache(2, 1, 0, 16, 2, 128);
+  a.k_cache.data = a.v_cache.data = nullptr;
+  EXPECT_EQ(problem(a).seqlen_cache, 0);
+  EXPECT_EQ(g_calls, 4);  // q, out, lse, cache_seqlens
+}
+
+// ---- the C ABI of the KV cache (flash3_fwd_kvcache) -------------------------------------------
+// Failures found before any pointer is inspected, and batch 0 (no launch), so these run without
+// a GPU too.
+
+flash3_kvcache_args c_kvcache_args(const KvcacheArgs& a) {
+  flash3_kvcache_args c;
+  flash3_kvcache_args_init(&c);
+  c.q = c_tensor(a.q);
+  c.k_cache = c_tensor(a.k_cache);
+  c.v_cache = c_tensor(a.v_cache);
+  c.out = c_tensor(a.out);
+  c.lse = c_tensor(a.lse);
+  c.cache_seqlens = c_tensor(a.cache_seqlens);
+  c.cache_batch_idx = c_tensor(a.cache_batch_idx);
+  c.cache_leftpad = c_tensor(a.cache_leftpad);
+  c.page_table = c_tensor(a.page_table);
+  c.softmax_scale = a.softmax_scale;
+  c.causal = a.causal;
+  c.num_splits = a.num_splits;
+  c.window = a.window_left != -1 || a.window_right != -1;
+  c.window_left = a.window_left;
+  c.window_right = a.window_right;
+  c.softcap = a.softcap;
+  return c;
+}
+
+TEST(CApiKvcache, InitSetsTheSizeAndZeroDefaults) {
+  flash3_kvcache_args c;
+  std::memset(&c, 0xAB, sizeof c);
+  flash3_kvcache_args_init(&c);
+  EXPECT_EQ(c.struct_size, sizeof(flash3_kvcache_args));
+  EXPECT_EQ(c.struct_size, FLASH3_KVCACHE_ARGS_SIZE_V1);
+  EXPECT_EQ(c.causal, 0);
+  EXPECT_EQ(c.softmax_scale, 0.0f);
+  EXPECT_EQ(c.num_splits, 0);  // the heuristic
+  EXPECT_EQ(c.q.data, nullptr);
+  for (const flash3_tensor* t : {&c.lse, &c.cache_seqlens, &c.cache_batch_idx, &c.cache_leftpad, &c.page_table}) {
+    EXPECT_EQ(t->data, nullptr);  // not given
+    EXPECT_EQ(t->rank, 0);
+  }
+  EXPECT_EQ(c.window, 0);
+  EXPECT_EQ(c.softcap, 0.0f);
+  EXPECT_EQ(c.stream, nullptr);
+}
+
+// The size is the end of the last field, without padding (LP64: what the Python binding packs).
+TEST(CApiKvcache, VersionSize) {
+  EXPECT_EQ(offsetof(flash3_kvcache_args, q), 16u);
+  EXPECT_EQ(offsetof(flash3_kvcache_args, cache_seqlens), 16 + 5 * sizeof(flash3_tensor));
+  EXPECT_EQ(offsetof(flash3_kvcache_args, page_table), 16 + 8 * sizeof(flash3_tensor));
+  EXPECT_EQ(offsetof(flash3_kvcache_args, window), 16 + 9 * sizeof(flash3_tensor));
+  EXPECT_EQ(offsetof(flash3_kvcache_args, stream), 752u);
+  EXPECT_EQ(FLASH3_KVCACHE_ARGS_SIZE_V1, 760u);
+  EXPECT_EQ(sizeof(flash3_kvcache_args), FLASH3_KVCACHE_ARGS_SIZE_V1);
+}
+
+TEST(CApiKvcache, ReportsInvalidArguments) {
+  char err[512];
+  auto fails = [&](const flash3_kvcache_args& c, const std::string& start) {
+    EXPECT_EQ(flash3_fwd_kvcache(&c, err, sizeof err), FLASH3_INVALID_ARGUMENT);
+    EXPECT_EQ(std::string(err).rfind(start, 0), 0u) << err;
+  };
+  flash3_kvcache_args c;
+  flash3_kvcache_args_init(&c);  // every tensor NULL (rank 0)
+  fails(c, "flash3::fwd_kvcache: q.rank is 0");
+  KvcacheArgs a = make_paged(2, 1, 40, 16, 10, 8, 2, 64);
+  a.cache_batch_idx = int32_entries(kBatchIdxAt, 2);
+  fails(c_kvcache_args(a), "flash3::fwd_kvcache: cache_batch_idx is given with page_table");
+  a = make_paged(2, 1, 40, 16, 10, 8, 2, 64);
+  a.page_table.dtype = DType::kFloat32;
+  fails(c_kvcache_args(a), "flash3::fwd_kvcache: page_table.dtype is float32; page_table must be int32");
+  a = make_kvcache(2, 1, 512, 16, 2, 128);
+  a.cache_leftpad = TensorRef::contiguous(fake_ptr(kLeftpadAt), DType::kInt32, {3});
+  fails(c_kvcache_args(a), "flash3::fwd_kvcache: cache_leftpad.shape[0] is 3 but q.shape[0] (batch) is 2");
+  a = make_kvcache(2, 1, 512, 16, 2, 128);
+  a.num_splits = 65;
+  fails(c_kvcache_args(a), "flash3::fwd_kvcache: num_splits is 65");
+  flash3_kvcache_args w = c_kvcache_args(make_kvcache(0, 1, 512, 16, 2, 128, /*with_data=*/false));
+  w.window_left = -5;  // ignored: window is 0
+  EXPECT_EQ(flash3_fwd_kvcache(&w, err, sizeof err), FLASH3_OK) << err;
+  w.window = 1;
+  fails(w, "flash3::fwd_kvcache: window_left is -5");
+  w.window_left = 0;
+  w.softcap = -2.0f;
+  fails(w, "flash3::fwd_kvcache: softcap is -2");
+}
+
+TEST(CApiKvcache, EmptyBatchIsANoOp) {  // validation passes with no pointer to inspect
+  for (const KvcacheArgs& a : {make_kvcache(0, 1, 512, 16, 2, 128, false),
+                               make_paged(0, 4, 40, 16, 10, 8, 2, 64, false),
+                               make_kvcache(2, 0, 512, 16, 2, 128, false)}) {
+    const flash3_kvcache_args c = c_kvcache_args(a);
+    char err[64] = "unchanged";
+    EXPECT_EQ(flash3_fwd_kvcache(&c, err, sizeof err), FLASH3_OK) << err;
+    EXPECT_STREQ(err, "");
+  }
+}
+
+// The struct-size rules (flash3_c.h): NULL and sizes below the first version are rejected; a
+// later version's struct is accepted while the bytes past the known fields are zero.
+TEST(CApiKvcache, StructSizeRules) {
+  char err[512];
+  EXPECT_EQ(flash3_fwd_kvcache(nullptr, err, sizeof err), FLASH3_INVALID_ARGUMENT);
+  EXPECT_STREQ(err, "flash3::fwd_kvcache: args is null; pass a flash3_kvcache_args; set it up with "
+                    "flash3_kvcache_args_init");
+  flash3_kvcache_args c = c_kvcache_args(make_kvcache(0, 1, 512, 16, 2, 128, /*with_data=*/false));
+  for (uint32_t size : {0u, 4u, 16u, FLASH3_KVCACHE_ARGS_SIZE_V1 - 1}) {
+    c.struct_size = size;
+    EXPECT_EQ(flash3_fwd_kvcache(&c, err, sizeof err), FLASH3_INVALID_ARGUMENT);
+    EXPECT_EQ(std::string(err), "flash3::fwd_kvcache: args->struct_size is " + std::to_string(size) +
+                                    "; it must be at least " + std::to_string(FLASH3_KVCACHE_ARGS_SIZE_V1) +
+                                    " (sizeof(flash3_kvcache_args) of the first version); set it up with "
+                                    "flash3_kvcache_args_init");
+  }
+  c.struct_size = FLASH3_KVCACHE_ARGS_SIZE_V1;
+  const uint32_t size = sizeof c + 24;
+  std::vector<unsigned char> buf(size, 0);
+  std::memcpy(buf.data(), &c, sizeof c);
+  std::memcpy(buf.data(), &size, sizeof size);
+  const auto* p = reinterpret_cast<const flash3_kvcache_args*>(buf.data());
+  EXPECT_EQ(flash3_fwd_kvcache(p, err, sizeof err), FLASH3_OK) << err;
+  buf[sizeof c + 3] = 1;
+  EXPECT_EQ(flash3_fwd_kvcache(p, err, sizeof err), FLASH3_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(err), "flash3::fwd_kvcache: args->struct_size is " + std::to_string(size) + " and byte " +
+                                  std::to_string(sizeof c + 3) + " is not zero; this library knows the first " +
+                                  std::to_string(sizeof c) +
+                                  " bytes of flash3_kvcache_args: the caller sets an option it does not have (use a "
+                                  "newer libflash3)");
+  // the fields are read: a bad tensor in the struct is still checked
+  c.k_cache.shape[3] = 64;
+  EXPECT_EQ(flash3_fwd_kvcache(&c, err, sizeof err), FLASH3_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(err).rfind("flash3::fwd_kvcache: v_cache.shape[3] (head_dim) is 128 but k_cache.shape[3]", 0),
+            0u)
+      << err;
 }
 
 }  // namespace

@@ -171,6 +171,76 @@ bool is_supported_head_dim(int head_dim);
 bool hopper_available(std::string* why_not = nullptr);
 
 // ---------------------------------------------------------------------------------------------
+// Decoding over a KV cache (FlashAttention-3's flash_attn_with_kvcache): a few new query rows per
+// sequence attend to that sequence's cached keys and values. One split-KV kernel (src/decode/):
+// the query heads that share a KV head are packed into the rows of one tile (each K/V row is
+// read once per group), the key range of a (sequence, KV head) is split over several blocks when
+// the grid would not fill the GPU, and the last block of a split combines the pieces by their
+// log-sum-exps.
+//   q, out    (batch, seqlen_q, nheads, head_dim)        float16 or bfloat16, one dtype
+//   k_cache, v_cache: contiguous (batch_cache, seqlen_cache, nheads_kv, head_dim), or paged
+//             (num_pages, page_size, nheads_kv, head_dim) with page_table; q's dtype
+//   lse       (batch, nheads, seqlen_q) float32, optional
+// Only the last dim of each must be contiguous. Sequence b sees the keys at cache positions
+// [cache_leftpad[b], cache_seqlens[b]) (positions past the cache count as its end); the masks
+// (causal, window) are aligned bottom-right to them: query row i sits at key position
+// (cache_seqlens[b] - cache_leftpad[b]) - seqlen_q + i. Rows that see no key: out 0, lse +inf.
+struct KvcacheArgs {
+  TensorRef q, k_cache, v_cache, out;
+  TensorRef lse;  // optional: data == nullptr means "do not write it"
+  // Optional int32 device tensors (a zero TensorRef: not given):
+  TensorRef cache_seqlens;    // (batch): the end of each sequence's keys; default: the whole cache
+                              // (seqlen_cache, or max_pages_per_seq x page_size when paged)
+  TensorRef cache_batch_idx;  // (batch): the cache entry batch entry b reads (contiguous cache
+                              // only); default b
+  TensorRef cache_leftpad;    // (batch): the first key of each sequence; default 0
+  TensorRef page_table;       // (batch, max_pages_per_seq): key position p of sequence b lives in
+                              // page page_table[b][p / page_size], row p % page_size; any page size
+  // Values on the device are not read by the host: cache_seqlens and cache_leftpad are clamped
+  // to the cache, cache_batch_idx and page_table entries to [0, batch_cache) / [0, num_pages), so
+  // that bad values never read out of bounds (results then undefined).
+  float softmax_scale = 0.0f;  // as FwdArgs
+  bool causal = false;
+  int window_left = -1, window_right = -1;
+  float softcap = 0.0f;
+  // Key-range splits per (sequence, KV head, row tile): 1..kMaxKvcacheSplits, or 0 for the
+  // heuristic (kvcache_num_splits). More than one split needs the stream's scratch memory; a
+  // call captured into a CUDA graph before the stream has enough of it runs with one split.
+  int num_splits = 0;
+  cudaStream_t stream = nullptr;
+};
+constexpr int kMaxKvcacheSplits = 64;
+
+struct KvcacheProblem {
+  DType dtype = DType::kBFloat16;
+  int batch = 0, seqlen_q = 0, nheads = 0, nheads_kv = 0, head_dim = 0;
+  int batch_cache = 0;   // contiguous: dim 0 of k_cache; paged: num_pages
+  int seqlen_cache = 0;  // the longest key range: seqlen_cache, or max_pages_per_seq x page_size
+  bool paged = false;
+  int page_size = 0, max_pages = 0;  // paged only
+  bool has_seqlens = false, has_batch_idx = false, has_leftpad = false;
+  float softmax_scale = 0.0f;
+  bool causal = false;
+  bool write_lse = false;
+  int window_left = -1, window_right = -1;  // normalized as FwdProblem's
+  float softcap = 0.0f;
+  int num_splits = 0;  // as given (0: heuristic)
+};
+
+// Checks every precondition of fwd_kvcache() and returns the normalized problem. Throws
+// flash3::Error naming the argument (messages start "flash3::fwd_kvcache: ").
+KvcacheProblem validate_kvcache(const KvcacheArgs& args, PointerInspector inspect = &cuda_pointer_kind);
+
+// The split count num_splits = 0 chooses: 1 when batch x nheads_kv x row tiles fills the GPU's
+// `sms` SMs, else enough splits for about two blocks per SM, each split at least 256 keys of
+// seqlen_cache, at most kMaxKvcacheSplits.
+int kvcache_num_splits(const KvcacheProblem& p, int sms);
+
+// Runs the decoding kernel. Throws flash3::Error on invalid arguments and flash3::CudaError on
+// CUDA failures. batch == 0 or seqlen_q == 0 returns without a launch.
+void fwd_kvcache(const KvcacheArgs& args);
+
+// ---------------------------------------------------------------------------------------------
 // FP8 quantization for the FP8 forward: in (batch, seqlen, nheads, head_dim) bfloat16 or float16
 // -> out (same shape) float8_e4m3 and scale (batch, nheads, ceil(seqlen / block_rows)) float32,
 // with in ~= out * scale per block of block_rows rows (scale = the block's max |value| / 448,

@@ -111,6 +111,28 @@ typedef struct flash3_quantize_fp8_args {
   void* stream;         /* a cudaStream_t; NULL: the default stream */
 } flash3_quantize_fp8_args;
 
+/* Decoding over a KV cache (see flash3::KvcacheArgs in flash3.h): q attends to the cached keys
+ * and values of its batch entry, contiguous (batch_cache, seqlen_cache, nheads_kv, head_dim) or
+ * paged (num_pages, page_size, nheads_kv, head_dim) through page_table. */
+typedef struct flash3_kvcache_args {
+  uint32_t struct_size; /* bytes: sizeof(flash3_kvcache_args) of the caller's header */
+  int32_t causal;       /* nonzero: causal mask, aligned bottom-right to each sequence's keys */
+  float softmax_scale;  /* <= 0 (or NaN): 1/sqrt(head_dim) */
+  int32_t num_splits;   /* key-range splits, 1..64; 0: the library's heuristic */
+  flash3_tensor q, k_cache, v_cache, out;
+  flash3_tensor lse;    /* data == NULL: not written */
+  /* int32 device tensors; one with data == NULL and rank 0 is not given */
+  flash3_tensor cache_seqlens;   /* (batch): the end of each sequence's keys; default the whole cache */
+  flash3_tensor cache_batch_idx; /* (batch): the cache entry of each batch entry (contiguous cache only) */
+  flash3_tensor cache_leftpad;   /* (batch): the first key of each sequence; default 0 */
+  flash3_tensor page_table;      /* (batch, max_pages_per_seq): the pages of a paged cache */
+  int32_t window;       /* nonzero: window_left, window_right apply; 0: no window (both -1) */
+  int32_t window_left;  /* >= 0, or -1 for no bound on that side */
+  int32_t window_right;
+  float softcap;        /* > 0: softcap * tanh(score / softcap); 0: none */
+  void* stream;         /* a cudaStream_t; NULL: the default stream */
+} flash3_kvcache_args;
+
 /* The size of each version (the end of its last field); the first version's (V1) is the smallest
  * struct_size accepted. */
 #define FLASH3_FWD_ARGS_SIZE_V1 ((uint32_t)(offsetof(flash3_fwd_args, stream) + sizeof(void*)))
@@ -122,6 +144,7 @@ typedef struct flash3_quantize_fp8_args {
 #define FLASH3_BWD_ARGS_SIZE_V3 ((uint32_t)(offsetof(flash3_bwd_args, reserved_v3) + sizeof(uint32_t)))
 #define FLASH3_QUANTIZE_FP8_ARGS_SIZE_V1 \
   ((uint32_t)(offsetof(flash3_quantize_fp8_args, stream) + sizeof(void*)))
+#define FLASH3_KVCACHE_ARGS_SIZE_V1 ((uint32_t)(offsetof(flash3_kvcache_args, stream) + sizeof(void*)))
 
 /* Set a struct up: all zero (every default), struct_size = sizeof. Inline, so that struct_size
  * is the caller's sizeof, not the library's. */
@@ -134,6 +157,10 @@ static inline void flash3_bwd_args_init(flash3_bwd_args* args) {
   args->struct_size = (uint32_t)sizeof *args;
 }
 static inline void flash3_quantize_fp8_args_init(flash3_quantize_fp8_args* args) {
+  memset(args, 0, sizeof *args);
+  args->struct_size = (uint32_t)sizeof *args;
+}
+static inline void flash3_kvcache_args_init(flash3_kvcache_args* args) {
   memset(args, 0, sizeof *args);
   args->struct_size = (uint32_t)sizeof *args;
 }
@@ -152,6 +179,10 @@ int flash3_bwd_workspace_size(const flash3_bwd_args* args, uint64_t* bytes, char
 /* FP8 quantization: writes out and scale. Same return codes and err convention as flash3_fwd;
  * an empty in (batch, seqlen or nheads 0) returns FLASH3_OK without a launch. */
 int flash3_quantize_fp8(const flash3_quantize_fp8_args* args, char* err, int err_len);
+
+/* Decoding over a KV cache: writes out, and lse where given. Same return codes and err convention
+ * as flash3_fwd; batch or seqlen_q 0 returns FLASH3_OK without a launch. */
+int flash3_fwd_kvcache(const flash3_kvcache_args* args, char* err, int err_len);
 
 /* 1 if a Hopper GPU is usable, else 0 (and a reason in why, if why_len > 0). */
 int flash3_hopper_available(char* why, int why_len);

@@ -16,8 +16,8 @@ sliding windows (window_size) and softcap included, forward and backward; flash_
 takes variable-length batches (cu_seqlens, seqused), forward and backward, bfloat16 / float16.
 They trace under torch.compile (fullgraph, dynamic shapes, CUDA graphs) through the
 torch.library operators torch.ops.flash3.fwd and torch.ops.flash3.bwd (varlen: fwd_varlen and
-bwd_varlen; flash3._ops). flash_attn_with_kvcache attends over a contiguous KV cache up to
-cache_seqlens (inference; torch.ops.flash3.fwd_kvcache).
+bwd_varlen; flash3._ops). flash_attn_with_kvcache attends over a KV cache, contiguous or paged
+(page_table), up to cache_seqlens (inference; torch.ops.flash3.fwd_kvcache).
 FP8 (inference): flash_attn_func takes float8_e4m3fn q, k, v with q_descale, k_descale,
 v_descale as FlashAttention-3 does; flash_attn_fp8_func quantizes bfloat16 / float16 inputs
 itself (block scales, Hadamard rotation) and quantize_fp8 is its quantizer (flash3.fp8; the

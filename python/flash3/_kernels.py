@@ -1,7 +1,7 @@
-"""flash3's ctypes path: the flash3_fwd_args / flash3_bwd_args / flash3_quantize_fp8_args structs
-packed for one call, the library called on torch's current stream, and the allocating kernels
-the operators (_ops.py) and the eager paths share (fwd, bwd, quantize_fp8, fwd_varlen,
-bwd_varlen). Loads libflash3.so at the first call.
+"""flash3's ctypes path: the flash3_fwd_args / flash3_bwd_args / flash3_quantize_fp8_args /
+flash3_kvcache_args structs packed for one call, the library called on torch's current stream,
+and the allocating kernels the operators (_ops.py) and the eager paths share (fwd, bwd,
+quantize_fp8, fwd_varlen, bwd_varlen, fwd_kvcache). Loads libflash3.so at the first call.
 """
 import contextlib
 import ctypes
@@ -55,9 +55,12 @@ def version():
 # struct_size; int32 causal, deterministic; float softmax_scale; then q, k, v, out, dout, lse, dq,
 # dk, dv; void* workspace; uint64 workspace_bytes; void* stream; int32 window, window_left,
 # window_right; float softcap (v2); the variable-length fields as the forward's, then uint32
-# reserved_v3 (v3). flash3_quantize_fp8_args: uint32 struct_size, reserved;
-# in, out, scale; int32 block_rows, hadamard; uint64 seed; void* stream. Each struct is packed whole into a bytes object by one
-# Struct.pack and passed by address (the library only reads it): the cheapest way to fill it
+# reserved_v3 (v3). flash3_quantize_fp8_args: uint32 struct_size, reserved; in, out, scale; int32
+# block_rows, hadamard; uint64 seed; void* stream. flash3_kvcache_args: uint32 struct_size; int32
+# causal; float softmax_scale; int32 num_splits; q, k_cache, v_cache, out, lse, cache_seqlens,
+# cache_batch_idx, cache_leftpad, page_table; int32 window, window_left, window_right; float
+# softcap; void* stream. Each struct is packed whole into a bytes object by one Struct.pack and
+# passed by address (the library only reads it): the cheapest way to fill it
 # from Python (measured: about half the time of packing a ctypes buffer tensor by tensor). The
 # calls without variable lengths pack the versions before them (_FWD, _BWD: fewer fields to
 # pack, and read by libraries without variable lengths as well).
@@ -69,9 +72,11 @@ _BWD = struct.Struct("<Iiif" + _TENSOR * 9 + "QQQ" + _MASK)
 _FWD_VARLEN = struct.Struct(_FWD.format + _VARLEN)
 _BWD_VARLEN = struct.Struct(_BWD.format + _VARLEN)
 _QUANTIZE = struct.Struct("<II" + _TENSOR * 3 + "iiQQ")
-assert (_FWD.size, _BWD.size, _FWD_VARLEN.size, _BWD_VARLEN.size, _QUANTIZE.size) == (
+_KVCACHE = struct.Struct("<Iifi" + _TENSOR * 9 + _MASK + "Q")
+assert (_FWD.size, _BWD.size, _FWD_VARLEN.size, _BWD_VARLEN.size, _QUANTIZE.size, _KVCACHE.size) == (
     _lib.FWD_ARGS_SIZE_V3, _lib.BWD_ARGS_SIZE_V2, _lib.FWD_ARGS_SIZE, _lib.BWD_ARGS_SIZE,
-    _lib.QUANTIZE_FP8_ARGS_SIZE), "flash3 args layout changed"
+    _lib.QUANTIZE_FP8_ARGS_SIZE, _lib.KVCACHE_ARGS_SIZE), "flash3 args layout changed"
+assert _KVCACHE.size - struct.calcsize("<" + _MASK + "Q") == _lib.KvcacheArgs.window.offset
 assert struct.calcsize("<" + _TENSOR) == ctypes.sizeof(_lib.Tensor) and _lib.FwdArgs.q.offset == 16
 assert (_FWD.size - struct.calcsize("<" + _MASK), _BWD.size - struct.calcsize("<" + _MASK)) == (
     _lib.FwdArgs.window.offset, _lib.BwdArgs.window.offset)
@@ -102,7 +107,8 @@ def _fields(t):
 _WANTED_DTYPES = {"lse": "torch.float32", "q_scale": "torch.float32", "k_scale": "torch.float32",
                   "v_scale": "torch.float32", "scale": "torch.float32", "x": "torch.bfloat16 or torch.float16",
                   "cu_seqlens_q": "torch.int32", "cu_seqlens_k": "torch.int32", "seqused_q": "torch.int32",
-                  "seqused_k": "torch.int32",
+                  "seqused_k": "torch.int32", "cache_seqlens": "torch.int32", "cache_batch_idx": "torch.int32",
+                  "cache_leftpad": "torch.int32", "page_table": "torch.int32",
                   "out": "torch.bfloat16 or torch.float16 (torch.float8_e4m3fn from quantize_fp8)"}
 
 
@@ -745,80 +751,201 @@ def bwd_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
 
 # ---- KV cache (decoding) --------------------------------------------------------------------
 
-def kvcache_shapes(q, k_cache, v_cache, cache_seqlens):
+MAX_KVCACHE_SPLITS = 64  # flash3::kMaxKvcacheSplits (flash3.h)
+
+
+def num_splits_arg(num_splits):
+    """num_splits as an int in [0, MAX_KVCACHE_SPLITS] (0: the library's heuristic); a symbolic one
+    under tracing as it is. ValueError naming it otherwise (the library refuses the same range)."""
+    if isinstance(num_splits, _SymInt):
+        return num_splits
+    return _int_arg("num_splits", num_splits, 0, MAX_KVCACHE_SPLITS + 1,
+                    f"an int in [0, {MAX_KVCACHE_SPLITS}] (key-range splits; 0: flash3's heuristic)")
+
+
+def _page_table_tensor(page_table, q, batch):
+    """ValueError naming page_table where it is not a torch.int32 (batch, max_pages_per_seq) tensor
+    on q's device."""
+    what = "(batch, max_pages_per_seq)"
+    if not isinstance(page_table, torch.Tensor):
+        raise ValueError(f"page_table: expected a torch.Tensor (torch.int32, {what}), got {type(page_table).__name__}")
+    if page_table.dtype is not _INT32:
+        raise ValueError(f"page_table: dtype {page_table.dtype} is not supported; page_table must be torch.int32 "
+                         f"{what}")
+    if page_table.device != q.device:
+        raise ValueError(f"page_table: on device {page_table.device} but q is on {q.device}; page_table must be on "
+                         "q's device")
+    if page_table.dim() != 2 or page_table.shape[0] != batch:
+        raise ValueError(f"page_table: shape {tuple(page_table.shape)}, expected {what} with batch = {batch} (q's)")
+
+
+def kvcache_shapes(q, k_cache, v_cache, cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, page_table=None,
+                   num_splits=0):
     """(batch, seqlen_q, nheads): the shape arithmetic of the KV-cache attention of q (batch,
-    seqlen_q, nheads, headdim) over k_cache, v_cache (batch, seqlen_cache, nheads_kv, headdim)
+    seqlen_q, nheads, headdim) over k_cache, v_cache, contiguous (batch_cache, seqlen_cache,
+    nheads_kv, headdim) or paged (num_pages, page_size, nheads_kv, headdim) with page_table
     (symbolic sizes stay symbolic). ValueError naming the argument where q, k_cache or v_cache is
-    not a 4-dim tensor, float8 q (NotImplementedError), or cache_seqlens (not None) is not a
-    rank-1 torch.int32 tensor of batch entries on q's device. The rest is the library's to check."""
+    not a 4-dim tensor; cache_seqlens, cache_batch_idx or cache_leftpad (not None) is not a rank-1
+    torch.int32 tensor of batch entries on q's device; page_table (not None) is not a torch.int32
+    (batch, max_pages_per_seq) tensor on q's device; cache_batch_idx comes with page_table;
+    num_splits is not an int in [0, MAX_KVCACHE_SPLITS]. float8 q: NotImplementedError. The rest
+    is the library's to check."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
-            what = "(batch, seqlen_q, nheads, headdim)" if name == "q" else "(batch, seqlen_cache, nheads_kv, headdim)"
+            what = ("(batch, seqlen_q, nheads, headdim)" if name == "q" else
+                    "(num_pages, page_size, nheads_kv, headdim) (a paged cache: page_table given)"
+                    if page_table is not None else "(batch_cache, seqlen_cache, nheads_kv, headdim)")
             raise ValueError(f"{name}: expected {what}, got shape {tuple(t.shape)}")
     if q.dtype in FP8_DTYPES:
         raise NotImplementedError(f"q: dtype {q.dtype} is not supported by flash3's KV-cache attention "
                                   "(torch.bfloat16 or torch.float16 q, k_cache, v_cache only)")
     b, sq, h, _ = q.shape
-    if cache_seqlens is not None:
-        _seqlens_tensor("cache_seqlens", cache_seqlens, q, "batch", b, f"q has batch = {b}")
+    for name, t in (("cache_seqlens", cache_seqlens), ("cache_batch_idx", cache_batch_idx),
+                    ("cache_leftpad", cache_leftpad)):
+        if t is not None:
+            _seqlens_tensor(name, t, q, "batch", b, f"q has batch = {b}")
+    if page_table is not None:
+        _page_table_tensor(page_table, q, b)
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx: not supported with page_table; a paged cache is addressed through "
+                             "page_table alone (cache_batch_idx selects entries of a contiguous cache)")
+    num_splits_arg(num_splits)
     return b, sq, h
 
 
-# The library's names for the cache arguments (the lengths are its seqused_k) -> the caller's.
-_CACHE_NAMES = ((re.compile(r"\bseqused_k\b"), "cache_seqlens"), (re.compile(r"(?<![\w.])k(?=[:.\[ ,)]|$)"), "k_cache"),
-                (re.compile(r"(?<![\w.])v(?=[:.\[ ,)]|$)"), "v_cache"))
-
-
-def _cache_names(msg):
-    for pattern, name in _CACHE_NAMES:
-        msg = pattern.sub(name, msg)
-    return msg
+def check_kvcache_values(k_cache, cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, page_table=None,
+                         check_seqlens=True, check_page_table=True):
+    """Checks the values of the index tensors of a KV-cache call (shapes as kvcache_shapes
+    accepts) with torch operations and one device-to-host copy; nothing while torch's current
+    stream is being captured into a CUDA graph. check_seqlens: cache_seqlens[b] in [0,
+    seqlen_cache] (k_cache.shape[1], or max_pages_per_seq x page_size when paged), cache_leftpad[b]
+    in [0, cache_seqlens[b]] (seqlen_cache without cache_seqlens), cache_batch_idx[b] in [0,
+    batch_cache). check_page_table (paged): every page a sequence uses, slots 0 ..
+    ceil(cache_seqlens[b] / page_size) - 1 of row b of page_table (its length clamped to the
+    cache; every slot without cache_seqlens), in [0, num_pages). Raises ValueError for the first
+    bad value (the tensors in this order, then row by row), naming the tensor, the batch entry
+    (and slot) and the value."""
+    if _capturing():
+        return
+    paged = page_table is not None
+    n_cache = k_cache.shape[1] * (page_table.shape[1] if paged else 1)
+    where = (f"page_table.shape[1] x page_size = {page_table.shape[1]} x {k_cache.shape[1]}" if paged else
+             "k_cache.shape[1]")
+    long = torch.int64
+    lens = None if cache_seqlens is None else cache_seqlens.to(long)
+    ends = None if lens is None else lens.clamp(0, n_cache)  # each sequence's end, as the library clamps it
+    checks = []  # (name, bad, value, extra): bool, int64 tensors of one shape; extra goes into the message
+    if check_seqlens:
+        if lens is not None:
+            checks.append(("cache_seqlens", (lens < 0) | (lens > n_cache), lens, lens))
+        if cache_leftpad is not None:
+            pad = cache_leftpad.to(long)
+            end = torch.full_like(pad, n_cache) if ends is None else ends
+            checks.append(("cache_leftpad", (pad < 0) | (pad > end), pad, end))
+        if cache_batch_idx is not None and not paged:
+            idx = cache_batch_idx.to(long)
+            checks.append(("cache_batch_idx", (idx < 0) | (idx >= k_cache.shape[0]), idx, idx))
+    page_size, slots = k_cache.shape[1], (page_table.shape[1] if paged else 0)
+    if check_page_table and paged:
+        pages = page_table.to(long)
+        used = (torch.full_like(pages[:, 0], slots) if ends is None else (ends + page_size - 1) // page_size)[:, None]
+        in_use = torch.arange(slots, device=pages.device)[None, :] < used
+        bad = in_use & ((pages < 0) | (pages >= k_cache.shape[0]))
+        checks.append(("page_table", bad, pages, used.expand_as(pages)))
+    checks = [c for c in checks if c[1].numel() > 0]
+    if not checks:
+        return
+    rows = []
+    for _, bad, value, extra in checks:
+        flat = bad.flatten()
+        first = flat.to(torch.int32).argmax()  # the first True: argmax gives the first of equal maxima
+        rows.append(torch.stack((flat.any().to(long), first, value.flatten()[first], extra.flatten()[first])))
+    for (name, _, _, _), (any_bad, first, value, extra) in zip(checks, torch.stack(rows).tolist()):
+        if not any_bad:
+            continue
+        if name == "cache_seqlens":
+            raise ValueError(f"cache_seqlens: cache_seqlens[{first}] is {value}; it must be in [0, seqlen_cache] = "
+                             f"[0, {n_cache}] ({where})")
+        if name == "cache_leftpad":
+            bound = f"cache_seqlens[{first}]" if lens is not None else f"seqlen_cache ({where})"
+            raise ValueError(f"cache_leftpad: cache_leftpad[{first}] is {value}; it must be in [0, {bound}] = "
+                             f"[0, {extra}]")
+        if name == "cache_batch_idx":
+            raise ValueError(f"cache_batch_idx: cache_batch_idx[{first}] is {value}; it must be in [0, batch_cache) "
+                             f"= [0, {k_cache.shape[0]}) (k_cache.shape[0])")
+        b, slot = divmod(first, slots)
+        why = "" if lens is None else f": ceil(cache_seqlens[{b}] / page_size) = ceil({int(ends[b])} / {page_size})"
+        raise ValueError(f"page_table: page_table[{b}, {slot}] is {value}; batch entry {b} reads the pages in slots "
+                         f"0 .. {extra - 1} of its row{why}, and each must be in [0, num_pages) = "
+                         f"[0, {k_cache.shape[0]}) (k_cache.shape[0])")
 
 
 def forward_kvcache_into(q, k_cache, v_cache, out, lse, cache_seqlens=None, softmax_scale=None, causal=False,
-                         window_left=-1, window_right=-1, softcap=0.0, check_seqlens=False):
+                         window_left=-1, window_right=-1, softcap=0.0, cache_batch_idx=None, cache_leftpad=None,
+                         page_table=None, num_splits=0, check_page_table=False, check_seqlens=False):
     """Attention of new queries over a KV cache (decoding), into caller-given buffers: q and out
-    (batch, seqlen_q, nheads, headdim), k_cache and v_cache (batch, seqlen_cache, nheads_kv,
-    headdim), bfloat16 or float16; cache_seqlens int32 (batch) on q's device, or None (the whole
-    cache): batch entry b attends to its first cache_seqlens[b] keys, the masks (causal,
-    window_left, window_right) aligned bottom-right to them: query row i is the key position
-    cache_seqlens[b] - seqlen_q + i. lse float32 (batch, nheads, seqlen_q) or None. Rows that
-    see no key: out 0, lse +inf. softmax_scale, softcap: forward_into's. The values of
-    cache_seqlens live on the GPU: by default (as FlashAttention-3) the host does not read them,
-    and a value past the cache counts as seqlen_cache (never an access out of bounds);
-    check_seqlens=True checks that each is in [0, seqlen_cache] and raises ValueError naming
-    cache_seqlens (a device-to-host copy and a stream synchronization, once per set of tensors
-    as forward_varlen_into's; a decoding loop that changes the lengths in place pays it at every
-    step).
-    This is the library's variable-length forward with seqused_k = cache_seqlens and neither
-    side packed. Raises ValueError naming the argument, RuntimeError otherwise."""
+    (batch, seqlen_q, nheads, headdim), bfloat16 or float16; k_cache and v_cache of q's dtype,
+    contiguous (batch_cache, seqlen_cache, nheads_kv, headdim) or, with page_table, paged
+    (num_pages, page_size, nheads_kv, headdim); lse float32 (batch, nheads, seqlen_q) or None.
+    The optional index tensors are torch.int32 on q's device:
+      cache_seqlens (batch): sequence b's keys end at cache position cache_seqlens[b] (None: the
+        whole cache, seqlen_cache or max_pages_per_seq x page_size);
+      cache_leftpad (batch): they start at cache_leftpad[b] (None: 0);
+      cache_batch_idx (batch): batch entry b reads entry cache_batch_idx[b] of a contiguous cache
+        (None: entry b; then batch_cache = batch); not with page_table;
+      page_table (batch, max_pages_per_seq): key position p of sequence b is row p % page_size of
+        page page_table[b, p // page_size] (any page size, pages in any order).
+    The masks (causal, window_left, window_right) are aligned bottom-right to each sequence's keys:
+    query row i is at key position (cache_seqlens[b] - cache_leftpad[b]) - seqlen_q + i of them.
+    Rows that see no key: out 0, lse +inf. softmax_scale, softcap: forward_into's. num_splits:
+    key-range splits per (sequence, KV head) in [1, MAX_KVCACHE_SPLITS], or 0 for the library's
+    heuristic (the results do not depend on it beyond rounding).
+    The index values live on the GPU: by default (as FlashAttention-3) the host does not read
+    them, and the library clamps them to the cache (bad values give undefined results, never an
+    access out of bounds). check_seqlens=True and check_page_table=True check them first
+    (check_kvcache_values: one device-to-host copy and so a stream synchronization per call;
+    skipped while a CUDA graph is captured) and raise ValueError naming the first bad value.
+    Raises ValueError naming the argument for invalid arguments, RuntimeError otherwise (also for
+    a libflash3.so without flash3_fwd_kvcache)."""
     scale = _scale_arg(softmax_scale)
     mask = mask_fields(window_left, window_right, softcap)
-    check_now, state = _checked_once(check_seqlens, None, None, None, cache_seqlens, 0, 0, q, k_cache)
-    seqlens = _seqlen_fields(0, 0, check_now)
+    splits = num_splits_arg(num_splits)
     try:
-        tensors = (*_fields(q), *_fields(k_cache), *_fields(v_cache), *_fields(out), *_fields(lse))
-        varlen = (*_NULL, *_NULL, *_NULL, *_fields(cache_seqlens))
+        tensors = (*_fields(q), *_fields(k_cache), *_fields(v_cache), *_fields(out), *_fields(lse),
+                   *_fields(cache_seqlens), *_fields(cache_batch_idx), *_fields(cache_leftpad), *_fields(page_table))
         index = q.get_device()
     except (AttributeError, KeyError, IndexError, TypeError, ValueError):
         _explain((("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out), ("lse", lse),
-                  ("cache_seqlens", cache_seqlens)), optional=("lse", "cache_seqlens"))
+                  ("cache_seqlens", cache_seqlens), ("cache_batch_idx", cache_batch_idx),
+                  ("cache_leftpad", cache_leftpad), ("page_table", page_table)),
+                 optional=("lse", "cache_seqlens", "cache_batch_idx", "cache_leftpad", "page_table"))
         raise
-    _run_fwd_varlen(index, causal, scale, tensors, mask, varlen, seqlens, _cache_names)
-    if check_now:
-        _remember_checked(state)
+    if check_seqlens or check_page_table:
+        kvcache_shapes(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad, page_table, splits)
+        check_kvcache_values(k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, page_table, check_seqlens,
+                             check_page_table)
+    lib, buf = _lib.lib(), _lib.err_buffer()
+    if not _lib.has_kvcache():
+        raise RuntimeError("this libflash3.so has no KV-cache attention (flash3_fwd_kvcache): rebuild the library")
+    with _on_device(index):
+        args = _KVCACHE.pack(_lib.KVCACHE_ARGS_SIZE, 1 if causal else 0, scale, splits, *tensors, *mask,
+                             _stream(index))
+        rc = lib.flash3_fwd_kvcache(args, buf, _lib.ERR_LEN)
+    _check(rc, buf, "flash3_fwd_kvcache")
     return out, lse
 
 
 def fwd_kvcache(q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None, causal=False, want_lse=True,
-                window_left=-1, window_right=-1, softcap=0.0):
+                window_left=-1, window_right=-1, softcap=0.0, cache_batch_idx=None, cache_leftpad=None,
+                page_table=None, num_splits=0):
     """(out, lse) of forward_kvcache_into: out contiguous, shaped and typed like q; lse float32
     (batch, nheads, seqlen_q), contiguous (None when not want_lse). The shapes and layouts are
     those of the fake of flash3::fwd_kvcache (_ops.py): keep them in step."""
-    b, sq, h = kvcache_shapes(q, k_cache, v_cache, cache_seqlens)
+    b, sq, h = kvcache_shapes(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad, page_table,
+                              num_splits)
     out = torch.empty_like(q, memory_format=_CONTIGUOUS)
     lse = q.new_empty((b, h, sq), dtype=_FLOAT32) if want_lse else None
     return forward_kvcache_into(q, k_cache, v_cache, out, lse, cache_seqlens, softmax_scale, causal, window_left,
-                                window_right, softcap, check_seqlens=False)
+                                window_right, softcap, cache_batch_idx, cache_leftpad, page_table, num_splits)

@@ -88,17 +88,35 @@ class QuantizeFp8Args(ctypes.Structure):
     ]
 
 
+class KvcacheArgs(ctypes.Structure):
+    """flash3_kvcache_args (first version): the layout _kernels._KVCACHE packs."""
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("causal", ctypes.c_int32),
+        ("softmax_scale", ctypes.c_float),
+        ("num_splits", ctypes.c_int32),
+        ("q", Tensor), ("k_cache", Tensor), ("v_cache", Tensor), ("out", Tensor), ("lse", Tensor),
+        ("cache_seqlens", Tensor), ("cache_batch_idx", Tensor), ("cache_leftpad", Tensor), ("page_table", Tensor),
+        ("window", ctypes.c_int32),
+        ("window_left", ctypes.c_int32),
+        ("window_right", ctypes.c_int32),
+        ("softcap", ctypes.c_float),
+        ("stream", ctypes.c_void_p),
+    ]
+
+
 # struct_size as this package fills the structs (flash3_c.h): the variable-length calls the whole
 # structs (FLASH3_FWD_ARGS_SIZE_V4, FLASH3_BWD_ARGS_SIZE_V3), every other call the versions before
 # them (FLASH3_FWD_ARGS_SIZE_V3, FLASH3_BWD_ARGS_SIZE_V2: what a library without variable lengths
-# reads too); FLASH3_QUANTIZE_FP8_ARGS_SIZE_V1.
+# reads too); FLASH3_QUANTIZE_FP8_ARGS_SIZE_V1; FLASH3_KVCACHE_ARGS_SIZE_V1.
 FWD_ARGS_SIZE = ctypes.sizeof(FwdArgs)
 BWD_ARGS_SIZE = ctypes.sizeof(BwdArgs)
 FWD_ARGS_SIZE_V3 = FwdArgs.cu_seqlens_q.offset
 BWD_ARGS_SIZE_V2 = BwdArgs.cu_seqlens_q.offset
 QUANTIZE_FP8_ARGS_SIZE = ctypes.sizeof(QuantizeFp8Args)
-assert (FWD_ARGS_SIZE, BWD_ARGS_SIZE, FWD_ARGS_SIZE_V3, BWD_ARGS_SIZE_V2, QUANTIZE_FP8_ARGS_SIZE) == (
-    1016, 1112, 680, 776, 272), "flash3 args layout changed"
+KVCACHE_ARGS_SIZE = ctypes.sizeof(KvcacheArgs)
+assert (FWD_ARGS_SIZE, BWD_ARGS_SIZE, FWD_ARGS_SIZE_V3, BWD_ARGS_SIZE_V2, QUANTIZE_FP8_ARGS_SIZE,
+        KVCACHE_ARGS_SIZE) == (1016, 1112, 680, 776, 272, 760), "flash3 args layout changed"
 
 _lib = None
 _load_error = None
@@ -142,6 +160,20 @@ def _bind_quantize(handle, ptr):
         return
     handle.flash3_quantize_fp8.argtypes = [ptr, ctypes.c_char_p, ctypes.c_int]
     handle.flash3_quantize_fp8.restype = ctypes.c_int
+
+
+def _bind_kvcache(handle, ptr):
+    """Declares flash3_fwd_kvcache where the library has it (one built before it still loads;
+    has_kvcache() then says False)."""
+    if not hasattr(handle, "flash3_fwd_kvcache"):
+        return
+    handle.flash3_fwd_kvcache.argtypes = [ptr, ctypes.c_char_p, ctypes.c_int]
+    handle.flash3_fwd_kvcache.restype = ctypes.c_int
+
+
+def has_kvcache():
+    """True when the loaded library exports flash3_fwd_kvcache (decoding over a KV cache)."""
+    return hasattr(lib(), "flash3_fwd_kvcache")
 
 
 def has_quantize():
@@ -205,14 +237,16 @@ def lib():
             except OSError as e:
                 errors.append(f"{path}: {e}")
                 continue
-            # flash3_fwd_args / flash3_bwd_args / flash3_quantize_fp8_args go as addresses (c_void_p: a bytes object, a
-            # ctypes buffer, an int, or ctypes.byref of a FwdArgs / BwdArgs): the package packs
-            # each call's struct into bytes with one struct.Struct.pack (_kernels.py).
+            # flash3_fwd_args / flash3_bwd_args / flash3_quantize_fp8_args / flash3_kvcache_args go as
+            # addresses (c_void_p: a bytes object, a ctypes buffer, an int, or ctypes.byref of a FwdArgs /
+            # BwdArgs): the package packs each call's struct into bytes with one struct.Struct.pack
+            # (_kernels.py).
             ptr = ctypes.c_void_p
             handle.flash3_fwd.argtypes = [ptr, ctypes.c_char_p, ctypes.c_int]
             handle.flash3_fwd.restype = ctypes.c_int
             _bind_bwd(handle, ptr)
             _bind_quantize(handle, ptr)
+            _bind_kvcache(handle, ptr)
             handle.flash3_hopper_available.argtypes = [ctypes.c_char_p, ctypes.c_int]
             handle.flash3_hopper_available.restype = ctypes.c_int
             handle.flash3_version.argtypes = []

@@ -19,8 +19,9 @@ CUDA graphs (mode="reduce-overhead") and FakeTensor tracing:
                                 softcap=0.0) -> (dq, dk, dv)
 
     torch.ops.flash3.fwd_kvcache(q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None,
-                                 causal=False, window_left=-1, window_right=-1, softcap=0.0)
-                                 -> (out, lse)
+                                 causal=False, window_left=-1, window_right=-1, softcap=0.0,
+                                 cache_batch_idx=None, cache_leftpad=None, page_table=None,
+                                 num_splits=0) -> (out, lse)
 
 window_left, window_right: FlashAttention-3's sliding window (-1: no bound on that side; the
 library refuses < -1), softcap: > 0 caps the scaled scores (0.0: none; 16-bit inputs only), as
@@ -48,8 +49,11 @@ float32 (nheads, total_q); max_seqlen_q / max_seqlen_k are SymInts (the outputs'
 depend on them, nor on the values of the length tensors). fwd_varlen is differentiable in q, k,
 v through bwd_varlen. With seqused_q, out rows past it are 0 and lse rows +inf.
 fwd_kvcache (decoding, _kernels.forward_kvcache_into): q (batch, seqlen_q, nheads, head_dim) over
-k_cache, v_cache (batch, seqlen_cache, nheads_kv, head_dim), cache_seqlens int32 (batch) or None
-(the whole cache); out like q, lse float32 (batch, nheads, seqlen_q); inference only, as fwd_fp8.
+k_cache, v_cache, contiguous (batch_cache, seqlen_cache, nheads_kv, head_dim) or paged (num_pages,
+page_size, nheads_kv, head_dim) with page_table int32 (batch, max_pages_per_seq); cache_seqlens,
+cache_batch_idx (contiguous cache only), cache_leftpad int32 (batch) or None; num_splits 0..64
+(0: the library's heuristic); out like q, lse float32 (batch, nheads, seqlen_q) whatever the cache
+layout; inference only, as fwd_fp8.
 
 Adding an operator (a KV cache, say): a kernel in _kernels.py, then here one annotated
 function that calls it, its fake (shape arithmetic and new_empty / empty_like on the fake
@@ -300,15 +304,19 @@ def _bwd_varlen_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_se
 
 def _fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Optional[Tensor] = None,
                  softmax_scale: Optional[float] = None, causal: bool = False, window_left: int = -1,
-                 window_right: int = -1, softcap: float = 0.0) -> tuple[Tensor, Tensor]:
+                 window_right: int = -1, softcap: float = 0.0, cache_batch_idx: Optional[Tensor] = None,
+                 cache_leftpad: Optional[Tensor] = None, page_table: Optional[Tensor] = None,
+                 num_splits: int = 0) -> tuple[Tensor, Tensor]:
     return _kernels.fwd_kvcache(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal, True, window_left,
-                                window_right, softcap)
+                                window_right, softcap, cache_batch_idx, cache_leftpad, page_table, num_splits)
 
 
 def _fwd_kvcache_fake(q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None, causal=False, window_left=-1,
-                      window_right=-1, softcap=0.0):
+                      window_right=-1, softcap=0.0, cache_batch_idx=None, cache_leftpad=None, page_table=None,
+                      num_splits=0):
     _check_mask(window_left, window_right, softcap)
-    b, sq, h = _kernels.kvcache_shapes(q, k_cache, v_cache, cache_seqlens)
+    b, sq, h = _kernels.kvcache_shapes(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad,
+                                       page_table, num_splits)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     return out, q.new_empty((b, h, sq), dtype=torch.float32)
 

@@ -38,18 +38,20 @@ message, as an unsupported exception; without fullgraph it reaches the caller as
 Accepted and ignored (by flash_attn_varlen_func too), because they tune speed only and cannot
 change flash3's results:
 num_splits (FlashAttention-3 splits the keys across blocks; flash3 picks its own schedule, and
-its output is the same for every value), pack_gqa (a GQA layout choice) and sm_margin (SMs left
-free for other kernels).
+its output is the same for every value; flash_attn_with_kvcache passes it on, below), pack_gqa (a
+GQA layout choice) and sm_margin (SMs left free for other kernels).
 
-Decoding, as FlashAttention-3's flash_attn_with_kvcache, over a contiguous cache: q (batch,
-seqlen_q, nheads, headdim) attends to k_cache, v_cache (batch, seqlen_cache, nheads_kv, headdim),
-entry b to its first cache_seqlens[b] keys (an int, an int32 (batch) tensor, or None: the whole
-cache), masks aligned bottom-right to them; inference only. New keys and values k, v are
-appended in place at cache_seqlens, rotated with rotary_cos, rotary_sin (the queries too), as
-FlashAttention-3 does (flash3.kvcache: torch operations before the attention kernel, not yet
-fused into it). Not yet (NotImplementedError naming the argument): cache_batch_idx,
-cache_leftpad, page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, rotary_seqlens, qv, the
-descales, scheduler_metadata; num_splits, pack_gqa and sm_margin are accepted and ignored.
+Decoding, as FlashAttention-3's flash_attn_with_kvcache: q (batch, seqlen_q, nheads, headdim)
+attends to k_cache, v_cache, a contiguous cache (batch_cache, seqlen_cache, nheads_kv, headdim),
+optionally through cache_batch_idx, or a paged one (num_pages, page_size, nheads_kv, headdim)
+through page_table; sequence b to its cache positions [cache_leftpad[b], cache_seqlens[b])
+(cache_seqlens an int, an int32 (batch) tensor, or None: the whole cache), masks aligned
+bottom-right to them; num_splits splits the key range (0: flash3's heuristic); inference only.
+New keys and values k, v are appended in place at cache_seqlens, rotated with rotary_cos,
+rotary_sin (the queries too), as FlashAttention-3 does (flash3.kvcache: torch operations before
+the attention kernel, not yet fused into it). Not yet (NotImplementedError naming the argument):
+cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, rotary_seqlens, qv, the descales,
+scheduler_metadata; pack_gqa and sm_margin are accepted and ignored.
 
 In eager mode the calls run the library directly (the lowest host time); under torch.compile,
 torch.export or any FakeTensor / dispatch-mode tracing they call the torch.library operators
@@ -471,30 +473,40 @@ def flash_attn_with_kvcache(
     return_softmax_lse=False,
 ):
     """Attention of new queries over a KV cache (decoding), as FlashAttention-3's
-    flash_attn_with_kvcache, for a contiguous cache.
+    flash_attn_with_kvcache.
 
-    q (batch, seqlen_q, nheads, headdim); k_cache, v_cache (batch, seqlen_cache, nheads_kv,
-    headdim): CUDA tensors, bf16 or fp16, headdim 64, 128 or 256, nheads a multiple of nheads_kv.
-    cache_seqlens: int, int32 (batch) on q's device, or None (seqlen_cache): entry b attends to
-    k_cache[b, :cache_seqlens[b]]. k, v (batch, seqlen_new, nheads_kv, headdim), with
-    cache_seqlens: written into k_cache, v_cache in place at rows cache_seqlens[b] ..
-    cache_seqlens[b] + seqlen_new - 1 (which must fit in the cache), and attended to; with
+    q (batch, seqlen_q, nheads, headdim); k_cache, v_cache: CUDA tensors of q's dtype (bf16 or
+    fp16), headdim 64, 128 or 256, nheads a multiple of nheads_kv, either contiguous
+    (batch_cache, seqlen_cache, nheads_kv, headdim) (batch_cache = batch without
+    cache_batch_idx), or paged (num_pages, page_size, nheads_kv, headdim) with page_table, int32
+    (batch, max_pages_per_seq) on q's device: key position p of sequence b is row p % page_size of
+    page page_table[b, p // page_size] (any page size; pages in any order). cache_seqlens: int,
+    int32 (batch) on q's device, or None (the whole cache: seqlen_cache, or max_pages_per_seq x
+    page_size): sequence b's keys end at cache position cache_seqlens[b]. cache_leftpad (int32
+    (batch)): they start at cache_leftpad[b] (None: 0). cache_batch_idx (int32 (batch), contiguous
+    cache only): batch entry b uses cache entry cache_batch_idx[b] (None: b).
+    k, v (batch, seqlen_new, nheads_kv, headdim), with cache_seqlens: written into k_cache,
+    v_cache in place at positions cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 of each
+    sequence (its entry or its pages; they must fit in the cache), and attended to; with
     rotary_cos, rotary_sin ((seqlen_ro, rotary_dim / 2), covering those positions) the new keys are
-    rotated at their positions and q at positions cache_seqlens + i (causal or a window) or
-    cache_seqlens (otherwise), interleaved pairs or GPT-NeoX halves (rotary_interleaved). Its values are not read by the host (as FlashAttention-3): a
-    value past the cache counts as seqlen_cache (flash3.forward_kvcache_into(...,
-    check_seqlens=True) checks them, with a synchronization). causal, window_size, softcap,
-    softmax_scale: as flash_attn_func's, aligned bottom-right: query row i is at key position
-    cache_seqlens[b] - seqlen_q + i. A row that sees no key gives out 0 (softmax_lse +inf).
+    rotated at those positions and q at positions cache_seqlens + i (causal or a window) or
+    cache_seqlens (otherwise), interleaved pairs or GPT-NeoX halves (rotary_interleaved); as
+    FlashAttention-3, these are cache positions, also with cache_leftpad.
+    The index values are not read by the host (as FlashAttention-3): the library clamps them to
+    the cache (flash3.forward_kvcache_into(..., check_seqlens=True, check_page_table=True) checks
+    them, with a synchronization). causal, window_size, softcap, softmax_scale: as
+    flash_attn_func's, aligned bottom-right to each sequence's keys: query row i is at key
+    position (cache_seqlens[b] - cache_leftpad[b]) - seqlen_q + i of them. A row that sees no key
+    gives out 0 (softmax_lse +inf). num_splits: the key-range splits per (sequence, KV head), 1 to
+    64, or 0 for flash3's heuristic (the results do not depend on it beyond rounding).
     Returns out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse) when
     return_softmax_lse, softmax_lse float32 (batch, nheads, seqlen_q). Inference only.
     The unsupported and ignored arguments: see the module's docstring.
     """
-    for name, value in (("qv", qv), ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
-                        ("page_table", page_table), ("cu_seqlens_q", cu_seqlens_q),
-                        ("cu_seqlens_k_new", cu_seqlens_k_new), ("max_seqlen_q", max_seqlen_q),
-                        ("rotary_seqlens", rotary_seqlens), ("q_descale", q_descale), ("k_descale", k_descale),
-                        ("v_descale", v_descale), ("scheduler_metadata", scheduler_metadata)):
+    for name, value in (("qv", qv), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k_new", cu_seqlens_k_new),
+                        ("max_seqlen_q", max_seqlen_q), ("rotary_seqlens", rotary_seqlens), ("q_descale", q_descale),
+                        ("k_descale", k_descale), ("v_descale", v_descale),
+                        ("scheduler_metadata", scheduler_metadata)):
         if value is not None:
             _unsupported(name, value)
     if attention_chunk:
@@ -503,18 +515,22 @@ def flash_attn_with_kvcache(
     causal = bool(causal)
     if isinstance(q, torch.Tensor) and q.dim() == 4:
         cache_seqlens = _cache_seqlens(cache_seqlens, q)
+    index = (cache_seqlens, cache_batch_idx, cache_leftpad, page_table)
     if k is not None or v is not None or rotary_cos is not None or rotary_sin is not None:
-        _kernels.kvcache_shapes(q, k_cache, v_cache, cache_seqlens)
+        _kernels.kvcache_shapes(q, k_cache, v_cache, *index, num_splits)
         kvcache.check_append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens)
         q, cache_seqlens = kvcache.append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-                                          rotary_interleaved, causal or left >= 0 or right >= 0)
-    lengths = () if cache_seqlens is None else (cache_seqlens,)
-    if _direct(q, k_cache, v_cache, *lengths) and not (
+                                          rotary_interleaved, causal or left >= 0 or right >= 0, cache_batch_idx,
+                                          page_table)
+        index = (cache_seqlens, *index[1:])
+    given = [t for t in index if t is not None]
+    if _direct(q, k_cache, v_cache, *given) and not (
             _grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad)):
         out, lse = _kernels.fwd_kvcache(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal,
-                                        return_softmax_lse, left, right, softcap)
+                                        return_softmax_lse, left, right, softcap, *index[1:], num_splits)
     else:
         # inputs that require grad: the operator, whose backward raises (inference only)
-        _kernels.kvcache_shapes(q, k_cache, v_cache, cache_seqlens)
-        out, lse = _ops.fwd_kvcache(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal, left, right, softcap)
+        _kernels.kvcache_shapes(q, k_cache, v_cache, *index, num_splits)
+        out, lse = _ops.fwd_kvcache(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal, left, right, softcap,
+                                    *index[1:], num_splits)
     return (out, lse) if return_softmax_lse else out

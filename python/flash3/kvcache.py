@@ -1,6 +1,7 @@
 """The KV cache's append with rotary embedding, for flash_attn_with_kvcache (flash_attn_interface):
-new keys and values written into the cache in place at each entry's length, the rotary embedding
-(FlashAttention-3's meaning) applied to the new keys and to the queries first.
+new keys and values written into the cache (contiguous, through cache_batch_idx, or paged through
+page_table) in place at each sequence's length, the rotary embedding (FlashAttention-3's meaning)
+applied to the new keys and to the queries first.
 
 These steps are torch operations (a gather of cos / sin, the rotation in float32, an indexed
 store), not yet fused into the attention kernel as FlashAttention-3 does: a decoding step with
@@ -35,9 +36,10 @@ def rotary(x, cos, sin, positions, interleaved):
 
 def check_append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens):
     """ValueError naming the argument where the append's arguments do not fit: k and v given
-    together, (batch, seqlen_new, nheads_kv, headdim) like the cache's entries, on its device
-    and of its dtype; rotary_cos and rotary_sin together, only with k and v, (seqlen_ro,
-    rotary_dim / 2) with rotary_dim <= headdim, floating, on q's device; cache_seqlens given."""
+    together, (batch, seqlen_new, nheads_kv, headdim) with q's batch and the cache's heads and
+    head dim, on its device and of its dtype; rotary_cos and rotary_sin together, only with k and
+    v, (seqlen_ro, rotary_dim / 2) with rotary_dim <= headdim, floating, on q's device;
+    cache_seqlens given."""
     if (k is None) != (v is None):
         raise ValueError(f"k and v: give both or neither (k is {'None' if k is None else 'given'}, v is "
                          f"{'None' if v is None else 'given'})")
@@ -52,10 +54,11 @@ def check_append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
     for name, t, cache in (("k", k, k_cache), ("v", v, v_cache)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        want = (cache.shape[0], None, *cache.shape[2:])
+        want = (q.shape[0], None, *cache.shape[2:])
         if t.dim() != 4 or t.shape[0] != want[0] or tuple(t.shape[2:]) != tuple(want[2:]):
             raise ValueError(f"{name}: shape {tuple(t.shape)}, expected (batch, seqlen_new, nheads_kv, headdim) = "
-                             f"({want[0]}, seqlen_new, {want[2]}, {want[3]}) as {name}_cache's entries")
+                             f"({want[0]}, seqlen_new, {want[2]}, {want[3]}) (q's batch, {name}_cache's heads and "
+                             "head dim)")
         if t.dtype != cache.dtype or t.device != cache.device:
             raise ValueError(f"{name}: {t.dtype} on {t.device}, expected {name}_cache's {cache.dtype} on "
                              f"{cache.device}")
@@ -75,14 +78,20 @@ def check_append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
                              f"[2, headdim = {q.shape[-1]}] and seqlen_ro at least 1")
 
 
-def append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, rotary_interleaved, causal_or_local):
-    """Writes k and v (rotated, with rotary_cos) into k_cache, v_cache at rows cache_seqlens[b] ..
-    cache_seqlens[b] + seqlen_new - 1 of each entry b, and returns (q, rotated where rotary is
-    given, and the lengths after the append, int32). q's rows are rotated at positions
-    cache_seqlens + i where causal_or_local, else all at cache_seqlens (FlashAttention-3's
-    rule). The rows must fit in the cache (cache_seqlens + seqlen_new <= seqlen_cache; the values
-    are on the GPU and not checked: rows past the cache are clamped to its last row, never
-    written out of bounds)."""
+def append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, rotary_interleaved, causal_or_local,
+           cache_batch_idx=None, page_table=None):
+    """Writes k and v (rotated, with rotary_cos) into k_cache, v_cache at the cache positions
+    cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 of each batch entry b, and returns (q,
+    rotated where rotary is given, and the lengths after the append, int32). Position p of entry
+    b is row p of cache entry b (cache_batch_idx[b] where given) of a contiguous cache, or row
+    p % page_size of page page_table[b, p // page_size] of a paged one. A cache_leftpad does not
+    move them: the new keys follow the sequence's last key, cache_seqlens[b] - 1.
+    The rotary angles are those of the same positions (FlashAttention-3's: the cache position,
+    not counted from cache_leftpad): key i at cache_seqlens[b] + i, q's row i at cache_seqlens[b]
+    + i where causal_or_local, else all at cache_seqlens[b]. The rows must fit in the cache
+    (cache_seqlens + seqlen_new <= seqlen_cache, or max_pages_per_seq x page_size); the values
+    are on the GPU and not checked: positions past the cache are clamped to its last, as are
+    cache entries and pages to those that exist, so that nothing is written out of bounds."""
     b, s_new = k.shape[0], k.shape[1]
     start = cache_seqlens.to(_INT64)[:, None]
     pos_k = start + torch.arange(s_new, device=k.device, dtype=_INT64)[None, :]  # (batch, seqlen_new)
@@ -92,8 +101,18 @@ def append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, rot
         pos_q = start + torch.arange(sq, device=q.device, dtype=_INT64)[None, :] if causal_or_local else \
             start.expand(b, sq)
         q = rotary(q, rotary_cos, rotary_sin, pos_q, rotary_interleaved)
-    rows = pos_k.clamp(max=k_cache.shape[1] - 1)
-    entries = torch.arange(b, device=k.device, dtype=_INT64)[:, None].expand_as(rows)
+    if page_table is None:
+        rows = pos_k.clamp(0, k_cache.shape[1] - 1)
+        if cache_batch_idx is None:
+            entries = torch.arange(b, device=k.device, dtype=_INT64)[:, None]
+        else:
+            entries = cache_batch_idx.to(_INT64).clamp(0, k_cache.shape[0] - 1)[:, None]
+    else:
+        page_size = k_cache.shape[1]
+        pos = pos_k.clamp(0, page_table.shape[1] * page_size - 1)
+        entries = page_table.to(_INT64).gather(1, pos // page_size).clamp(0, k_cache.shape[0] - 1)
+        rows = pos % page_size
+    entries = entries.expand_as(rows)
     k_cache[entries, rows] = k
     v_cache[entries, rows] = v
     return q, (cache_seqlens + s_new).to(torch.int32)

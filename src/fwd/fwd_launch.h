@@ -115,9 +115,9 @@ void launch_fwd(const FwdProblem& p, const FwdArgs& args, bool persistent, int* 
     VarlenTilesArgs list =
         varlen_tiles_args(params.seqlens, p.batch, p.nheads, Traits::kBlockM, false, Traits::kCausal, capacity);
     const size_t bytes = varlen_tiles_bytes(capacity, p.batch);
-    char* scratch = stream_memory(args.stream, kVarlenScratchOffset + bytes, 0).scratch;
+    char* scratch = stream_memory(args.stream, kScratchCounterBytes + bytes, 0).scratch;
     if (scratch != nullptr) {
-      varlen_memory = scratch + kVarlenScratchOffset;
+      varlen_memory = scratch + kScratchCounterBytes;
     } else {
       check_cuda(cudaMallocAsync(reinterpret_cast<void**>(&varlen_memory), bytes, args.stream),
                  "cudaMallocAsync (variable-length tile list)");
@@ -141,15 +141,15 @@ void launch_fwd(const FwdProblem& p, const FwdArgs& args, bool persistent, int* 
       const int n_blocks = (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
       const TailSplit s = make_tail_split(num_tiles, n_blocks, num_sms());
       if (s.tail_tiles > 0) {
-        // Scratch: one counter per tail tile (at most one per SM), then 2 slots per tail block;
-        // without it (a stream capture that would need it to grow), whole tiles.
-        const size_t counter_bytes = (sizeof(int) * size_t(num_sms()) + 255) / 256 * 256;
+        // Scratch: one counter per tail tile (at most one per SM) in the zeroed head, then 2 slots
+        // per tail block; without it (a stream capture that would need it to grow), whole tiles.
+        const size_t counter_bytes = sizeof(int) * size_t(num_sms());
         const size_t slot_bytes = sizeof(float) * size_t(TailTraits::kSplitSlotFloats) * 2 * size_t(s.grid);
-        char* scratch = stream_memory(args.stream, counter_bytes + slot_bytes, counter_bytes).scratch;
+        char* scratch = stream_memory(args.stream, kScratchCounterBytes + slot_bytes, counter_bytes).scratch;
         if (scratch != nullptr) {
           split = s;
           split_counter = reinterpret_cast<int*>(scratch);
-          split_o = reinterpret_cast<float*>(scratch + counter_bytes);
+          split_o = reinterpret_cast<float*>(scratch + kScratchCounterBytes);
         }
       }
     }

@@ -53,6 +53,10 @@ const DeviceInfo& current_device_info();
 // (the kernels that use them leave them zero). While the stream is being captured into a CUDA
 // graph nothing can be allocated: `scratch` is nullptr if the buffer would have to grow, and both
 // are nullptr if the stream has none yet.
+// The scratch's zeroed head: the kernels' counters (each left zero when its kernel ends) live in
+// its first kScratchCounterBytes, their data (tile lists, partial outputs) past them, so that no
+// data ever lands where another kernel expects a zero counter.
+constexpr size_t kScratchCounterBytes = size_t(64) << 10;
 struct StreamMemory {
   int* tile_counter = nullptr;
   char* scratch = nullptr;

@@ -22,9 +22,6 @@
 namespace flash3::detail {
 
 constexpr int kVarlenSortMax = 2048;
-// Where the list lives in the per-stream scratch (stream_memory): past its zeroed head (the tail
-// split's counters, 4 bytes per SM), which the list must not overwrite.
-constexpr size_t kVarlenScratchOffset = size_t(64) << 10;
 
 struct VarlenTilesArgs {
   SeqLens seqlens;

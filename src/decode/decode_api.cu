@@ -1,0 +1,127 @@
+// flash3: the decoding entry point flash3::fwd_kvcache: validate, choose the split count, carve
+// the split's scratch, and launch the decoding kernel (decode_kernel.h) for the dtype and head dim.
+#include <algorithm>
+#include <climits>
+#include <string>
+
+#include "decode/decode_kernel.h"
+#include "dispatch.h"
+#include "flash3/flash3.h"
+#include "runtime/launch.h"
+#include "runtime/runtime.h"
+
+namespace flash3 {
+
+namespace {
+// A split gets at least this many keys of the longest key range: fewer, and each block's fixed
+// cost (the Q load, the first stage's latency, the merge) outweighs its share of the cache.
+constexpr int kMinSplitKeys = 128;
+}  // namespace
+
+int kvcache_num_splits(const KvcacheProblem& p, int sms) {
+  const int rows = p.seqlen_q * (p.nheads / p.nheads_kv);
+  const long long tiles = (long long)p.batch * p.nheads_kv * ((rows + 15) / 16);
+  // Blocks per SM the shared memory allows (decode_kernel.h: 4 / 3 / 3 stages of 64 keys).
+  const int per_sm = p.head_dim == 64 ? 3 : p.head_dim == 128 ? 2 : 1;
+  const long long wave = (long long)sms * per_sm;
+  if (tiles <= 0 || tiles * 2 > wave) return 1;
+  const long long by_sms = wave / tiles;  // splits that still fit in one wave
+  const long long by_keys = std::max(1, p.seqlen_cache / kMinSplitKeys);
+  return int(std::clamp<long long>(std::min(by_sms, by_keys), 1, kMaxKvcacheSplits));
+}
+
+namespace detail {
+namespace {
+
+template <class Element, int kHeadDim>
+void launch_decode(const DecodeParams& params, unsigned tiles, unsigned splits, cudaStream_t stream) {
+  using T = DecodeTraits<Element, kHeadDim>;
+  set_max_dynamic_smem<&decode_kernel<Element, kHeadDim>>(T::kSmemBytes);
+  decode_kernel<Element, kHeadDim><<<::dim3(tiles, splits), T::kThreads, T::kSmemBytes, stream>>>(params);
+  check_cuda(cudaGetLastError(), "flash3::fwd_kvcache: kernel launch");
+}
+
+void strides3(int64_t (&dst)[3], const TensorRef& t, int d0, int d1, int d2) {
+  dst[0] = t.stride[d0];
+  dst[1] = t.stride[d1];
+  dst[2] = t.stride[d2];
+}
+
+}  // namespace
+}  // namespace detail
+
+void fwd_kvcache(const KvcacheArgs& args) {
+  using namespace detail;
+  const KvcacheProblem p = validate_kvcache(args);
+  if (p.batch == 0 || p.seqlen_q == 0) return;
+  require_hopper("flash3::fwd_kvcache");
+
+  DecodeParams dp{};
+  dp.q = args.q.data;
+  dp.out = args.out.data;
+  dp.k = args.k_cache.data;
+  dp.v = args.v_cache.data;
+  dp.lse = p.write_lse ? static_cast<float*>(args.lse.data) : nullptr;
+  strides3(dp.q_stride, args.q, 0, 1, 2);
+  strides3(dp.o_stride, args.out, 0, 1, 2);
+  strides3(dp.k_stride, args.k_cache, 0, 1, 2);
+  strides3(dp.v_stride, args.v_cache, 0, 1, 2);
+  if (p.write_lse) strides3(dp.lse_stride, args.lse, 0, 1, 2);
+  dp.cache_seqlens = p.has_seqlens ? static_cast<const int*>(args.cache_seqlens.data) : nullptr;
+  dp.batch_idx = p.has_batch_idx ? static_cast<const int*>(args.cache_batch_idx.data) : nullptr;
+  dp.leftpad = p.has_leftpad ? static_cast<const int*>(args.cache_leftpad.data) : nullptr;
+  dp.page_table = p.paged ? static_cast<const int*>(args.page_table.data) : nullptr;
+  dp.page_table_stride = p.paged ? args.page_table.stride[0] : 0;
+  dp.batch = p.batch;
+  dp.seqlen_q = p.seqlen_q;
+  dp.nheads_kv = p.nheads_kv;
+  dp.group = p.nheads / p.nheads_kv;
+  dp.rows = p.seqlen_q * dp.group;
+  dp.row_tiles = (dp.rows + 15) / 16;
+  dp.entries = p.batch_cache;
+  dp.capacity = p.seqlen_cache;
+  dp.page_size = p.paged ? p.page_size : 0;
+  constexpr float kLog2e = 1.4426950408889634f;
+  dp.scale_log2 = p.softmax_scale * kLog2e;
+  dp.softcap_log2 = p.softcap > 0.0f ? p.softcap * kLog2e : 0.0f;
+  dp.scale_over_cap = p.softcap > 0.0f ? p.softmax_scale / p.softcap : 0.0f;
+  dp.window_left = p.window_left;
+  dp.window_right = p.causal ? 0 : p.window_right;
+
+  // One block per (batch entry, KV head, row tile) and split.
+  const long long tiles = (long long)p.batch * p.nheads_kv * dp.row_tiles;
+  if (tiles > INT_MAX) {
+    throw Error("flash3::fwd_kvcache: batch x nheads_kv x ceil(seqlen_q x nheads / nheads_kv / 16) is " +
+                std::to_string(tiles) + "; at most " + std::to_string(INT_MAX));
+  }
+  int splits = p.num_splits > 0 ? p.num_splits : kvcache_num_splits(p, current_device_info().sms);
+  splits = std::min(splits, std::max(1, (p.seqlen_cache + 63) / 64));  // no split without a key block
+  if (tiles * int64_t(sizeof(int)) > int64_t(kScratchCounterBytes)) splits = 1;  // grid fills the GPU anyway
+  if (splits > 1) {
+    // Scratch: a counter per tile in the zeroed head, then the pieces' O and log-sum-exps. Without
+    // it (a stream capture that would need it to grow), one split.
+    const size_t rows = size_t(p.batch) * p.nheads * p.seqlen_q * size_t(splits);
+    const size_t o_bytes = rows * p.head_dim * sizeof(float);
+    const size_t lse_bytes = (rows * sizeof(float) + 255) / 256 * 256;
+    char* scratch = stream_memory(args.stream, kScratchCounterBytes + o_bytes + lse_bytes,
+                                  size_t(tiles) * sizeof(int)).scratch;
+    if (scratch != nullptr) {
+      dp.counters = reinterpret_cast<int*>(scratch);
+      dp.part_o = reinterpret_cast<float*>(scratch + kScratchCounterBytes);
+      dp.part_lse = reinterpret_cast<float*>(scratch + kScratchCounterBytes + o_bytes);
+    } else {
+      splits = 1;
+    }
+  }
+  dp.num_splits = splits;
+
+  // The 16-bit rows of the kernel table (those with a backward).
+  const bool found = dispatch<true>(p.dtype, p.head_dim, [&](auto dtype, auto head_dim) {
+    using Element = std::conditional_t<decltype(dtype)::value == DType::kBFloat16, __nv_bfloat16, __half>;
+    constexpr int kHeadDim = decltype(head_dim)::value;
+    launch_decode<Element, kHeadDim>(dp, unsigned(tiles), unsigned(splits), args.stream);
+  });
+  if (!found) throw Error("flash3::fwd_kvcache: no kernel for head_dim " + std::to_string(p.head_dim));
+}
+
+}  // namespace flash3

@@ -1,0 +1,416 @@
+// flash3: the decoding kernel (flash3::fwd_kvcache): a few query rows per sequence over that
+// sequence's KV cache, which is memory-bound: the measure is how close reading the cache comes
+// to the GPU's copy bandwidth.
+//
+//   grid  x: (batch entry, KV head, row tile), y: key-range split.
+//   block 4 warps. Rows: the query heads that share the KV head, packed with the query tokens
+//         (row r = token r / group, head r % group: GQA packing), 16 rows per tile; each K/V row
+//         is read once per group instead of once per query head.
+//   keys  the tile's visible key range, cut into num_splits pieces of whole 64-key blocks; each
+//         block streams its piece through a ring of kStages shared-memory stages with cp.async
+//         (any page size: each row's address is looked up, page by page); each warp takes 16
+//         keys of a stage: S = Q K^T and O += P V with mma.sync m16n8k16, the online softmax in
+//         registers. The 4 warps' partial results are merged in shared memory.
+//   split more than one split: each block writes its piece's O (FP32) and log-sum-exp to the
+//         scratch, counts itself done, and the last block of the tile merges all pieces by their
+//         log-sum-exps (no second kernel), then sets the counter back to zero.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+namespace flash3::detail {
+
+struct DecodeParams {
+  const void* q;
+  void* out;
+  const void* k;
+  const void* v;
+  float* lse;  // null: not written
+  int64_t q_stride[3], o_stride[3];   // batch, token, head (elements)
+  int64_t k_stride[3], v_stride[3];   // cache entry or page, row, KV head
+  int64_t lse_stride[3];              // batch, head, token
+  const int* cache_seqlens;           // each may be null
+  const int* batch_idx;
+  const int* leftpad;
+  const int* page_table;
+  int64_t page_table_stride;
+  int batch, seqlen_q, nheads_kv, group;  // group = nheads / nheads_kv
+  int rows, row_tiles;                     // rows = seqlen_q x group, row_tiles = ceil(rows / 16)
+  int entries;                             // batch_cache (contiguous) or num_pages (paged)
+  int capacity;                            // keys a sequence can hold: seqlen_cache, max_pages x page_size
+  int page_size;                           // 0: contiguous
+  float scale_log2;                        // softmax_scale x log2(e)
+  float softcap_log2, scale_over_cap;      // softcap x log2(e), softmax_scale / softcap (softcap > 0)
+  int window_left, window_right;           // -1: unbounded on that side (causal: right = 0)
+  int num_splits;
+  float* part_o;                           // num_splits > 1: (split, batch, head, token, head_dim)
+  float* part_lse;                         //                 (split, batch, head, token)
+  int* counters;                           //                 one per (batch, KV head, row tile), zero
+};
+
+template <class Element, int kHeadDim>
+struct DecodeTraits {
+  static constexpr int kWarps = 4, kThreads = 32 * kWarps;
+  static constexpr int kRows = 16;            // one m16 tile
+  static constexpr int kBlockN = 16 * kWarps; // keys per stage: 16 per warp
+  static constexpr int kStages = kHeadDim == 64 ? 4 : 3;
+  static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
+  static constexpr int kSmemBytes = (kRows + 2 * kStages * kBlockN) * kHeadDim * int(sizeof(Element));
+  // The warps' partial results (O, max, sum) reuse the stages once the loop is done.
+  static_assert(kWarps * kRows * (kHeadDim + 2) * 4 <= 2 * kStages * kBlockN * kHeadDim * int(sizeof(Element)));
+  static_assert(kHeadDim % 64 == 0 && kThreads % kChunks == 0);
+};
+
+namespace decode {
+
+constexpr float kLn2 = 0.6931471805599453f;
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+// A 16-byte copy global -> shared; bytes = 0 fills the destination with zeros.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// c += a b: m16n8k16, row-major A (4 registers), column-major B (2), FP32 accumulators.
+template <class Element>
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<Element, __nv_bfloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// Two floats as one register of two 16-bit elements (lo in the low half).
+template <class Element>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (std::is_same_v<Element, __nv_bfloat16>) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  } else {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+}
+
+// Element (row, chunk) of a tile of kChunks 16-byte chunks per row, XOR-swizzled so that the 8
+// rows an ldmatrix reads at one chunk fall in 8 different bank groups.
+template <int kChunks>
+__device__ __forceinline__ int swizzled(int row, int chunk) {
+  return row * kChunks * 8 + ((chunk ^ (row & 7)) * 8);
+}
+
+__device__ __forceinline__ int clampi(int x, int lo, int hi) { return x < lo ? lo : x > hi ? hi : x; }
+
+}  // namespace decode
+
+template <class Element, int kHeadDim>
+__global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim>::kThreads)
+    decode_kernel(const __grid_constant__ DecodeParams p) {
+  using T = DecodeTraits<Element, kHeadDim>;
+  using namespace decode;
+  constexpr int kChunks = T::kChunks, kBlockN = T::kBlockN, kStages = T::kStages, kRows = T::kRows;
+  constexpr int kStageElems = kBlockN * kHeadDim;
+  extern __shared__ __align__(128) char smem_raw[];
+  Element* sQ = reinterpret_cast<Element*>(smem_raw);
+  Element* sK = sQ + kRows * kHeadDim;
+  Element* sV = sK + kStages * kStageElems;
+
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int tile = blockIdx.x % p.row_tiles;
+  const int head_kv = (blockIdx.x / p.row_tiles) % p.nheads_kv;
+  const int b = blockIdx.x / (p.row_tiles * p.nheads_kv);
+  const int split = blockIdx.y;
+
+  // ---- this sequence's keys: positions [leftpad, end) of its cache, len of them -------------
+  const int leftpad = p.leftpad != nullptr ? clampi(p.leftpad[b], 0, p.capacity) : 0;
+  const int end = p.cache_seqlens != nullptr ? clampi(p.cache_seqlens[b], leftpad, p.capacity) : p.capacity;
+  const int len = end - leftpad;
+  // Key range of token t: [lo(t), hi(t)), the masks aligned bottom-right (token t at len - seqlen_q + t).
+  auto key_lo = [&](int t) {
+    return p.window_left < 0 ? 0 : max(0, len - p.seqlen_q + t - p.window_left);
+  };
+  auto key_hi = [&](int t) {
+    return p.window_right < 0 ? len : clampi(len - p.seqlen_q + t + p.window_right + 1, 0, len);
+  };
+  const int row0 = tile * kRows;
+  const int t_first = row0 / p.group, t_last = min(row0 + kRows, p.rows) - 1;
+  const int k_lo = key_lo(t_first), k_hi = max(k_lo, key_hi(t_last / p.group));
+  const int n_blocks = (k_hi - k_lo + kBlockN - 1) / kBlockN;
+  const int per_split = (n_blocks + p.num_splits - 1) / p.num_splits;
+  const int blk_begin = min(n_blocks, split * per_split), blk_end = min(n_blocks, blk_begin + per_split);
+
+  // ---- Q: the tile's 16 rows, zero past the last --------------------------------------------
+  const Element* q = static_cast<const Element*>(p.q);
+  for (int i = tid; i < kRows * kChunks; i += T::kThreads) {
+    const int r = i / kChunks, c = i % kChunks, row = row0 + r;
+    const bool ok = row < p.rows;
+    const int t = ok ? row / p.group : 0, h = head_kv * p.group + (ok ? row % p.group : 0);
+    const Element* src = q + b * p.q_stride[0] + t * p.q_stride[1] + h * p.q_stride[2] + c * 8;
+    cp_async16(smem_addr(sQ + swizzled<kChunks>(r, c)), src, ok ? 16 : 0);
+  }
+
+  // ---- K and V of key block `blk` into stage `stage` ----------------------------------------
+  const Element* kbase = static_cast<const Element*>(p.k);
+  const Element* vbase = static_cast<const Element*>(p.v);
+  const int entry = p.batch_idx != nullptr ? clampi(p.batch_idx[b], 0, p.entries - 1) : b;
+  const int* pages = p.page_table != nullptr ? p.page_table + b * p.page_table_stride : nullptr;
+  auto load_block = [&](int blk, int stage) {
+    const int key0 = k_lo + blk * kBlockN;
+    const int c = tid % kChunks;
+    for (int r = tid / kChunks; r < kBlockN; r += T::kThreads / kChunks) {
+      const int key = key0 + r;
+      const bool ok = key < k_hi;
+      const int pos = leftpad + (ok ? key : 0);
+      int64_t ko, vo;
+      if (pages != nullptr) {
+        const int page = clampi(pages[pos / p.page_size], 0, p.entries - 1), row = pos % p.page_size;
+        ko = page * p.k_stride[0] + row * p.k_stride[1];
+        vo = page * p.v_stride[0] + row * p.v_stride[1];
+      } else {
+        ko = entry * p.k_stride[0] + pos * p.k_stride[1];
+        vo = entry * p.v_stride[0] + pos * p.v_stride[1];
+      }
+      ko += head_kv * p.k_stride[2] + c * 8;
+      vo += head_kv * p.v_stride[2] + c * 8;
+      const int dst = stage * kStageElems + swizzled<kChunks>(r, c);
+      cp_async16(smem_addr(sK + dst), kbase + ko, ok ? 16 : 0);
+      cp_async16(smem_addr(sV + dst), vbase + vo, ok ? 16 : 0);
+    }
+  };
+
+  // ---- the per-row state of this thread's two rows (lane / 4 and lane / 4 + 8) ---------------
+  float o[kHeadDim / 8][4];
+#pragma unroll
+  for (int i = 0; i < kHeadDim / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+  int lo[2], hi[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int row = min(row0 + lane / 4 + 8 * i, p.rows - 1);
+    lo[i] = key_lo(row / p.group);
+    hi[i] = key_hi(row / p.group);
+  }
+
+  // Prologue: Q and the first kStages - 1 blocks, one commit group each (Q rides with the first).
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (blk_begin + s < blk_end) load_block(blk_begin + s, s);
+    cp_async_commit();
+  }
+  const uint32_t q_base = smem_addr(sQ), k_base = smem_addr(sK), v_base = smem_addr(sV);
+  for (int blk = blk_begin; blk < blk_end; ++blk) {
+    const int j = blk - blk_begin, stage = j % kStages;
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // block j has landed for every thread; stage (j - 1) % kStages is free
+    if (blk + kStages - 1 < blk_end) load_block(blk + kStages - 1, (j + kStages - 1) % kStages);
+    cp_async_commit();
+
+    // S = Q K^T over this warp's 16 keys: two n8 tiles.
+    float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+    const int key_row = warp * 16 + (lane % 8) + 8 * (lane / 16);
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      uint32_t a[4], bk[4];
+      ldmatrix_x4(a, q_base + 2 * swizzled<kChunks>((lane % 8) + 8 * ((lane / 8) % 2), 2 * kk + lane / 16));
+      ldmatrix_x4(bk, k_base + 2 * (stage * kStageElems + swizzled<kChunks>(key_row, 2 * kk + (lane / 8) % 2)));
+      mma16816<Element>(s[0], a, bk[0], bk[1]);
+      mma16816<Element>(s[1], a, bk[2], bk[3]);
+    }
+    // Scale (softcap), mask, online softmax in the log2 domain.
+    const int key_base = k_lo + blk * kBlockN + warp * 16 + 2 * (lane % 4);
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = e / 2, key = key_base + 8 * n + e % 2;
+        float x = p.softcap_log2 > 0.0f ? p.softcap_log2 * tanhf(s[n][e] * p.scale_over_cap) : s[n][e] * p.scale_log2;
+        if (key < lo[i] || key >= hi[i]) x = -INFINITY;
+        s[n][e] = x;
+        mx[i] = fmaxf(mx[i], x);
+      }
+    }
+    float base[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+      const float m_new = fmaxf(m[i], mx[i]);
+      base[i] = m_new == -INFINITY ? 0.0f : m_new;
+      const float corr = exp2f(m[i] - base[i]);
+      m[i] = m_new;
+      l[i] *= corr;
+#pragma unroll
+      for (int d = 0; d < kHeadDim / 8; ++d) {
+        o[d][2 * i] *= corr;
+        o[d][2 * i + 1] *= corr;
+      }
+    }
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[n][e] = exp2f(s[n][e] - base[e / 2]);
+        l[e / 2] += s[n][e];
+      }
+    }
+    // O += P V: P from the S accumulators (the m16n8 C layout of two n-tiles is the m16k16 A
+    // layout), V^T by transposing loads.
+    const uint32_t pa[4] = {pack2<Element>(s[0][0], s[0][1]), pack2<Element>(s[0][2], s[0][3]),
+                            pack2<Element>(s[1][0], s[1][1]), pack2<Element>(s[1][2], s[1][3])};
+    const int v_row = warp * 16 + (lane % 8) + 8 * ((lane / 8) % 2);
+#pragma unroll
+    for (int nn = 0; nn < kHeadDim / 16; ++nn) {
+      uint32_t bv[4];
+      ldmatrix_x4_trans(bv, v_base + 2 * (stage * kStageElems + swizzled<kChunks>(v_row, 2 * nn + lane / 16)));
+      mma16816<Element>(o[2 * nn], pa, bv[0], bv[1]);
+      mma16816<Element>(o[2 * nn + 1], pa, bv[2], bv[3]);
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // the stages are free: the warps' partial results go there
+
+  // ---- merge the 4 warps: O (16 x head_dim FP32), max and sum per row, per warp --------------
+  float* sO = reinterpret_cast<float*>(smem_raw);      // (warp, row, head_dim)
+  float* sM = sO + T::kWarps * kRows * kHeadDim;       // (warp, row)
+  float* sL = sM + T::kWarps * kRows;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+    const int r = lane / 4 + 8 * i;
+    if (lane % 4 == 0) {
+      sM[warp * kRows + r] = m[i];
+      sL[warp * kRows + r] = l[i];
+    }
+#pragma unroll
+    for (int d = 0; d < kHeadDim / 8; ++d) {
+      *reinterpret_cast<float2*>(sO + (warp * kRows + r) * kHeadDim + 8 * d + 2 * (lane % 4)) =
+          make_float2(o[d][2 * i], o[d][2 * i + 1]);
+    }
+  }
+  __syncthreads();
+
+  constexpr int kGroups = kRows * kHeadDim / 4;  // float4 groups of the tile's O
+  const bool single = p.num_splits == 1;
+  Element* out = static_cast<Element*>(p.out);
+  auto store_out = [&](int row, int d4, float4 v, float lse_row) {
+    const int t = row / p.group, h = head_kv * p.group + row % p.group;
+    uint2 packed;
+    packed.x = pack2<Element>(v.x, v.y);
+    packed.y = pack2<Element>(v.z, v.w);
+    *reinterpret_cast<uint2*>(out + b * p.o_stride[0] + t * p.o_stride[1] + h * p.o_stride[2] + 4 * d4) = packed;
+    if (p.lse != nullptr && d4 == 0) p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + t * p.lse_stride[2]] = lse_row;
+  };
+  const int nheads = p.nheads_kv * p.group;
+  for (int g = tid; g < kGroups; g += T::kThreads) {
+    const int r = g / (kHeadDim / 4), d4 = g % (kHeadDim / 4), row = row0 + r;
+    if (row >= p.rows) continue;
+    float mw = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < T::kWarps; ++w) mw = fmaxf(mw, sM[w * kRows + r]);
+    const float bw = mw == -INFINITY ? 0.0f : mw;
+    float sum = 0.0f;
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int w = 0; w < T::kWarps; ++w) {
+      const float f = exp2f(sM[w * kRows + r] - bw);
+      sum += f * sL[w * kRows + r];
+      const float4 x = *reinterpret_cast<const float4*>(sO + (w * kRows + r) * kHeadDim + 4 * d4);
+      acc.x += f * x.x;
+      acc.y += f * x.y;
+      acc.z += f * x.z;
+      acc.w += f * x.w;
+    }
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    acc.x *= inv;
+    acc.y *= inv;
+    acc.z *= inv;
+    acc.w *= inv;
+    // The piece's log-sum-exp in the log2 domain (-inf: no key).
+    const float lse2 = sum > 0.0f ? bw + log2f(sum) : -INFINITY;
+    if (single) {
+      store_out(row, d4, acc, sum > 0.0f ? lse2 * kLn2 : INFINITY);
+    } else {
+      const int t = row / p.group, h = head_kv * p.group + row % p.group;
+      const int64_t at = ((int64_t(split) * p.batch + b) * nheads + h) * p.seqlen_q + t;
+      *reinterpret_cast<float4*>(p.part_o + at * kHeadDim + 4 * d4) = acc;
+      if (d4 == 0) p.part_lse[at] = lse2;
+    }
+  }
+  if (single) return;
+
+  // ---- split: the last block of this tile to finish merges every piece -------------------------
+  __shared__ int last;
+  __threadfence();
+  __syncthreads();
+  int* counter = p.counters + blockIdx.x;
+  if (tid == 0) {
+    last = atomicAdd(counter, 1) == p.num_splits - 1;
+    if (last) *counter = 0;  // zero again for the next launch
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  const int64_t split_stride = int64_t(p.batch) * nheads * p.seqlen_q;
+  for (int g = tid; g < kGroups; g += T::kThreads) {
+    const int r = g / (kHeadDim / 4), d4 = g % (kHeadDim / 4), row = row0 + r;
+    if (row >= p.rows) continue;
+    const int t = row / p.group, h = head_kv * p.group + row % p.group;
+    const int64_t at = (int64_t(b) * nheads + h) * p.seqlen_q + t;
+    float mw = -INFINITY;
+    for (int sp = 0; sp < p.num_splits; ++sp) mw = fmaxf(mw, __ldcg(p.part_lse + sp * split_stride + at));
+    const float bw = mw == -INFINITY ? 0.0f : mw;
+    float sum = 0.0f;
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int sp = 0; sp < p.num_splits; ++sp) {
+      const float f = exp2f(__ldcg(p.part_lse + sp * split_stride + at) - bw);
+      if (f == 0.0f) continue;
+      const float4 x = __ldcg(reinterpret_cast<const float4*>(p.part_o + (sp * split_stride + at) * kHeadDim) + d4);
+      sum += f;
+      acc.x += f * x.x;
+      acc.y += f * x.y;
+      acc.z += f * x.z;
+      acc.w += f * x.w;
+    }
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    acc.x *= inv;
+    acc.y *= inv;
+    acc.z *= inv;
+    acc.w *= inv;
+    store_out(row, d4, acc, sum > 0.0f ? (bw + log2f(sum)) * kLn2 : INFINITY);
+  }
+}
+
+}  // namespace flash3::detail
