@@ -4,7 +4,7 @@ process, round robin (issue 44).
 
     python3 bench/bench_decode.py --fa3 .anchors/fa3_decode.so.xz [--batches 1,8,64,128]
         [--caches 1024,8192,65536,131072] [--layouts contiguous,paged256,paged16] [--heads 32,4]
-        [--runs 3] [--reps 20] [--warmup 5] [--json out.json]
+        [--splits 1,4,16,64] [--runs 3] [--reps 20] [--warmup 5] [--json out.json]
 
 One point per (layout, batch, cache length): q (batch, 1, heads_q, 128) bf16 over a cache k, v of
 heads_kv heads bf16 (--heads: 32 query heads over 4 kv heads, GQA 8:1, as issue 44 asks),
@@ -79,6 +79,9 @@ def time_point(torch, flash3, fa3, r, run, a, heads_q, heads_kv, seed):
         "flash3": lambda: flash3.forward_kvcache_into(q, k, v, out, lse, lens, causal=True, **paged)[0],
         "copy": lambda: copy_dst.copy_(k),
     }
+    for n in a.splits:  # flash3 at fixed split counts, beside its heuristic's
+        calls[f"flash3_s{n}"] = lambda n=n: flash3.forward_kvcache_into(q, k, v, out, lse, lens, causal=True,
+                                                                       num_splits=n, **paged)[0]
     if fa3 is not None:
         calls["fa3"] = lambda: fa3.fwd(q, k, v, seqused_k=lens, is_causal=True, **paged)[0]
     errors = r["errors"]
@@ -98,6 +101,7 @@ def main(argv=None):
     p.add_argument("--batches", type=ints, default=[1, 8, 64, 128])
     p.add_argument("--caches", type=ints, default=[1024, 8192, 65536, 131072])
     p.add_argument("--layouts", default="contiguous,paged256,paged16")
+    p.add_argument("--splits", type=ints, default=[], help="also time flash3 at these num_splits")
     p.add_argument("--heads", type=ints, default=[32, 4], help="query heads, kv heads")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--reps", type=int, default=20)
@@ -147,6 +151,10 @@ def main(argv=None):
               f"{(r['flash3_of_copy_bw'] or {}).get('median', float('nan')):>16.3f} "
               f"{(r['fa3_of_copy_bw'] or {}).get('median', float('nan')):>14.3f} | "
               f"{json.dumps(r['check'])} {json.dumps(r['errors']) if r['errors'] else ''}")
+        if a.splits:
+            r["split_us"] = {n: median_or_none(ms.get(f"flash3_s{n}", [])) for n in a.splits}
+            print(" " * 26 + "fixed num_splits, us: " + "  ".join(
+                f"{n}: {us(t)}" for n, t in r["split_us"].items()))
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "fa3": fa3_info,

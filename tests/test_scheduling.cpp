@@ -1,7 +1,8 @@
 // flash3: CPU tests of the causal forward tile order (src/common/block_order.h): every tile is
 // handed out once, longest first within each section, sections within the L2 budget, and a last
 // section that fills the GPU at least once. And the backward workspace (src/bwd/bwd_config.h):
-// the deterministic mode's dQ copies and a layout whose parts hold them without overlap.
+// the deterministic mode's dQ copies and a layout whose parts hold them without overlap. And the
+// decoding kernel's split count (flash3::kvcache_num_splits).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -12,6 +13,7 @@
 #include "bwd/bwd_config.h"
 #include "common/block_order.h"
 #include "common/tail_split.h"
+#include "flash3/flash3.h"
 
 namespace {
 
@@ -380,3 +382,47 @@ TEST(TailSplit, EveryKeyBlockOnceAndSlotsConsistent) {
 }
 
 }  // namespace
+
+namespace {
+flash3::KvcacheProblem decode_problem(int batch, int seqlen_q, int nheads, int nheads_kv, int seqlen_cache,
+                                      int head_dim = 128) {
+  flash3::KvcacheProblem p;
+  p.batch = batch;
+  p.seqlen_q = seqlen_q;
+  p.nheads = nheads;
+  p.nheads_kv = nheads_kv;
+  p.head_dim = head_dim;
+  p.seqlen_cache = seqlen_cache;
+  return p;
+}
+}  // namespace
+
+// One wave: 132 SMs x 2 blocks at head dim 128. Tiles = batch x nheads_kv x ceil(seqlen_q x
+// group / 16).
+TEST(KvcacheSplits, FillsOneWaveWithinTheBounds) {
+  using flash3::kvcache_num_splits;
+  // batch 1, 4 KV heads: 4 tiles; 264 / 4 = 66 splits, capped at 32 (8k keys) or by the keys.
+  EXPECT_EQ(kvcache_num_splits(decode_problem(1, 1, 32, 4, 8192), 132), 32);
+  EXPECT_EQ(kvcache_num_splits(decode_problem(1, 1, 32, 4, 1024), 132), 8);   // 128 keys each
+  EXPECT_EQ(kvcache_num_splits(decode_problem(1, 1, 32, 4, 100), 132), 1);    // under 128 keys
+  EXPECT_EQ(kvcache_num_splits(decode_problem(8, 1, 32, 4, 65536), 132), 8);  // 32 tiles: 264 / 32
+  // Tiles filling half a wave or more: no split.
+  EXPECT_EQ(kvcache_num_splits(decode_problem(64, 1, 32, 4, 65536), 132), 1);
+  EXPECT_EQ(kvcache_num_splits(decode_problem(8, 130, 32, 4, 65536), 132), 1);  // 65 row tiles per head
+  // Head dim 256 (one block per SM) and 64 (three).
+  EXPECT_EQ(kvcache_num_splits(decode_problem(8, 1, 32, 4, 65536, 256), 132), 4);
+  EXPECT_EQ(kvcache_num_splits(decode_problem(8, 1, 32, 4, 65536, 64), 132), 12);
+  // Every shape: within [1, 32], and never more splits for a larger batch.
+  for (int hd : {64, 128, 256}) {
+    for (int cache : {1, 127, 128, 4096, 1 << 17}) {
+      int prev = 1 << 30;
+      for (int batch = 1; batch <= 256; batch *= 2) {
+        const int s = kvcache_num_splits(decode_problem(batch, 1, 16, 2, cache, hd), 132);
+        EXPECT_GE(s, 1);
+        EXPECT_LE(s, 32);
+        EXPECT_LE(s, prev) << "batch " << batch << " cache " << cache << " hdim " << hd;
+        prev = s;
+      }
+    }
+  }
+}

@@ -231,9 +231,10 @@ struct KvcacheProblem {
 // flash3::Error naming the argument (messages start "flash3::fwd_kvcache: ").
 KvcacheProblem validate_kvcache(const KvcacheArgs& args, PointerInspector inspect = &cuda_pointer_kind);
 
-// The split count num_splits = 0 chooses: 1 when batch x nheads_kv x row tiles fills the GPU's
-// `sms` SMs, else enough splits for about two blocks per SM, each split at least 256 keys of
-// seqlen_cache, at most kMaxKvcacheSplits.
+// The split count num_splits = 0 chooses: 1 when batch x nheads_kv x row tiles (the tiles) fill
+// half of one wave (the blocks the `sms` SMs hold at once: 3 / 2 / 1 per SM at head dim 64 / 128
+// / 256), else as many splits as one wave holds, each at least 128 keys of seqlen_cache, at most
+// 32.
 int kvcache_num_splits(const KvcacheProblem& p, int sms);
 
 // Runs the decoding kernel. Throws flash3::Error on invalid arguments and flash3::CudaError on

@@ -16,6 +16,9 @@ namespace {
 // A split gets at least this many keys of the longest key range: fewer, and each block's fixed
 // cost (the Q load, the first stage's latency, the merge) outweighs its share of the cache.
 constexpr int kMinSplitKeys = 128;
+// The heuristic's most splits: the merging block reads every piece (at 64 pieces of a batch-1
+// step, 512 KB per tile), which measured slower than 32 (bench_decode.py --splits).
+constexpr int kMaxAutoSplits = 32;
 }  // namespace
 
 int kvcache_num_splits(const KvcacheProblem& p, int sms) {
@@ -27,7 +30,7 @@ int kvcache_num_splits(const KvcacheProblem& p, int sms) {
   if (tiles <= 0 || tiles * 2 > wave) return 1;
   const long long by_sms = wave / tiles;  // splits that still fit in one wave
   const long long by_keys = std::max(1, p.seqlen_cache / kMinSplitKeys);
-  return int(std::clamp<long long>(std::min(by_sms, by_keys), 1, kMaxKvcacheSplits));
+  return int(std::clamp<long long>(std::min(by_sms, by_keys), 1, kMaxAutoSplits));
 }
 
 namespace detail {
@@ -81,6 +84,10 @@ void fwd_kvcache(const KvcacheArgs& args) {
   dp.entries = p.batch_cache;
   dp.capacity = p.seqlen_cache;
   dp.page_size = p.paged ? p.page_size : 0;
+  dp.page_shift = -1;
+  for (int sh = 0; sh < 31 && p.paged; ++sh) {
+    if ((1 << sh) == p.page_size) dp.page_shift = sh;
+  }
   constexpr float kLog2e = 1.4426950408889634f;
   dp.scale_log2 = p.softmax_scale * kLog2e;
   dp.softcap_log2 = p.softcap > 0.0f ? p.softcap * kLog2e : 0.0f;

@@ -24,6 +24,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "flash3/flash3.h"
+
 namespace flash3::detail {
 
 struct DecodeParams {
@@ -45,6 +47,7 @@ struct DecodeParams {
   int entries;                             // batch_cache (contiguous) or num_pages (paged)
   int capacity;                            // keys a sequence can hold: seqlen_cache, max_pages x page_size
   int page_size;                           // 0: contiguous
+  int page_shift;                          // log2(page_size) for a power of two, else -1
   float scale_log2;                        // softmax_scale x log2(e)
   float softcap_log2, scale_over_cap;      // softcap x log2(e), softmax_scale / softcap (softcap > 0)
   int window_left, window_right;           // -1: unbounded on that side (causal: right = 0)
@@ -64,6 +67,8 @@ struct DecodeTraits {
   static constexpr int kSmemBytes = (kRows + 2 * kStages * kBlockN) * kHeadDim * int(sizeof(Element));
   // The warps' partial results (O, max, sum) reuse the stages once the loop is done.
   static_assert(kWarps * kRows * (kHeadDim + 2) * 4 <= 2 * kStages * kBlockN * kHeadDim * int(sizeof(Element)));
+  // So do the split merge's weights (decode_kernel's end).
+  static_assert((kMaxKvcacheSplits + 1) * kRows * 4 <= 2 * kStages * kBlockN * kHeadDim * int(sizeof(Element)));
   static_assert(kHeadDim % 64 == 0 && kThreads % kChunks == 0);
 };
 
@@ -77,6 +82,10 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 // A 16-byte copy global -> shared; bytes = 0 fills the destination with zeros.
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+}
+// A 4-byte copy global -> shared (through L1).
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
@@ -185,16 +194,32 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim>::kThreads)
   const Element* vbase = static_cast<const Element*>(p.v);
   const int entry = p.batch_idx != nullptr ? clampi(p.batch_idx[b], 0, p.entries - 1) : b;
   const int* pages = p.page_table != nullptr ? p.page_table + b * p.page_table_stride : nullptr;
-  auto load_block = [&](int blk, int stage) {
+  // Paged: each row's page from the page table. The entries a block needs (at most 65) are
+  // copied into a ring of shared-memory slots with cp.async, in the commit group of the block
+  // loaded kStages - 1 iterations before it, so they have landed when its K/V copies are issued
+  // and never stall them (the prologue's blocks look theirs up directly).
+  constexpr int kSlotRing = kStages + 1;
+  __shared__ int s_slots[kSlotRing][kBlockN + 1];
+  auto page_of = [&](int pos) { return p.page_shift >= 0 ? pos >> p.page_shift : pos / p.page_size; };
+  auto fetch_slots = [&](int blk) {
+    if (pages == nullptr || blk >= blk_end) return;
+    const int key0 = k_lo + blk * kBlockN;
+    const int s0 = page_of(leftpad + key0), s1 = page_of(leftpad + min(key0 + kBlockN, k_hi) - 1);
+    if (tid <= s1 - s0) cp_async4(smem_addr(&s_slots[blk % kSlotRing][tid]), pages + s0 + tid);
+  };
+  auto load_block = [&](int blk, int stage, const int* slots) {
     const int key0 = k_lo + blk * kBlockN;
     const int c = tid % kChunks;
+    const int s0 = pages != nullptr ? page_of(leftpad + key0) : 0;
     for (int r = tid / kChunks; r < kBlockN; r += T::kThreads / kChunks) {
       const int key = key0 + r;
       const bool ok = key < k_hi;
-      const int pos = leftpad + (ok ? key : 0);
+      const int pos = leftpad + (ok ? key : key0);
       int64_t ko, vo;
       if (pages != nullptr) {
-        const int page = clampi(pages[pos / p.page_size], 0, p.entries - 1), row = pos % p.page_size;
+        const int slot = page_of(pos);
+        const int page = clampi(slots != nullptr ? slots[slot - s0] : pages[slot], 0, p.entries - 1);
+        const int row = pos - slot * p.page_size;
         ko = page * p.k_stride[0] + row * p.k_stride[1];
         vo = page * p.v_stride[0] + row * p.v_stride[1];
       } else {
@@ -225,15 +250,17 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim>::kThreads)
   // Prologue: Q and the first kStages - 1 blocks, one commit group each (Q rides with the first).
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (blk_begin + s < blk_end) load_block(blk_begin + s, s);
+    if (blk_begin + s < blk_end) load_block(blk_begin + s, s, nullptr);
+    fetch_slots(blk_begin + s + kStages - 1);
     cp_async_commit();
   }
   const uint32_t q_base = smem_addr(sQ), k_base = smem_addr(sK), v_base = smem_addr(sV);
   for (int blk = blk_begin; blk < blk_end; ++blk) {
-    const int j = blk - blk_begin, stage = j % kStages;
+    const int j = blk - blk_begin, stage = j % kStages, next = blk + kStages - 1;
     cp_async_wait<kStages - 2>();
-    __syncthreads();  // block j has landed for every thread; stage (j - 1) % kStages is free
-    if (blk + kStages - 1 < blk_end) load_block(blk + kStages - 1, (j + kStages - 1) % kStages);
+    __syncthreads();  // block j (and the slots of block next) landed; stage (j - 1) % kStages is free
+    if (next < blk_end) load_block(next, (j + kStages - 1) % kStages, pages != nullptr ? s_slots[next % kSlotRing] : nullptr);
+    fetch_slots(next + kStages - 1);
     cp_async_commit();
 
     // S = Q K^T over this warp's 16 keys: two n8 tiles.
@@ -383,33 +410,63 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim>::kThreads)
   __syncthreads();
   if (!last) return;
   __threadfence();
+  // The pieces' log-sum-exps into shared memory (loaded in parallel), then per row their
+  // weights exp2(lse - max) / sum (one warp per 4 rows), then O as the weighted sum of the
+  // pieces, each thread's groups loaded together.
   const int64_t split_stride = int64_t(p.batch) * nheads * p.seqlen_q;
-  for (int g = tid; g < kGroups; g += T::kThreads) {
-    const int r = g / (kHeadDim / 4), d4 = g % (kHeadDim / 4), row = row0 + r;
-    if (row >= p.rows) continue;
-    const int t = row / p.group, h = head_kv * p.group + row % p.group;
-    const int64_t at = (int64_t(b) * nheads + h) * p.seqlen_q + t;
+  float* sW = reinterpret_cast<float*>(smem_raw);  // (split, row): lse, then weight
+  float* sLse = sW + kMaxKvcacheSplits * kRows;
+  auto piece_row = [&](int r) {  // the (batch, head, token) index of row r (clamped to a row)
+    const int row = min(row0 + r, p.rows - 1);
+    return (int64_t(b) * nheads + head_kv * p.group + row % p.group) * p.seqlen_q + row / p.group;
+  };
+  for (int i = tid; i < p.num_splits * kRows; i += T::kThreads) {
+    const int sp = i / kRows, r = i % kRows;
+    sW[i] = row0 + r < p.rows ? __ldcg(p.part_lse + sp * split_stride + piece_row(r)) : -INFINITY;
+  }
+  __syncthreads();
+  for (int r = warp; r < kRows; r += T::kWarps) {
     float mw = -INFINITY;
-    for (int sp = 0; sp < p.num_splits; ++sp) mw = fmaxf(mw, __ldcg(p.part_lse + sp * split_stride + at));
+    for (int sp = lane; sp < p.num_splits; sp += 32) mw = fmaxf(mw, sW[sp * kRows + r]);
+#pragma unroll
+    for (int x = 16; x > 0; x /= 2) mw = fmaxf(mw, __shfl_xor_sync(0xffffffffu, mw, x));
     const float bw = mw == -INFINITY ? 0.0f : mw;
     float sum = 0.0f;
-    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    for (int sp = 0; sp < p.num_splits; ++sp) {
-      const float f = exp2f(__ldcg(p.part_lse + sp * split_stride + at) - bw);
-      if (f == 0.0f) continue;
-      const float4 x = __ldcg(reinterpret_cast<const float4*>(p.part_o + (sp * split_stride + at) * kHeadDim) + d4);
-      sum += f;
-      acc.x += f * x.x;
-      acc.y += f * x.y;
-      acc.z += f * x.z;
-      acc.w += f * x.w;
-    }
+    for (int sp = lane; sp < p.num_splits; sp += 32) sum += exp2f(sW[sp * kRows + r] - bw);
+#pragma unroll
+    for (int x = 16; x > 0; x /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, x);
     const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-    acc.x *= inv;
-    acc.y *= inv;
-    acc.z *= inv;
-    acc.w *= inv;
-    store_out(row, d4, acc, sum > 0.0f ? (bw + log2f(sum)) * kLn2 : INFINITY);
+    for (int sp = lane; sp < p.num_splits; sp += 32) sW[sp * kRows + r] = exp2f(sW[sp * kRows + r] - bw) * inv;
+    if (lane == 0) sLse[r] = sum > 0.0f ? (bw + log2f(sum)) * kLn2 : INFINITY;
+  }
+  __syncthreads();
+  constexpr int kMine = kGroups / T::kThreads;  // groups per thread
+  static_assert(kGroups % T::kThreads == 0);
+  float4 acc[kMine];
+  int64_t base_at[kMine];
+#pragma unroll
+  for (int i = 0; i < kMine; ++i) {
+    const int g = tid + i * T::kThreads;
+    acc[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    base_at[i] = piece_row(g / (kHeadDim / 4)) * kHeadDim + 4 * (g % (kHeadDim / 4));
+  }
+#pragma unroll 2
+  for (int sp = 0; sp < p.num_splits; ++sp) {
+#pragma unroll
+    for (int i = 0; i < kMine; ++i) {
+      const int r = (tid + i * T::kThreads) / (kHeadDim / 4);
+      const float w = sW[sp * kRows + r];
+      const float4 x = __ldcg(reinterpret_cast<const float4*>(p.part_o + sp * split_stride * kHeadDim + base_at[i]));
+      acc[i].x += w * x.x;
+      acc[i].y += w * x.y;
+      acc[i].z += w * x.z;
+      acc[i].w += w * x.w;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kMine; ++i) {
+    const int g = tid + i * T::kThreads, r = g / (kHeadDim / 4);
+    if (row0 + r < p.rows) store_out(row0 + r, g % (kHeadDim / 4), acc[i], sLse[r]);
   }
 }
 
