@@ -65,8 +65,10 @@ def test_cpu_module_alias():
     assert flash_attn_interface.flash_attn_qkvpacked_func is flash3.flash_attn_qkvpacked_func
     assert flash_attn_interface.flash_attn_varlen_func is flash3.flash_attn_varlen_func
     assert flash_attn_interface.flash_attn_with_kvcache is flash3.flash_attn_with_kvcache
+    assert flash_attn_interface.get_scheduler_metadata is flash3.get_scheduler_metadata
     assert set(flash_attn_interface.__all__) == {"flash_attn_func", "flash_attn_qkvpacked_func",
-                                                 "flash_attn_varlen_func", "flash_attn_with_kvcache"}
+                                                 "flash_attn_varlen_func", "flash_attn_with_kvcache",
+                                                 "get_scheduler_metadata"}
     assert flash3._IGNORED == ("num_splits", "pack_gqa", "sm_margin")
 
 

@@ -616,7 +616,7 @@ def test_cpu_bad_append_arguments_raise_naming_them(calls, change, pattern):
 # ---- arguments ----------------------------------------------------------------------------------------
 
 UNSUPPORTED = ["qv", "cu_seqlens_q", "cu_seqlens_k_new", "max_seqlen_q", "rotary_seqlens", "q_descale", "k_descale",
-               "v_descale", "scheduler_metadata"]
+               "v_descale"]
 
 
 @pytest.mark.parametrize("name", UNSUPPORTED + ["attention_chunk"])
@@ -638,6 +638,27 @@ def test_cpu_speed_hints_accepted_and_ignored(calls):
                                             num_splits=4, pack_gqa=True, sm_margin=8, rotary_interleaved=False)
     assert torch.equal(base, hinted)
     assert [c["num_splits"] for _, c in calls] == [0, 4]
+
+
+def test_cpu_scheduler_metadata_accepted_and_not_read(calls):
+    """get_scheduler_metadata (FlashAttention-3's arguments) returns an empty int32 tensor on
+    cache_seqlens' device; flash_attn_with_kvcache takes it (or any int32 tensor) with the same
+    results, and names it when it is not an int32 tensor."""
+    p = problem(2, 1, 16, 2, 1, 64, seed=4)
+    meta = flash3.get_scheduler_metadata(2, 1, 16, 2, 1, 64, p["cache_seqlens"], torch.bfloat16, causal=True,
+                                         page_size=None, num_splits=0)
+    assert meta.dtype == torch.int32 and meta.numel() == 0 and meta.device == p["cache_seqlens"].device
+    base = flash3.flash_attn_with_kvcache(p["q"], p["k_cache"], p["v_cache"], cache_seqlens=p["cache_seqlens"])
+    with_meta = flash3.flash_attn_with_kvcache(p["q"], p["k_cache"], p["v_cache"], cache_seqlens=p["cache_seqlens"],
+                                               scheduler_metadata=meta)
+    assert torch.equal(base, with_meta)
+    for bad, shown in ((torch.zeros(2), "torch.float32 tensor"), ([0], "list")):
+        with pytest.raises(ValueError, match=rf"^scheduler_metadata: .*got {shown}"):
+            flash3.flash_attn_with_kvcache(p["q"], p["k_cache"], p["v_cache"], cache_seqlens=p["cache_seqlens"],
+                                           scheduler_metadata=bad)
+    with pytest.raises(ValueError, match="^cache_seqlens: expected a torch.Tensor"):
+        flash3.get_scheduler_metadata(2, 1, 16, 2, 1, 64, None)
+    assert len(calls) == 2
 
 
 def _int32(*shape, dtype=torch.int32, device="cpu"):

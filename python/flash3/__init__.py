@@ -31,10 +31,10 @@ from . import _kernels, _lib, _ops, flash_attn_interface, fp8
 from ._kernels import (_kernel_layout, backward_into, backward_varlen_into, forward_into, forward_kvcache_into,
                        forward_varlen_into, hopper_available, quantize_fp8_into, version)
 from .flash_attn_interface import (_IGNORED, flash_attn_func, flash_attn_qkvpacked_func, flash_attn_varlen_func,
-                                   flash_attn_with_kvcache)
+                                   flash_attn_with_kvcache, get_scheduler_metadata)
 from .fp8 import flash_attn_fp8_func, quantize_fp8
 
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
-           "flash_attn_interface", "flash_attn_fp8_func", "quantize_fp8", "forward_into", "backward_into",
+           "get_scheduler_metadata", "flash_attn_interface", "flash_attn_fp8_func", "quantize_fp8", "forward_into", "backward_into",
            "forward_varlen_into", "backward_varlen_into", "forward_kvcache_into", "quantize_fp8_into",
            "hopper_available", "version"]

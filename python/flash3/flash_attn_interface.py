@@ -50,8 +50,11 @@ bottom-right to them; num_splits splits the key range (0: flash3's heuristic); i
 New keys and values k, v are appended in place at cache_seqlens, rotated with rotary_cos,
 rotary_sin (the queries too), as FlashAttention-3 does (flash3.kvcache: torch operations before
 the attention kernel, not yet fused into it). Not yet (NotImplementedError naming the argument):
-cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, rotary_seqlens, qv, the descales,
-scheduler_metadata; pack_gqa and sm_margin are accepted and ignored.
+cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, rotary_seqlens, qv, the descales. flash3 always
+packs the query heads of a KV head into one tile, so pack_gqa is accepted and ignored, as is
+sm_margin. scheduler_metadata (get_scheduler_metadata's) is accepted and not read: flash3's plan
+(the splits) comes from the shapes on the host at each call and its launch reads nothing from
+the device, so a decode step captures into a CUDA graph without it.
 
 In eager mode the calls run the library directly (the lowest host time); under torch.compile,
 torch.export or any FakeTensor / dispatch-mode tracing they call the torch.library operators
@@ -64,7 +67,8 @@ import torch
 
 from . import _kernels, _ops, kvcache
 
-__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]
+__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
+           "get_scheduler_metadata"]
 
 # FlashAttention-3 arguments flash3 accepts and ignores (speed only; see above).
 _IGNORED = ("num_splits", "pack_gqa", "sm_margin")
@@ -505,10 +509,10 @@ def flash_attn_with_kvcache(
     """
     for name, value in (("qv", qv), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k_new", cu_seqlens_k_new),
                         ("max_seqlen_q", max_seqlen_q), ("rotary_seqlens", rotary_seqlens), ("q_descale", q_descale),
-                        ("k_descale", k_descale), ("v_descale", v_descale),
-                        ("scheduler_metadata", scheduler_metadata)):
+                        ("k_descale", k_descale), ("v_descale", v_descale)):
         if value is not None:
             _unsupported(name, value)
+    _check_scheduler_metadata(scheduler_metadata)
     if attention_chunk:
         _unsupported("attention_chunk", attention_chunk)
     causal, left, right, softcap = _mask_args(window_size, causal, softcap)
@@ -534,3 +538,26 @@ def flash_attn_with_kvcache(
         out, lse = _ops.fwd_kvcache(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal, left, right, softcap,
                                     *index[1:], num_splits)
     return (out, lse) if return_softmax_lse else out
+
+
+def _check_scheduler_metadata(metadata):
+    """scheduler_metadata: None or get_scheduler_metadata's int32 tensor (its contents are not read)."""
+    if metadata is not None and not (isinstance(metadata, torch.Tensor) and metadata.dtype == torch.int32):
+        shown = f"{metadata.dtype} tensor" if isinstance(metadata, torch.Tensor) else type(metadata).__name__
+        raise ValueError(f"scheduler_metadata: expected None or get_scheduler_metadata's int32 tensor, got {shown}")
+
+
+def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim,
+                           cache_seqlens, qkv_dtype=torch.bfloat16, headdim_v=None, cu_seqlens_q=None,
+                           cu_seqlens_k_new=None, cache_leftpad=None, page_size=None, max_seqlen_k_new=0,
+                           causal=False, window_size=(-1, -1), attention_chunk=0, has_softcap=False, num_splits=0,
+                           pack_gqa=None, sm_margin=0):
+    """FlashAttention-3's get_scheduler_metadata, for callers written against it: the metadata a
+    decode step passes to flash_attn_with_kvcache(scheduler_metadata=) so that it needs no host
+    work under a CUDA graph. flash3 needs none: its split count comes from the shapes on the host
+    (flash3::kvcache_num_splits) and its launch reads nothing from the device. Returns an empty
+    int32 tensor on cache_seqlens' device, which flash_attn_with_kvcache accepts and does not read.
+    The arguments are FlashAttention-3's; only cache_seqlens (a tensor) is used, for its device."""
+    if not isinstance(cache_seqlens, torch.Tensor):
+        raise ValueError(f"cache_seqlens: expected a torch.Tensor (int32 (batch)), got {type(cache_seqlens).__name__}")
+    return torch.empty(0, dtype=torch.int32, device=cache_seqlens.device)
