@@ -23,8 +23,6 @@ import contextlib
 import ctypes
 import inspect
 import os
-import shutil
-import subprocess
 import sys
 import zlib
 
@@ -33,6 +31,7 @@ import pytest
 torch = pytest.importorskip("torch")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
 import flash3  # noqa: E402
+import c_probe  # noqa: E402
 import stand_in  # noqa: E402
 from test_torch import capture, check, gpu  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
@@ -769,16 +768,7 @@ def probe(tmp_path, monkeypatch):
     records the fields it reads), CPU tensors let through as CUDA ones; skips without a C
     compiler."""
     from flash3 import _kernels, _lib
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
-    if cc is None:
-        pytest.skip("no C compiler to read include/flash3/flash3_c.h with")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    (tmp_path / "probe.c").write_text(C_PROBE)
-    so = tmp_path / "probe.so"
-    r = subprocess.run([cc, "-std=c99", "-shared", "-fPIC", "-I", os.path.join(root, "include"),
-                        str(tmp_path / "probe.c"), "-o", str(so)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    lib = ctypes.CDLL(str(so))
+    lib = c_probe.build(tmp_path, C_PROBE)
     lib.probe_layout.restype = ctypes.c_uint64
     lib.probe_seen.restype = ctypes.POINTER(ctypes.c_double)
     lib.probe_fwd_kvcache.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]

@@ -19,6 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
 import flash3  # noqa: E402
+import c_probe  # noqa: E402
 import stand_in  # noqa: E402
 
 _ok, _why = flash3.hopper_available()
@@ -656,8 +657,6 @@ def test_cpu_packed_args_match_c_header(tmp_path, monkeypatch):
     and softcap fields, and the values a C function reads from the packed bytes (the library
     stood in for by that function; CPU tensors let through as CUDA ones)."""
     import ctypes
-    import shutil
-    import subprocess
     from flash3 import _kernels, _lib
     # without a compiler: the ctypes mirror at least (sizes, and packed bytes read back)
     assert (_lib.FWD_ARGS_SIZE_V3, _lib.BWD_ARGS_SIZE_V2) == (_kernels._FWD.size, _kernels._BWD.size) == (680, 776)
@@ -667,16 +666,7 @@ def test_cpu_packed_args_match_c_header(tmp_path, monkeypatch):
     packed = _lib.BwdArgs.from_buffer_copy(_kernels._BWD.pack(776, 0, 1, 0.5, *(0,) * 99, 0, 0, 9,
                                                               *_kernels.mask_fields(-1, 3, 0.0)) + bytes(336))
     assert (packed.stream, packed.window, packed.window_left, packed.window_right, packed.softcap) == (9, 1, -1, 3, 0.0)
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
-    if cc is None:
-        pytest.skip("no C compiler to read include/flash3/flash3_c.h with")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    (tmp_path / "probe.c").write_text(C_PROBE)
-    so = tmp_path / "probe.so"
-    r = subprocess.run([cc, "-std=c99", "-shared", "-fPIC", "-I", os.path.join(root, "include"),
-                        str(tmp_path / "probe.c"), "-o", str(so)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    probe = ctypes.CDLL(str(so))
+    probe = c_probe.build(tmp_path, C_PROBE)
     probe.probe_layout.restype = ctypes.c_uint64
     probe.probe_seen.restype = ctypes.POINTER(ctypes.c_double)
     layout = [probe.probe_layout(i) for i in range(14)]
