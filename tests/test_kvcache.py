@@ -597,8 +597,10 @@ def test_cpu_compile_fullgraph_with_append(calls):
     (dict(rotary_cos=torch.zeros(10, 40), rotary_sin=torch.zeros(10, 40)), r"^rotary_cos: shape \(10, 40\); "),
     (dict(rotary_sin=torch.zeros(10, 8)), r"^rotary_sin: shape \(10, 8\) differs"),
     (dict(cache_seqlens=None), r"^cache_seqlens: required with k and v"),
+    (dict(k=torch.zeros(2, 17, 1, 64, dtype=torch.bfloat16), v=torch.zeros(2, 17, 1, 64, dtype=torch.bfloat16)),
+     r"^k: seqlen_new 17 overruns the cache: a sequence holds 16 keys \(seqlen_cache\)"),
 ], ids=["v_missing", "k_shape", "v_seqlen", "k_dtype", "sin_missing", "rotary_without_k", "rotary_dim", "sin_shape",
-        "lens_missing"])
+        "lens_missing", "overrun"])
 def test_cpu_bad_append_arguments_raise_naming_them(calls, change, pattern):
     p = problem(2, 1, 16, 2, 1, 64)
     cos, sin = rotary_tables(20, 32, "cpu")

@@ -522,7 +522,7 @@ def flash_attn_with_kvcache(
     index = (cache_seqlens, cache_batch_idx, cache_leftpad, page_table)
     if k is not None or v is not None or rotary_cos is not None or rotary_sin is not None:
         _kernels.kvcache_shapes(q, k_cache, v_cache, *index, num_splits)
-        kvcache.check_append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens)
+        kvcache.check_append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, page_table)
         q, cache_seqlens = kvcache.append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                           rotary_interleaved, causal or left >= 0 or right >= 0, cache_batch_idx,
                                           page_table)

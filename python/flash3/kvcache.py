@@ -34,12 +34,14 @@ def rotary(x, cos, sin, positions, interleaved):
     return torch.cat((out.to(x.dtype), x[..., rot:]), dim=-1)
 
 
-def check_append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens):
+def check_append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, page_table=None):
     """ValueError naming the argument where the append's arguments do not fit: k and v given
     together, (batch, seqlen_new, nheads_kv, headdim) with q's batch and the cache's heads and
-    head dim, on its device and of its dtype; rotary_cos and rotary_sin together, only with k and
-    v, (seqlen_ro, rotary_dim / 2) with rotary_dim <= headdim, floating, on q's device;
-    cache_seqlens given."""
+    head dim, seqlen_new at most a sequence's capacity (seqlen_cache, or max_pages_per_seq x
+    page_size with page_table), on its device and of its dtype; rotary_cos and rotary_sin
+    together, only with k and v, (seqlen_ro, rotary_dim / 2) with rotary_dim <= headdim, floating,
+    on q's device; cache_seqlens given. (cache_seqlens + seqlen_new within the capacity is the
+    caller's precondition: the values are on the GPU.)"""
     if (k is None) != (v is None):
         raise ValueError(f"k and v: give both or neither (k is {'None' if k is None else 'given'}, v is "
                          f"{'None' if v is None else 'given'})")
@@ -64,6 +66,11 @@ def check_append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
                              f"{cache.device}")
     if k.shape[1] != v.shape[1]:
         raise ValueError(f"v: seqlen_new {v.shape[1]} differs from k's {k.shape[1]}")
+    capacity = k_cache.shape[1] * (page_table.shape[1] if isinstance(page_table, torch.Tensor) and
+                                   page_table.dim() == 2 else 1)
+    if k.shape[1] > capacity:
+        where = "max_pages_per_seq x page_size" if page_table is not None else "seqlen_cache"
+        raise ValueError(f"k: seqlen_new {k.shape[1]} overruns the cache: a sequence holds {capacity} keys ({where})")
     if rotary_cos is not None:
         for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
             if not isinstance(t, torch.Tensor) or t.dim() != 2 or not t.is_floating_point():
