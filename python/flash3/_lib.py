@@ -153,22 +153,14 @@ def _bind_bwd(handle, ptr):
     handle.flash3_bwd_workspace_size.restype = ctypes.c_int
 
 
-def _bind_quantize(handle, ptr):
-    """Declares flash3_quantize_fp8 where the library has it (one built before it still loads;
-    has_quantize() then says False)."""
-    if not hasattr(handle, "flash3_quantize_fp8"):
+def _bind_optional(handle, ptr, name):
+    """Declares the entry point `name` (int name(const args*, char* err, int err_len)) where the
+    library has it: flash3_quantize_fp8, flash3_fwd_kvcache (a library built before them still
+    loads; has_quantize() / has_kvcache() then say False)."""
+    if not hasattr(handle, name):
         return
-    handle.flash3_quantize_fp8.argtypes = [ptr, ctypes.c_char_p, ctypes.c_int]
-    handle.flash3_quantize_fp8.restype = ctypes.c_int
-
-
-def _bind_kvcache(handle, ptr):
-    """Declares flash3_fwd_kvcache where the library has it (one built before it still loads;
-    has_kvcache() then says False)."""
-    if not hasattr(handle, "flash3_fwd_kvcache"):
-        return
-    handle.flash3_fwd_kvcache.argtypes = [ptr, ctypes.c_char_p, ctypes.c_int]
-    handle.flash3_fwd_kvcache.restype = ctypes.c_int
+    getattr(handle, name).argtypes = [ptr, ctypes.c_char_p, ctypes.c_int]
+    getattr(handle, name).restype = ctypes.c_int
 
 
 def has_kvcache():
@@ -245,8 +237,8 @@ def lib():
             handle.flash3_fwd.argtypes = [ptr, ctypes.c_char_p, ctypes.c_int]
             handle.flash3_fwd.restype = ctypes.c_int
             _bind_bwd(handle, ptr)
-            _bind_quantize(handle, ptr)
-            _bind_kvcache(handle, ptr)
+            _bind_optional(handle, ptr, "flash3_quantize_fp8")
+            _bind_optional(handle, ptr, "flash3_fwd_kvcache")
             handle.flash3_hopper_available.argtypes = [ctypes.c_char_p, ctypes.c_int]
             handle.flash3_hopper_available.restype = ctypes.c_int
             handle.flash3_version.argtypes = []
