@@ -208,6 +208,20 @@ struct KvcacheArgs {
   // call captured into a CUDA graph before the stream has enough of it runs with one split.
   int num_splits = 0;
   cudaStream_t stream = nullptr;
+  // Append (FlashAttention-3's k, v, rotary_cos, rotary_sin), inside the kernel: k_new, v_new
+  // (batch, seqlen_new, nheads_kv, head_dim), q's dtype, last dim contiguous, are written into the
+  // cache at positions cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 (cache_seqlens
+  // required: the lengths before the append) and attended to; sequence b then sees positions
+  // [cache_leftpad[b], cache_seqlens[b] + seqlen_new). Positions past the cache are neither
+  // written nor seen (the caller's precondition: they fit). rotary_cos, rotary_sin (optional,
+  // together, only with k_new): float32 (seqlen_ro, rotary_dim / 2), rotary_dim a multiple of 16
+  // and at most head_dim, last dim contiguous: the first rotary_dim dims of each new key are
+  // rotated at its cache position and those of each query row at cache_seqlens[b] + i (causal or
+  // a window) or cache_seqlens[b] (neither), pairs (2j, 2j + 1) when rotary_interleaved, else
+  // (j, j + rotary_dim / 2); positions past seqlen_ro use its last row. In float32, rounded to
+  // q's dtype.
+  TensorRef k_new, v_new, rotary_cos, rotary_sin;
+  bool rotary_interleaved = false;
 };
 constexpr int kMaxKvcacheSplits = 64;
 
@@ -225,6 +239,10 @@ struct KvcacheProblem {
   int window_left = -1, window_right = -1;  // normalized as FwdProblem's
   float softcap = 0.0f;
   int num_splits = 0;  // as given (0: heuristic)
+  int seqlen_new = 0;  // the append's rows (0: no append)
+  int rotary_dim = 0;  // 0: no rotary
+  bool rotary_interleaved = false;
+  int seqlen_ro = 0;
 };
 
 // Checks every precondition of fwd_kvcache() and returns the normalized problem. Throws

@@ -92,6 +92,25 @@ void fwd_kvcache(const KvcacheArgs& args) {
   dp.scale_log2 = p.softmax_scale * kLog2e;
   dp.softcap_log2 = p.softcap > 0.0f ? p.softcap * kLog2e : 0.0f;
   dp.scale_over_cap = p.softcap > 0.0f ? p.softmax_scale / p.softcap : 0.0f;
+  if (p.seqlen_new > 0) {
+    dp.k_new = args.k_new.data;
+    dp.v_new = args.v_new.data;
+    strides3(dp.k_new_stride, args.k_new, 0, 1, 2);
+    strides3(dp.v_new_stride, args.v_new, 0, 1, 2);
+    dp.seqlen_new = p.seqlen_new;
+  }
+  if (p.rotary_dim > 0) {
+    dp.rot_cos = static_cast<const float*>(args.rotary_cos.data);
+    dp.rot_sin = static_cast<const float*>(args.rotary_sin.data);
+    dp.cos_stride = args.rotary_cos.stride[0];
+    dp.sin_stride = args.rotary_sin.stride[0];
+    dp.rot_half = p.rotary_dim / 2;
+    dp.seqlen_ro = p.seqlen_ro;
+    dp.rot_interleaved = p.rotary_interleaved;
+  }
+  // FlashAttention-3's rule: with a causal mask or a window, query row t is rotated at
+  // cache_seqlens + t, else every row at cache_seqlens.
+  dp.q_rot_by_token = p.causal || p.window_left >= 0 || p.window_right >= 0;
   dp.window_left = p.window_left;
   dp.window_right = p.causal ? 0 : p.window_right;
 

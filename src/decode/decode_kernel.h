@@ -31,8 +31,8 @@ namespace flash3::detail {
 struct DecodeParams {
   const void* q;
   void* out;
-  const void* k;
-  const void* v;
+  void* k;  // the cache: written by the append
+  void* v;
   float* lse;  // null: not written
   int64_t q_stride[3], o_stride[3];   // batch, token, head (elements)
   int64_t k_stride[3], v_stride[3];   // cache entry or page, row, KV head
@@ -52,6 +52,20 @@ struct DecodeParams {
   float softcap_log2, scale_over_cap;      // softcap x log2(e), softmax_scale / softcap (softcap > 0)
   int window_left, window_right;           // -1: unbounded on that side (causal: right = 0)
   int num_splits;
+  // Append (seqlen_new > 0): new keys and values (batch, seqlen_new, KV head), written into the
+  // cache at positions cache_seqlens[b] + i by the (row tile 0, split 0) block of each (batch
+  // entry, KV head), and read from here by every block that sees them.
+  const void* k_new;
+  const void* v_new;
+  int64_t k_new_stride[3], v_new_stride[3];
+  int seqlen_new;
+  // Rotary (rot_half > 0): float32 tables (seqlen_ro, rot_half), row strides cos_stride, sin_stride.
+  const float* rot_cos;
+  const float* rot_sin;
+  int64_t cos_stride, sin_stride;
+  int rot_half, seqlen_ro;
+  bool rot_interleaved;
+  bool q_rot_by_token;  // causal or a window: query row t at cache_seqlens + t, else all at cache_seqlens
   float* part_o;                           // num_splits > 1: (split, batch, head, token, head_dim)
   float* part_lse;                         //                 (split, batch, head, token)
   int* counters;                           //                 one per (batch, KV head, row tile), zero
@@ -141,6 +155,63 @@ __device__ __forceinline__ int swizzled(int row, int chunk) {
 
 __device__ __forceinline__ int clampi(int x, int lo, int hi) { return x < lo ? lo : x > hi ? hi : x; }
 
+// 16 bytes of 8 elements as floats, and back (rounded to nearest).
+template <class Element>
+__device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8]) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (std::is_same_v<Element, __nv_bfloat16>) {
+      const float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[i]));
+      f[2 * i] = x.x;
+      f[2 * i + 1] = x.y;
+    } else {
+      const float2 x = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
+      f[2 * i] = x.x;
+      f[2 * i + 1] = x.y;
+    }
+  }
+}
+template <class Element>
+__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
+  return make_uint4(pack2<Element>(f[0], f[1]), pack2<Element>(f[2], f[3]), pack2<Element>(f[4], f[5]),
+                    pack2<Element>(f[6], f[7]));
+}
+
+// Chunk c (dims 8c .. 8c + 7) of `row`, with the rotary embedding at position `pos` applied to
+// the dims below 2 x rot_half (FlashAttention-3's: interleaved pairs (2j, 2j + 1), else (j, j +
+// rot_half); rot_half a multiple of 8, so a chunk lies in one half), in float32.
+template <class Element>
+__device__ __forceinline__ uint4 rotated_chunk(const Element* row, int c, int pos, const DecodeParams& p) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(row + 8 * c);
+  const int d0 = 8 * c;
+  if (p.rot_half == 0 || d0 >= 2 * p.rot_half) return raw;
+  const int at = min(pos, p.seqlen_ro - 1);
+  const float* cs = p.rot_cos + int64_t(at) * p.cos_stride;
+  const float* sn = p.rot_sin + int64_t(at) * p.sin_stride;
+  float x[8], out[8];
+  unpack8<Element>(raw, x);
+  if (p.rot_interleaved) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float c0 = cs[d0 / 2 + j], s0 = sn[d0 / 2 + j];
+      out[2 * j] = x[2 * j] * c0 - x[2 * j + 1] * s0;
+      out[2 * j + 1] = x[2 * j] * s0 + x[2 * j + 1] * c0;
+    }
+  } else {
+    const bool first = d0 < p.rot_half;
+    float y[8];  // the partner chunk, rot_half dims away
+    unpack8<Element>(*reinterpret_cast<const uint4*>(row + (first ? d0 + p.rot_half : d0 - p.rot_half)), y);
+    const int i0 = first ? d0 : d0 - p.rot_half;  // the pairs' index into the tables
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float c0 = cs[i0 + j], s0 = sn[i0 + j];
+      out[j] = first ? x[j] * c0 - y[j] * s0 : y[j] * s0 + x[j] * c0;
+    }
+  }
+  return pack8<Element>(out);
+}
+
 }  // namespace decode
 
 template <class Element, int kHeadDim>
@@ -163,8 +234,11 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim>::kThreads)
 
   // ---- this sequence's keys: positions [leftpad, end) of its cache, len of them -------------
   const int leftpad = p.leftpad != nullptr ? clampi(p.leftpad[b], 0, p.capacity) : 0;
-  const int end = p.cache_seqlens != nullptr ? clampi(p.cache_seqlens[b], leftpad, p.capacity) : p.capacity;
+  // The cache's end before the append; the append's rows follow it (those that fit).
+  const int end_old = p.cache_seqlens != nullptr ? clampi(p.cache_seqlens[b], leftpad, p.capacity) : p.capacity;
+  const int end = min(end_old + p.seqlen_new, p.capacity);
   const int len = end - leftpad;
+  const int new_begin = end_old - leftpad;  // the first appended key (keys from here: k_new, v_new)
   // Key range of token t: [lo(t), hi(t)), the masks aligned bottom-right (token t at len - seqlen_q + t).
   auto key_lo = [&](int t) {
     return p.window_left < 0 ? 0 : max(0, len - p.seqlen_q + t - p.window_left);
@@ -185,13 +259,18 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim>::kThreads)
     const int r = i / kChunks, c = i % kChunks, row = row0 + r;
     const bool ok = row < p.rows;
     const int t = ok ? row / p.group : 0, h = head_kv * p.group + (ok ? row % p.group : 0);
-    const Element* src = q + b * p.q_stride[0] + t * p.q_stride[1] + h * p.q_stride[2] + c * 8;
-    cp_async16(smem_addr(sQ + swizzled<kChunks>(r, c)), src, ok ? 16 : 0);
+    const Element* src = q + b * p.q_stride[0] + t * p.q_stride[1] + h * p.q_stride[2];
+    if (p.rot_half > 0) {  // rotated in registers, stored before the loop's first barrier
+      const uint4 v = ok ? rotated_chunk<Element>(src, c, end_old + (p.q_rot_by_token ? t : 0), p) : make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(sQ + swizzled<kChunks>(r, c)) = v;
+    } else {
+      cp_async16(smem_addr(sQ + swizzled<kChunks>(r, c)), src + c * 8, ok ? 16 : 0);
+    }
   }
 
   // ---- K and V of key block `blk` into stage `stage` ----------------------------------------
-  const Element* kbase = static_cast<const Element*>(p.k);
-  const Element* vbase = static_cast<const Element*>(p.v);
+  Element* kbase = static_cast<Element*>(p.k);
+  Element* vbase = static_cast<Element*>(p.v);
   const int entry = p.batch_idx != nullptr ? clampi(p.batch_idx[b], 0, p.entries - 1) : b;
   const int* pages = p.page_table != nullptr ? p.page_table + b * p.page_table_stride : nullptr;
   // Paged: each row's page from the page table. The entries a block needs (at most 65) are
@@ -214,6 +293,17 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim>::kThreads)
     for (int r = tid / kChunks; r < kBlockN; r += T::kThreads / kChunks) {
       const int key = key0 + r;
       const bool ok = key < k_hi;
+      const int dst = stage * kStageElems + swizzled<kChunks>(r, c);
+      if (ok && key >= new_begin) {  // an appended key: from k_new (rotated), v_new
+        const int i = key - new_begin;
+        const Element* kr = static_cast<const Element*>(p.k_new) + b * p.k_new_stride[0] + i * p.k_new_stride[1] +
+                            head_kv * p.k_new_stride[2];
+        const Element* vr = static_cast<const Element*>(p.v_new) + b * p.v_new_stride[0] + i * p.v_new_stride[1] +
+                            head_kv * p.v_new_stride[2];
+        *reinterpret_cast<uint4*>(sK + dst) = rotated_chunk<Element>(kr, c, end_old + i, p);
+        *reinterpret_cast<uint4*>(sV + dst) = *reinterpret_cast<const uint4*>(vr + 8 * c);
+        continue;
+      }
       const int pos = leftpad + (ok ? key : key0);
       int64_t ko, vo;
       if (pages != nullptr) {
@@ -228,11 +318,36 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim>::kThreads)
       }
       ko += head_kv * p.k_stride[2] + c * 8;
       vo += head_kv * p.v_stride[2] + c * 8;
-      const int dst = stage * kStageElems + swizzled<kChunks>(r, c);
       cp_async16(smem_addr(sK + dst), kbase + ko, ok ? 16 : 0);
       cp_async16(smem_addr(sV + dst), vbase + vo, ok ? 16 : 0);
     }
   };
+
+  // ---- the append: block (row tile 0, split 0) of each (entry, KV head) writes the new rows ------
+  if (p.seqlen_new > 0 && tile == 0 && split == 0) {
+    for (int i = tid; i < p.seqlen_new * kChunks; i += T::kThreads) {
+      const int n = i / kChunks, c = i % kChunks, pos = end_old + n;
+      if (pos >= p.capacity) break;  // rows past the cache: neither written nor seen
+      const Element* kr = static_cast<const Element*>(p.k_new) + b * p.k_new_stride[0] + n * p.k_new_stride[1] +
+                          head_kv * p.k_new_stride[2];
+      const Element* vr = static_cast<const Element*>(p.v_new) + b * p.v_new_stride[0] + n * p.v_new_stride[1] +
+                          head_kv * p.v_new_stride[2];
+      int64_t ko, vo;
+      if (pages != nullptr) {
+        const int slot = page_of(pos);
+        const int page = clampi(pages[slot], 0, p.entries - 1), row = pos - slot * p.page_size;
+        ko = page * p.k_stride[0] + row * p.k_stride[1];
+        vo = page * p.v_stride[0] + row * p.v_stride[1];
+      } else {
+        ko = entry * p.k_stride[0] + pos * p.k_stride[1];
+        vo = entry * p.v_stride[0] + pos * p.v_stride[1];
+      }
+      ko += head_kv * p.k_stride[2] + c * 8;
+      vo += head_kv * p.v_stride[2] + c * 8;
+      *reinterpret_cast<uint4*>(kbase + ko) = rotated_chunk<Element>(kr, c, pos, p);
+      *reinterpret_cast<uint4*>(vbase + vo) = *reinterpret_cast<const uint4*>(vr + 8 * c);
+    }
+  }
 
   // ---- the per-row state of this thread's two rows (lane / 4 and lane / 4 + 8) ---------------
   float o[kHeadDim / 8][4];
