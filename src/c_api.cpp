@@ -42,8 +42,11 @@ static_assert(sizeof(flash3_quantize_fp8_args) == FLASH3_QUANTIZE_FP8_ARGS_SIZE_
 static_assert(FLASH3_KVCACHE_ARGS_SIZE_V1 == 16 + 9 * sizeof(flash3_tensor) + 24, "flash3_kvcache_args v1 layout");
 static_assert(offsetof(flash3_kvcache_args, q) == 16 && offsetof(flash3_kvcache_args, stream) % 8 == 0,
               "flash3_kvcache_args header");
-static_assert(sizeof(flash3_kvcache_args) == FLASH3_KVCACHE_ARGS_SIZE_V1,
-              "flash3_kvcache_args is v1 (update when appending)");
+static_assert(offsetof(flash3_kvcache_args, k_new) == FLASH3_KVCACHE_ARGS_SIZE_V1 &&
+                  FLASH3_KVCACHE_ARGS_SIZE_V2 == FLASH3_KVCACHE_ARGS_SIZE_V1 + 4 * sizeof(flash3_tensor) + 8,
+              "flash3_kvcache_args v2 layout");
+static_assert(sizeof(flash3_kvcache_args) == FLASH3_KVCACHE_ARGS_SIZE_V2,
+              "flash3_kvcache_args is v2 (update when appending)");
 
 TensorRef to_ref(const flash3_tensor* t) {
   TensorRef r;  // a NULL tensor is rank 0: rejected by validation, except fwd's lse ("not written")
@@ -202,6 +205,10 @@ flash3::QuantizeArgs quantize_args(const flash3_quantize_fp8_args* c) {
 flash3::KvcacheArgs kvcache_args(const flash3_kvcache_args* c) {
   const flash3_kvcache_args a =
       read_args(c, FLASH3_KVCACHE_ARGS_SIZE_V1, "flash3::fwd_kvcache: ", "flash3_kvcache_args");
+  if (a.reserved_v2 != 0) {
+    throw flash3::Error("flash3::fwd_kvcache: args->reserved_v2 is " + std::to_string(a.reserved_v2) +
+                        "; it must be 0");
+  }
   flash3::KvcacheArgs args;
   args.q = to_ref(&a.q);
   args.k_cache = to_ref(&a.k_cache);
@@ -217,6 +224,12 @@ flash3::KvcacheArgs kvcache_args(const flash3_kvcache_args* c) {
   args.num_splits = a.num_splits;
   args.stream = static_cast<cudaStream_t>(a.stream);
   set_mask(a, args);
+  // v2 (zero in a v1 struct: no append, no rotary)
+  args.k_new = to_ref(&a.k_new);
+  args.v_new = to_ref(&a.v_new);
+  args.rotary_cos = to_ref(&a.rotary_cos);
+  args.rotary_sin = to_ref(&a.rotary_sin);
+  args.rotary_interleaved = a.rotary_interleaved != 0;
   return args;
 }
 

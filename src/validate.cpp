@@ -738,6 +738,8 @@ namespace {
 const char* const kCacheDims[] = {"batch_cache", "seqlen_cache", "nheads_kv", "head_dim"};
 const char* const kPagedCacheDims[] = {"num_pages", "page_size", "nheads_kv", "head_dim"};
 const char* const kPageTableDims[] = {"batch", "max_pages_per_seq"};
+const char* const kNewDims[] = {"batch", "seqlen_new", "nheads_kv", "head_dim"};
+const char* const kRotaryDims[] = {"seqlen_ro", "rotary_dim / 2"};
 
 // What Checker::mask reads and normalizes, for a KV-cache problem: seqlen_k is the longest key
 // range (a bound that excludes nothing there excludes nothing in any sequence).
@@ -747,6 +749,75 @@ struct KvcacheMask {
   int window_left = -1, window_right = -1;
   float softcap = 0.0f;
 };
+
+// Of two optional arguments that come together (k_new and v_new, rotary_cos and rotary_sin), the
+// one given without the other: names the missing one.
+void together(const Checker& c, const Arg& a, const Arg& b, const char* rule) {
+  if (given(a.t) == given(b.t)) return;
+  const Arg& missing = given(a.t) ? b : a;
+  const Arg& present = given(a.t) ? a : b;
+  c.fail(missing.name, " is not given but ", present.name, " is; ", rule);
+}
+
+// The append: k_new and v_new (batch, seqlen_new, nheads_kv, head_dim) of q's dtype, with q's
+// batch and the cache's heads and head_dim, at most a sequence's capacity (seqlen_cache: the
+// longest key range), strides as the caches'. After the cache's own checks.
+void new_keys(const Checker& c, const Arg& kn, const Arg& vn, const Arg& q, const Arg& k, DType dtype,
+              int64_t seqlen_cache, bool paged, const Arg& page_table) {
+  c.ranks({&kn, &vn});
+  for (const Arg* a : {&kn, &vn}) {
+    if (a->t.dtype != dtype) {
+      c.fail(a->name, ".dtype is ", Name{a->t.dtype}, " but q.dtype is ", Name{dtype},
+             "; k_new and v_new must have q's dtype (the cache's)");
+    }
+  }
+  c.sizes({&kn, &vn});
+  c.same(kn, 0, q, 0, "k_new must have q's batch");
+  c.same(kn, 2, k, 2, "k_new must have the cache's nheads_kv");
+  c.same(kn, 3, k, 3, "k_new must have the cache's head_dim");
+  c.same_shape(vn, kn, "k_new and v_new must have the same shape");
+  const int64_t seqlen_new = kn.t.shape[1];
+  if (seqlen_new > seqlen_cache) {
+    if (paged) {
+      c.fail(Dim{kn, 1}, " is ", seqlen_new, " but a sequence holds ", Dim{page_table, 1}, " x ", Dim{k, 1}, " = ",
+             page_table.t.shape[1], " x ", k.t.shape[1], " = ", seqlen_cache,
+             " keys; k_new overruns the cache (seqlen_new must be at most max_pages_per_seq x page_size)");
+    }
+    c.fail(Dim{kn, 1}, " is ", seqlen_new, " but a sequence holds ", Dim{k, 1}, " = ", seqlen_cache,
+           " keys; k_new overruns the cache (seqlen_new must be at most seqlen_cache)");
+  }
+  c.strides({&kn, &vn}, nullptr, dtype);
+}
+
+// The rotary tables: rotary_cos and rotary_sin float32 (seqlen_ro, rotary_dim / 2) of one shape,
+// seqlen_ro >= 1, rotary_dim a multiple of 16 in [16, head_dim], the last dim contiguous and the
+// rows apart (stride[0] >= rotary_dim / 2, where there is more than one row).
+void rotary_tables(const Checker& c, const Arg& cos, const Arg& sin, int64_t head_dim) {
+  c.ranks({&cos, &sin});
+  for (const Arg* a : {&cos, &sin}) {
+    if (a->t.dtype != DType::kFloat32) {
+      c.fail(a->name, ".dtype is ", Name{a->t.dtype}, "; rotary_cos and rotary_sin must be float32");
+    }
+  }
+  c.sizes({&cos, &sin});
+  c.same_shape(sin, cos, "rotary_cos and rotary_sin must have the same shape");
+  if (cos.t.shape[0] < 1) c.fail(Dim{cos, 0}, " is 0; the rotary tables need at least one position (row)");
+  const int64_t half = cos.t.shape[1], rotary_dim = 2 * half;
+  if (rotary_dim < 16 || rotary_dim % 16 != 0 || rotary_dim > head_dim) {
+    c.fail(Dim{cos, 1}, " is ", half, ", so rotary_dim is ", rotary_dim,
+           "; rotary_dim = 2 x rotary_cos.shape[1] must be a multiple of 16 in [16, head_dim = ", head_dim, "]");
+  }
+  for (const Arg* a : {&cos, &sin}) {
+    if (a->t.stride[1] != 1) {
+      c.fail(a->name, ".stride[1] is ", a->t.stride[1], "; the last dim of ", a->name,
+             " must be contiguous (stride 1)");
+    }
+    if (a->t.shape[0] > 1 && a->t.stride[0] < half) {
+      c.fail(a->name, ".stride[0] (seqlen_ro) is ", a->t.stride[0], " but ", Dim{*a, 1}, " is ", half,
+             "; the rows of ", a->name, " must not overlap (stride[0] at least rotary_dim / 2)");
+    }
+  }
+}
 
 }  // namespace
 
@@ -830,6 +901,24 @@ KvcacheProblem validate_kvcache(const KvcacheArgs& args, PointerInspector inspec
            "] (0: the heuristic, kvcache_num_splits)");
   }
 
+  // The append (k_new, v_new) and its rotary embedding (rotary_cos, rotary_sin).
+  const Arg kn{"k_new", args.k_new, kNewDims, 4}, vn{"v_new", args.v_new, kNewDims, 4},
+      cos{"rotary_cos", args.rotary_cos, kRotaryDims, 2}, sin{"rotary_sin", args.rotary_sin, kRotaryDims, 2};
+  together(c, kn, vn, "k_new and v_new are given together (the appended keys and their values)");
+  together(c, cos, sin, "rotary_cos and rotary_sin are given together");
+  const bool append = given(args.k_new), rotary = given(args.rotary_cos);
+  if (rotary && !append) {
+    c.fail("rotary_cos is given without k_new; the rotary embedding applies with an append (k_new, v_new) only");
+  }
+  if (append) {
+    if (!given(args.cache_seqlens)) {
+      c.fail("k_new is given without cache_seqlens; an append needs cache_seqlens (each sequence's length before "
+             "it: where its new keys go)");
+    }
+    new_keys(c, kn, vn, q, k, dtype, seqlen_cache, paged, page_table);
+  }
+  if (rotary) rotary_tables(c, cos, sin, q.t.shape[3]);
+
   KvcacheProblem p;
   p.dtype = dtype;
   p.batch = static_cast<int>(batch);
@@ -854,11 +943,23 @@ KvcacheProblem validate_kvcache(const KvcacheArgs& args, PointerInspector inspec
   p.window_left = m.window_left;
   p.window_right = m.window_right;
   p.softcap = m.softcap;
+  p.seqlen_new = append ? static_cast<int>(kn.t.shape[1]) : 0;
+  p.rotary_dim = rotary ? static_cast<int>(2 * cos.t.shape[1]) : 0;
+  p.rotary_interleaved = rotary && args.rotary_interleaved;
+  p.seqlen_ro = rotary ? static_cast<int>(cos.t.shape[0]) : 0;
 
-  // Pointers last, and only when there is something to compute.
+  // Pointers last, and only when there is something to compute (k_new and v_new where not empty,
+  // 16-byte aligned as the others; the rotary tables read element by element, 4-byte).
   if (p.batch > 0 && p.seqlen_q > 0) {
     c.pointers(all, lse_if, inspect);
     c.int32_pointers(index, inspect);
+    if (append) c.pointers({&kn, &vn}, nullptr, inspect);
+    if (rotary) {
+      for (const Arg* a : {&cos, &sin}) {
+        if (a->t.data == nullptr) c.fail(a->name, ".data is null; ", a->name, " needs a device pointer");
+        c.pointer(std::string(a->name) + ".data", a->t.data, 4, inspect, "rotary table pointers");
+      }
+    }
   }
   return p;
 }

@@ -4,7 +4,9 @@ GPU: the attention math in float64, written into the caller's buffers as the lib
 that see no key: out 0, lse +inf; dq 0; FP8 inputs dequantized by their scales first;
 variable-length batches one sequence at a time, out and lse rows past seqused_q untouched,
 gradient rows past seqused 0; a KV cache one batch entry at a time over its keys, cache
-positions [cache_leftpad[b], cache_seqlens[b]) gathered from its cache entry or its pages), and
+positions [cache_leftpad[b], cache_seqlens[b]) gathered from its cache entry or its pages, after
+the append of k_new, v_new with rotary as the kernel makes it, by the torch reference
+flash3.kvcache.append), and
 the FP8 block quantization (with the Hadamard rotation of src/quant/hadamard.h) computed as the
 kernel does, in float32 where it rounds. Everything above them (the operators, their fakes and
 autograd, the eager paths, the allocation of outputs and the handling of dout, the host-side
@@ -276,16 +278,25 @@ def install(monkeypatch):
 
     def forward_kvcache_into(q, k_cache, v_cache, out, lse, cache_seqlens=None, softmax_scale=None, causal=False,
                              window_left=-1, window_right=-1, softcap=0.0, cache_batch_idx=None, cache_leftpad=None,
-                             page_table=None, num_splits=0, check_page_table=False, check_seqlens=False):
+                             page_table=None, num_splits=0, check_page_table=False, check_seqlens=False, k_new=None,
+                             v_new=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=True):
         calls.append(("fwd_kvcache", dict(q=q, k_cache=k_cache, v_cache=v_cache, out=out, lse=lse,
                                           cache_seqlens=cache_seqlens, softmax_scale=softmax_scale, causal=causal,
                                           window_left=window_left, window_right=window_right, softcap=softcap,
                                           cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
                                           page_table=page_table, num_splits=num_splits,
-                                          check_page_table=check_page_table, check_seqlens=check_seqlens)))
+                                          check_page_table=check_page_table, check_seqlens=check_seqlens,
+                                          k_new=k_new, v_new=v_new, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                                          rotary_interleaved=rotary_interleaved)))
         if check_seqlens or check_page_table:  # flash3's host-side check, as the real forward_kvcache_into makes it
             flash3._kernels.check_kvcache_values(k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, page_table,
                                                  check_seqlens, check_page_table)
+        if k_new is not None:  # the kernel's append: the new rows written (rotated), then attended to with q rotated
+            n_cache = k_cache.shape[1] * (page_table.shape[1] if page_table is not None else 1)
+            by_token = flash3.kvcache.rotates_q_by_token(causal, window_left, window_right, q.shape[1], n_cache)
+            q, cache_seqlens = flash3.kvcache.append(q, k_cache, v_cache, k_new, v_new, rotary_cos, rotary_sin,
+                                                     cache_seqlens, rotary_interleaved, by_token, cache_batch_idx,
+                                                     page_table)
         kw = dict(softmax_scale=softmax_scale, causal=causal, window=(window_left, window_right), softcap=softcap)
         for b in range(q.shape[0]):  # entry b over its keys, the masks aligned bottom-right to them
             k, v = kvcache_sequence(k_cache, v_cache, b, cache_seqlens, cache_batch_idx, cache_leftpad, page_table)

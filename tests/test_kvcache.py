@@ -3,9 +3,11 @@ operator flash3::fwd_kvcache (schema, fake), forward_kvcache_into and the C stru
 (flash3_kvcache_args, read back by a C function built from include/flash3/flash3_c.h), the
 cache layouts (contiguous, a larger cache read through cache_batch_idx, paged through page_table
 with any page size and pages in any order, cache_leftpad), num_splits, the append of new keys
-and values with rotary embedding (flash3.kvcache) into each layout against a float64 RoPE written
-here, the host-side checks of the index values, the arguments not supported yet, argument
-errors, torch.compile, CUDA graphs, and the kernels' results.
+and values with rotary embedding inside the kernel (k_new, v_new, rotary_cos, rotary_sin; on the
+CPU the stand-in runs flash3.kvcache's torch reference) into each layout against a float64 RoPE
+written here and, on the GPU, against the torch reference (the same cache: v bitwise, k within
+one rounding), the host-side checks of the index values, the arguments not supported yet,
+argument errors, opcheck, torch.compile, CUDA graphs, and the kernels' results.
 
 Sequence b of q (batch, seqlen_q, nheads, headdim) attends to its cache positions
 [cache_leftpad[b], cache_seqlens[b]), read from cache entry cache_batch_idx[b] (default b) or
@@ -38,10 +40,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
-FWD_KVCACHE_SCHEMA = ("flash3::fwd_kvcache(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? cache_seqlens=None, "
-                      "float? softmax_scale=None, bool causal=False, SymInt window_left=-1, SymInt window_right=-1, "
-                      "float softcap=0., Tensor? cache_batch_idx=None, Tensor? cache_leftpad=None, "
-                      "Tensor? page_table=None, SymInt num_splits=0) -> (Tensor, Tensor)")
+FWD_KVCACHE_SCHEMA = ("flash3::fwd_kvcache(Tensor q, Tensor(a1!) k_cache, Tensor(a2!) v_cache, "
+                      "Tensor? cache_seqlens=None, float? softmax_scale=None, bool causal=False, "
+                      "SymInt window_left=-1, SymInt window_right=-1, float softcap=0., Tensor? cache_batch_idx=None, "
+                      "Tensor? cache_leftpad=None, Tensor? page_table=None, SymInt num_splits=0, Tensor? k_new=None, "
+                      "Tensor? v_new=None, Tensor? rotary_cos=None, Tensor? rotary_sin=None, "
+                      "bool rotary_interleaved=True) -> (Tensor, Tensor)")
 INDEX = ("cache_seqlens", "cache_batch_idx", "cache_leftpad", "page_table")  # the index tensors of a problem
 _ = inspect.Parameter.empty
 # FlashAttention-3, hopper/flash_attn_interface.py: (name, default) in order.
@@ -163,7 +167,9 @@ def check_kvcache(p, out, lse, causal=False, window=(-1, -1), softcap=0.0, scale
 def test_cpu_op_registered_and_signature_is_fa3s():
     assert str(torch.ops.flash3.fwd_kvcache.default._schema) == FWD_KVCACHE_SCHEMA
     op = torch.ops.flash3.fwd_kvcache.default
-    assert torch.Tag.pt2_compliant_tag in op.tags and not op._schema.is_mutable
+    assert torch.Tag.pt2_compliant_tag in op.tags and op._schema.is_mutable  # the append writes the cache
+    assert [a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write] == [
+        "k_cache", "v_cache"]
     assert {"flash_attn_with_kvcache", "forward_kvcache_into"} <= set(flash3.__all__)
     assert flash3.flash_attn_interface.flash_attn_with_kvcache is flash3.flash_attn_with_kvcache
     params = list(inspect.signature(flash3.flash_attn_with_kvcache).parameters.values())
@@ -415,6 +421,7 @@ APPEND_CASES = [  # seqlen_q, seqlen_new, causal, window, rotary_dim (0: none), 
     ("chunk40_noncausal_rotary", 40, 40, False, (-1, -1), 64, False),
     ("window_rotary_interleaved", 5, 5, False, (8, 0), 16, True),
     ("append_without_rotary", 2, 7, True, (-1, -1), 0, False),
+    ("window_excluding_nothing_rotary", 3, 3, False, (1000, 1000), 32, False),
 ]
 
 
@@ -422,9 +429,10 @@ APPEND_CASES = [  # seqlen_q, seqlen_new, causal, window, rotary_dim (0: none), 
 @pytest.mark.parametrize("case", APPEND_CASES, ids=[c[0] for c in APPEND_CASES])
 def test_append_with_rotary(monkeypatch, device, case):
     """k, v appended at cache_seqlens (rows before and after untouched), the new keys and q rotated
-    as FlashAttention-3 says (q at cache_seqlens + i when causal or local, else at cache_seqlens),
-    against the float64 RoPE within the input dtype's rounding; out is the attention of the
-    rotated q over the cache with cache_seqlens + seqlen_new keys (the reference's results)."""
+    as FlashAttention-3 says (q at cache_seqlens + i when causal or local, else at cache_seqlens;
+    a window bound that excludes nothing, left >= seqlen_cache - 1 or right >= seqlen_q - 1, is no
+    bound), against the float64 RoPE within the input dtype's rounding; out is the attention of
+    the rotated q over the cache with cache_seqlens + seqlen_new keys (the reference's results)."""
     if device == "cpu":
         stand_in.install(monkeypatch)
     _, sq, s_new, causal, window, rot, interleaved = case
@@ -442,7 +450,7 @@ def test_append_with_rotary(monkeypatch, device, case):
     assert lens.tolist() == [0, 50, sc - s_new], "cache_seqlens must not change (the caller advances it)"
     start = lens.long()[:, None]
     pos_k = start + torch.arange(s_new, device=device)[None, :]
-    local = causal or window != (-1, -1)
+    local = causal or 0 <= window[0] < sc - 1 or 0 <= window[1] < sq - 1
     pos_q = start + torch.arange(sq, device=device)[None, :] if local else start.expand(b, sq)
     want_k = rope_reference(k_new, cos, sin, pos_k, interleaved) if rot else k_new.double()
     want_q = rope_reference(p["q"], cos, sin, pos_q, interleaved) if rot else p["q"].double()
@@ -541,6 +549,127 @@ def test_append_into_pages_and_entries(monkeypatch, device, case):
                   window)
 
 
+def one_rounding_apart(got, want, scale):
+    """Whether every element of got (bfloat16 or float16) is within one unit in the last place of
+    want's, give or take 2^-20 x scale: the same rotation in float32 done in another order (an FMA,
+    say) moves a sum of terms at most `scale` in size by a few float32 units of them before its one
+    rounding to 16 bits, which matters where the terms nearly cancel."""
+    precision = {torch.bfloat16: 8, torch.float16: 11}[want.dtype]
+    w = want.double()
+    _, exponent = torch.frexp(w)
+    ulp = torch.ldexp(torch.ones_like(w), exponent - precision)
+    return bool(((got.double() - w).abs() <= ulp + 2**-20 * float(scale)).all())
+
+
+FUSED_CASES = [  # name, layout (a page size, "contiguous" or "batch_idx"), headdim, seqlen_q, seqlen_new, causal,
+    #              window, rotary_dim (0: none), interleaved, cache_leftpad, the tables' dtype (None: float32)
+    ("decode_contiguous_neox", "contiguous", 128, 1, 1, True, (-1, -1), 64, False, False, None),
+    ("decode_paged16_interleaved_full_leftpad", 16, 128, 1, 1, True, (-1, -1), 128, True, True, None),
+    ("spec4_batch_idx_rot16", "batch_idx", 64, 4, 4, True, (-1, -1), 16, False, False, None),
+    ("chunk130_paged64_window_hdim256", 64, 256, 130, 130, True, (40, -1), 256, True, True, None),
+    ("noncausal_q3_paged1", 1, 64, 3, 3, False, (-1, -1), 32, False, False, None),
+    ("window_right1_q3_interleaved", "contiguous", 128, 3, 3, False, (-1, 1), 64, True, False, None),
+    # a window that excludes nothing is no window (FlashAttention-3's normalization): q rotated at
+    # cache_seqlens, every row
+    ("window_excluding_nothing_q3", "contiguous", 128, 3, 3, False, (100000, 100000), 64, False, False, None),
+    ("append300_paged256_q7_no_rotary", 256, 128, 7, 300, False, (-1, -1), 0, False, True, None),
+    ("decode_paged16_q_dtype_tables", 16, 64, 1, 2, True, (-1, -1), 48, True, False, "q"),
+]
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", FUSED_CASES, ids=[c[0] for c in FUSED_CASES])
+def test_fused_append_matches_torch_reference(dtype, case):
+    """The append inside the kernel against the torch reference (flash3.kvcache.append on a copy of
+    the cache, then the kernel without an append over the lengths after it, with q rotated by the
+    reference): the same cache, v bitwise and k within one rounding (the rotation in float32,
+    rounded once either way), every other row untouched; out within the reference's tolerance of
+    the FP64 attention over the reference's cache and rotated q, and close to the unfused call's.
+    Layouts: contiguous, cache_batch_idx, pages of 1 to 256 keys (appends across page boundaries:
+    lengths 0, page_size - 1, 2 page_size + 5, 3 page_size - 1), cache_leftpad; rotary_dim 16 to
+    head_dim, both pair layouts, q rotated by token (causal, a window) or at cache_seqlens
+    (neither; also a window that excludes nothing); tables of q's dtype converted, strided."""
+    name, layout, d, sq, s_new, causal, window, rot, interleaved, leftpad, table_dtype = case
+    page_size = layout if isinstance(layout, int) else None
+    unit = page_size or 64
+    starts = [0, unit - 1, 2 * unit + 5, 3 * unit - 1]
+    b, h, hk = len(starts), 8, 2
+    capacity = max(starts) + s_new + 3
+    p = kv_problem(starts, sq, h, hk, d, dtype, "cuda", seed=seed_of(name, str(dtype)), page_size=page_size,
+                   capacity=capacity, batch_idx=layout == "batch_idx", leftpad=leftpad)
+    g = torch.Generator(device="cuda").manual_seed(seed_of(name, "new"))
+    k_new = torch.randn(b, s_new, hk, d, generator=g, device="cuda").to(dtype)
+    v_new = torch.randn(b, s_new, hk, d, generator=g, device="cuda").to(dtype)
+    cos = sin = None
+    if rot:
+        cos, sin = rotary_tables(capacity + sq + 8, rot, "cuda")
+        if table_dtype == "q":  # rows of a wider table of q's dtype: converted to float32 by flash3
+            cos = torch.cat((cos, cos), dim=1).to(dtype)[:, :rot // 2]
+            sin = torch.cat((sin, sin), dim=1).to(dtype)[:, :rot // 2]
+    kc, vc = p["k_cache"], p["v_cache"]
+    k_ref, v_ref = kc.clone(), vc.clone()
+    lens = p["cache_seqlens"]
+    kw = dict(cache_batch_idx=p["cache_batch_idx"], cache_leftpad=p["cache_leftpad"], page_table=p["page_table"],
+              causal=causal, window_size=window)
+    out, lse = flash3.flash_attn_with_kvcache(p["q"], kc, vc, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
+                                              cache_seqlens=lens, rotary_interleaved=interleaved,
+                                              return_softmax_lse=True, **kw)
+    torch.cuda.synchronize()
+    assert lens.tolist() == starts, "cache_seqlens must not change (the caller advances it)"
+    c, left, right = flash3.flash_attn_interface._window(window, causal)
+    n_cache = kc.shape[1] * (p["page_table"].shape[1] if page_size else 1)
+    by_token = flash3.kvcache.rotates_q_by_token(c, left, right, sq, n_cache)
+    assert by_token == (name != "window_excluding_nothing_q3" and (causal or window != (-1, -1)))
+    q_rot, lens_after = flash3.kvcache.append(p["q"], k_ref, v_ref, k_new, v_new, cos, sin, lens, interleaved,
+                                              by_token, p["cache_batch_idx"], p["page_table"])
+    assert torch.equal(vc, v_ref), "v_cache differs from the torch reference's"
+    if rot:
+        assert one_rounding_apart(kc, k_ref, k_new.abs().max()), "k_cache differs from the torch reference's"
+    else:
+        assert torch.equal(kc, k_ref), "k_cache (no rotary) differs from the torch reference's"
+    ref = dict(p, q=q_rot, k_cache=k_ref, v_cache=v_ref, cache_seqlens=lens_after)
+    check_kvcache(ref, out, lse, causal, window)
+    unfused, unfused_lse = flash3.flash_attn_with_kvcache(q_rot, k_ref, v_ref, cache_seqlens=lens_after,
+                                                          return_softmax_lse=True, **kw)
+    torch.testing.assert_close(out, unfused, rtol=2**-6, atol=2**-7)
+    torch.testing.assert_close(lse, unfused_lse, rtol=0, atol=1e-3)
+
+
+@gpu
+def test_cuda_graph_decode_step_with_append_replayed():
+    """A decode step with an append and rotary (paged cache, num_splits 4) captured into a CUDA
+    graph and replayed with new rows in k_new, v_new and new lengths in cache_seqlens (copied into
+    the captured tensors, as a serving loop does): each replay writes the new rows at the new
+    lengths (the torch reference's cache: v bitwise, k within one rounding) and attends to them
+    (the reference's results)."""
+    p = kv_problem([1, 100, 300, 17], 1, 16, 2, 128, device="cuda", seed=10, page_size=16, capacity=512)
+    q, kc, vc, lens, table = p["q"], p["k_cache"], p["v_cache"], p["cache_seqlens"], p["page_table"]
+    g = torch.Generator(device="cuda").manual_seed(11)
+    k_new = torch.randn(4, 1, 2, 128, generator=g, device="cuda").to(torch.bfloat16)
+    v_new = torch.randn(4, 1, 2, 128, generator=g, device="cuda").to(torch.bfloat16)
+    cos, sin = rotary_tables(600, 64, "cuda")
+
+    def step():
+        return flash3.flash_attn_with_kvcache(q, kc, vc, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
+                                              cache_seqlens=lens, page_table=table, causal=True, num_splits=4,
+                                              return_softmax_lse=True)
+
+    graph, _, (out, lse) = capture(step)
+    for new in ([2, 101, 301, 18], [0, 511, 64, 129]):
+        lens.copy_(torch.tensor(new, dtype=torch.int32))
+        k_new.normal_(generator=g)
+        v_new.normal_(generator=g)
+        k_ref, v_ref = kc.clone(), vc.clone()
+        q_rot, lens_after = flash3.kvcache.append(q, k_ref, v_ref, k_new, v_new, cos, sin, lens, True, True,
+                                                  page_table=table)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(vc, v_ref) and one_rounding_apart(kc, k_ref, k_new.abs().max())
+        check_kvcache(dict(p, q=q_rot, k_cache=k_ref, v_cache=v_ref, cache_seqlens=lens_after), out, lse, causal=True)
+
+
 def test_cpu_compile_fullgraph_paged(calls):
     """torch.compile(fullgraph=True) through flash3::fwd_kvcache with page_table, cache_leftpad and
     num_splits, and the append with rotary into the pages: the same results and cache as the
@@ -565,7 +694,10 @@ def test_cpu_compile_fullgraph_paged(calls):
     c = calls[-1][1]
     assert c["num_splits"] == 3 and torch.equal(c["page_table"], p["page_table"])
     assert torch.equal(c["cache_leftpad"], p["cache_leftpad"]) and c["cache_batch_idx"] is None
-    assert c["cache_seqlens"].tolist() == [7, 32, 19]
+    # the append reaches the kernel: the lengths before it, the new rows and the tables
+    assert c["cache_seqlens"].tolist() == [5, 30, 17]
+    assert torch.equal(c["k_new"], k) and torch.equal(c["v_new"], v) and c["rotary_interleaved"] is True
+    assert torch.equal(c["rotary_cos"], cos) and torch.equal(c["rotary_sin"], sin)
 
 
 def test_cpu_compile_fullgraph_with_append(calls):
@@ -587,6 +719,35 @@ def test_cpu_compile_fullgraph_with_append(calls):
     assert torch.equal(p["k_cache"], kc) and torch.equal(p["v_cache"], vc)
 
 
+OPCHECK_CASES = [  # name, kv_problem's layout keywords, seqlen_new (0: no append), rotary_dim (0: none), kwargs
+    ("plain", dict(), 0, 0, dict(causal=True)),
+    ("paged_append_rotary", dict(page_size=16, leftpad=True), 3, 32, dict(causal=True, rotary_interleaved=False)),
+    ("batch_idx_append", dict(batch_idx=True), 2, 0, dict(window_left=20, window_right=0, num_splits=3)),
+    ("append_rotary_noncausal", dict(), 1, 64, dict(softcap=5.0)),
+]
+
+
+@pytest.mark.parametrize("case", OPCHECK_CASES, ids=[c[0] for c in OPCHECK_CASES])
+def test_cpu_opcheck_with_stand_in(calls, case):
+    """torch.library.opcheck of flash3::fwd_kvcache with the CPU stand-in (schema: the cache written
+    only where declared, k_cache and v_cache; fake against real outputs; AOT dispatch with dynamic
+    shapes, the cache's update included), with and without an append; no input requires grad
+    (inference only)."""
+    name, layout, s_new, rot, kwargs = case
+    p = kv_problem([5, 30, 17], 2, 4, 2, 64, seed=seed_of(name), capacity=40, **layout)
+    extra = {}
+    if s_new:
+        g = torch.Generator().manual_seed(13)
+        extra = dict(k_new=torch.randn(3, s_new, 2, 64, generator=g).to(torch.bfloat16),
+                     v_new=torch.randn(3, s_new, 2, 64, generator=g).to(torch.bfloat16))
+    if rot:
+        extra["rotary_cos"], extra["rotary_sin"] = rotary_tables(48, rot, "cpu")
+    args = (p["q"], p["k_cache"], p["v_cache"], p["cache_seqlens"])
+    index = {n: p[n] for n in INDEX[1:] if p[n] is not None}
+    torch.library.opcheck(torch.ops.flash3.fwd_kvcache.default, args, dict(kwargs, **index, **extra))
+    assert calls and all(c["k_new"] is not None for _, c in calls) == bool(s_new)
+
+
 @pytest.mark.parametrize("change, pattern", [
     (dict(v=None), r"^k and v: give both or neither"),
     (dict(k=torch.zeros(2, 3, 1, 32, dtype=torch.bfloat16)), r"^k: shape \(2, 3, 1, 32\), expected"),
@@ -595,12 +756,15 @@ def test_cpu_compile_fullgraph_with_append(calls):
     (dict(rotary_sin=None), r"^rotary_cos and rotary_sin: give both or neither"),
     (dict(k=None, v=None), r"^rotary_cos: applies with k and v only"),
     (dict(rotary_cos=torch.zeros(10, 40), rotary_sin=torch.zeros(10, 40)), r"^rotary_cos: shape \(10, 40\); "),
+    (dict(rotary_cos=torch.zeros(10, 12), rotary_sin=torch.zeros(10, 12)),
+     r"^rotary_cos: shape \(10, 12\); rotary_dim = 2 x its dim 1 must be a multiple of 16 in \[16, headdim = 64\] "
+     r"and seqlen_ro at least 1"),
     (dict(rotary_sin=torch.zeros(10, 8)), r"^rotary_sin: shape \(10, 8\) differs"),
     (dict(cache_seqlens=None), r"^cache_seqlens: required with k and v"),
     (dict(k=torch.zeros(2, 17, 1, 64, dtype=torch.bfloat16), v=torch.zeros(2, 17, 1, 64, dtype=torch.bfloat16)),
      r"^k: seqlen_new 17 overruns the cache: a sequence holds 16 keys \(seqlen_cache\)"),
-], ids=["v_missing", "k_shape", "v_seqlen", "k_dtype", "sin_missing", "rotary_without_k", "rotary_dim", "sin_shape",
-        "lens_missing", "overrun"])
+], ids=["v_missing", "k_shape", "v_seqlen", "k_dtype", "sin_missing", "rotary_without_k", "rotary_dim",
+        "rotary_dim_not_16", "sin_shape", "lens_missing", "overrun"])
 def test_cpu_bad_append_arguments_raise_naming_them(calls, change, pattern):
     p = problem(2, 1, 16, 2, 1, 64)
     cos, sin = rotary_tables(20, 32, "cpu")
@@ -725,12 +889,12 @@ def test_cpu_bad_arguments_raise_naming_them(calls, change, error, pattern):
 C_PROBE = r"""
 #include <stdint.h>
 #include "flash3/flash3_c.h"
-static double seen[40];
+static double seen[48];
 static int calls;
 const double* probe_seen(void) { return seen; }
 int probe_calls(void) { return calls; }
 uint64_t probe_layout(int i) {
-  const uint64_t v[] = {sizeof(flash3_kvcache_args), FLASH3_KVCACHE_ARGS_SIZE_V1,
+  const uint64_t v[] = {sizeof(flash3_kvcache_args), FLASH3_KVCACHE_ARGS_SIZE_V1, FLASH3_KVCACHE_ARGS_SIZE_V2,
                         offsetof(flash3_kvcache_args, causal), offsetof(flash3_kvcache_args, softmax_scale),
                         offsetof(flash3_kvcache_args, num_splits), offsetof(flash3_kvcache_args, q),
                         offsetof(flash3_kvcache_args, k_cache), offsetof(flash3_kvcache_args, v_cache),
@@ -739,7 +903,10 @@ uint64_t probe_layout(int i) {
                         offsetof(flash3_kvcache_args, cache_leftpad), offsetof(flash3_kvcache_args, page_table),
                         offsetof(flash3_kvcache_args, window), offsetof(flash3_kvcache_args, window_left),
                         offsetof(flash3_kvcache_args, window_right), offsetof(flash3_kvcache_args, softcap),
-                        offsetof(flash3_kvcache_args, stream)};
+                        offsetof(flash3_kvcache_args, stream), offsetof(flash3_kvcache_args, k_new),
+                        offsetof(flash3_kvcache_args, v_new), offsetof(flash3_kvcache_args, rotary_cos),
+                        offsetof(flash3_kvcache_args, rotary_sin), offsetof(flash3_kvcache_args, rotary_interleaved),
+                        offsetof(flash3_kvcache_args, reserved_v2)};
   return v[i];
 }
 int probe_fwd_kvcache(const flash3_kvcache_args* a, char* err, int n) {
@@ -754,6 +921,16 @@ int probe_fwd_kvcache(const flash3_kvcache_args* a, char* err, int n) {
                       (double)a->page_table.shape[1], (double)a->page_table.stride[0],
                       (double)a->page_table.stride[1]};
   for (int i = 0; i < 30; ++i) seen[i] = v[i];
+  for (int i = 30; i < 48; ++i) seen[i] = -1;  /* a v1 struct: the append's fields are not there */
+  if (a->struct_size >= FLASH3_KVCACHE_ARGS_SIZE_V2) {
+    const double w[] = {a->k_new.rank, a->k_new.dtype, (double)a->k_new.shape[1], (double)a->k_new.shape[2],
+                        (double)a->k_new.stride[1], a->v_new.rank, (double)a->v_new.shape[1],
+                        (double)a->v_new.stride[0], a->rotary_cos.rank, a->rotary_cos.dtype,
+                        (double)a->rotary_cos.shape[0], (double)a->rotary_cos.shape[1],
+                        (double)a->rotary_cos.stride[0], a->rotary_sin.rank, a->rotary_sin.dtype,
+                        (double)a->rotary_sin.stride[0], a->rotary_interleaved, a->reserved_v2};
+    for (int i = 0; i < 18; ++i) seen[30 + i] = w[i];
+  }
   ++calls;
   (void)err; (void)n;
   return 0;
@@ -761,7 +938,7 @@ int probe_fwd_kvcache(const flash3_kvcache_args* a, char* err, int n) {
 """
 LAYOUT_FIELDS = ("causal", "softmax_scale", "num_splits", "q", "k_cache", "v_cache", "out", "lse", "cache_seqlens",
                  "cache_batch_idx", "cache_leftpad", "page_table", "window", "window_left", "window_right", "softcap",
-                 "stream")
+                 "stream", "k_new", "v_new", "rotary_cos", "rotary_sin", "rotary_interleaved", "reserved_v2")
 
 
 @pytest.fixture
@@ -786,15 +963,21 @@ def test_cpu_kvcache_args_match_c_header(probe):
     """The struct forward_kvcache_into packs has the layout of flash3_kvcache_args as a C compiler
     lays it out (the size, every field's offset), and a C function reads back the values packed:
     the flags and numbers, the tensors' ranks, dtypes, shapes and strides, "not given" (NULL data,
-    rank 0) for the index tensors left out."""
+    rank 0) for the index tensors left out. Without an append the first version (760 bytes) is
+    packed; with one the second (1088 bytes: k_new, v_new, rotary_cos, rotary_sin,
+    rotary_interleaved), the rotary tables as float32 with contiguous rows."""
     from flash3 import _kernels, _lib
-    layout = [probe.probe_layout(i) for i in range(2 + len(LAYOUT_FIELDS))]
-    assert layout[:2] == [_lib.KVCACHE_ARGS_SIZE] * 2 == [_kernels._KVCACHE.size] * 2 == [760, 760]
-    assert layout[2:] == [getattr(_lib.KvcacheArgs, f).offset for f in LAYOUT_FIELDS]
+    layout = [probe.probe_layout(i) for i in range(3 + len(LAYOUT_FIELDS))]
+    assert layout[:3] == [_lib.KVCACHE_ARGS_SIZE, _lib.KVCACHE_ARGS_SIZE_V1, _lib.KVCACHE_ARGS_SIZE] == [
+        _kernels._KVCACHE_APPEND.size, _kernels._KVCACHE.size, _kernels._KVCACHE_APPEND.size] == [1088, 760, 1088]
+    assert layout[3:] == [getattr(_lib.KvcacheArgs, f).offset for f in LAYOUT_FIELDS]
     assert _lib.has_kvcache()
 
     def seen():
         return [probe.probe_seen()[i] for i in range(30)]
+
+    def seen_v2():
+        return [probe.probe_seen()[i] for i in range(30, 48)]
 
     p = kv_problem([5, 40, 17], 2, 8, 2, 64, seed=1, page_size=16, capacity=48, leftpad=True)
     q, kc, vc = p["q"], p["k_cache"], p["v_cache"]
@@ -808,21 +991,44 @@ def test_cpu_kvcache_args_match_c_header(probe):
         "cache_seqlens"])
     assert seen()[:9] == [760, 0, 0.0, 0, 0, -1, -1, 0.0, 0x5000]
     assert seen()[15:] == [0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0]
+    assert seen_v2() == [-1] * 18
     assert probe.probe_calls() == 2
+    # the append: k_new, v_new as given (v_new a slice: its strides), bfloat16 tables of a wider
+    # table converted; rotary_interleaved True by default
+    k_new = torch.zeros(3, 5, 2, 64, dtype=torch.bfloat16)
+    v_new = torch.zeros(3, 9, 2, 64, dtype=torch.bfloat16)[:, 2:7]
+    cos = torch.zeros(50, 48, dtype=torch.bfloat16)[:, :16]
+    flash3.forward_kvcache_into(q, kc, vc, out, lse, p["cache_seqlens"], page_table=table, k_new=k_new, v_new=v_new,
+                                rotary_cos=cos, rotary_sin=cos)
+    assert seen()[0] == 1088 and seen()[17:] == [1, 5, 3, 0, 0, 0, 0, 2, 5, 3, 3, 8, 1]
+    assert seen_v2() == [4, 1, 5, 2, 128, 4, 5, 9 * 128, 2, 2, 50, 16, 16, 2, 2, 16, 1, 0]
+    flash3.forward_kvcache_into(q, kc, vc, out, lse, p["cache_seqlens"], page_table=table, k_new=k_new, v_new=v_new,
+                                rotary_interleaved=False)
+    assert seen_v2() == [4, 1, 5, 2, 128, 4, 5, 9 * 128, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
+    assert probe.probe_calls() == 4
 
 
 def test_cpu_forward_kvcache_into_names_bad_tensors(probe):
     """What the library cannot be handed (not a tensor, a dtype it has no code for, rank > 4) is
-    refused before the call, naming the argument; so are num_splits and softmax_scale."""
+    refused before the call, naming the argument (the append's k_new, v_new, rotary_cos, rotary_sin
+    too); so are num_splits and softmax_scale."""
     p = kv_problem([5, 40], 1, 4, 2, 64, page_size=16, capacity=48)
     q, kc, vc = p["q"], p["k_cache"], p["v_cache"]
     out = torch.empty_like(q)
+    new, cos = torch.zeros(2, 1, 2, 64, dtype=torch.bfloat16), torch.zeros(8, 16)
     cases = [(dict(page_table=p["page_table"].long()), r"^page_table: dtype torch.int64 is not supported \(use "
                                                        r"torch.int32\)"),
              (dict(page_table=p["page_table"], cache_leftpad=[0, 1]), r"^cache_leftpad: expected a torch.Tensor"),
              (dict(cache_batch_idx=torch.zeros(2, dtype=torch.int16)), r"^cache_batch_idx: dtype torch.int16"),
              (dict(page_table=p["page_table"], num_splits=99), r"^num_splits: must be an int in \[0, 64\]"),
-             (dict(softmax_scale=float("inf")), r"^softmax_scale")]
+             (dict(softmax_scale=float("inf")), r"^softmax_scale"),
+             (dict(k_new=new.long(), v_new=new), r"^k_new: dtype torch.int64 is not supported \(use torch.bfloat16 "
+                                                 r"or torch.float16\)"),
+             (dict(k_new=new, v_new=new[None]), r"^v_new: rank 5 is not supported \(at most 4\)"),
+             (dict(k_new=new, v_new=new, rotary_cos=[[1.0]], rotary_sin=cos), r"^rotary_cos: expected a torch.Tensor, "
+                                                                              r"got list"),
+             (dict(k_new=new, v_new=new, rotary_cos=cos, rotary_sin=cos.long()), r"^rotary_sin: dtype torch.int64 is "
+                                                                                 r"not supported \(use torch.float32\)")]
     for kw, pattern in cases:
         with pytest.raises(ValueError, match=pattern):
             flash3.forward_kvcache_into(q, kc, vc, out, None, p["cache_seqlens"], **kw)

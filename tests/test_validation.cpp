@@ -2294,6 +2294,270 @@ TEST_F(ValidateKvcache, EmptyProblemsSkipPointerChecks) {
   EXPECT_EQ(g_calls, 4);  // q, out, lse, cache_seqlens
 }
 
+// ---- the append (k_new, v_new) and its rotary tables (rotary_cos, rotary_sin) -------------------
+
+// Fake addresses of the append's tensors (16-byte aligned, distinct from the others').
+constexpr uintptr_t kKNewAt = 0xE00000, kVNewAt = 0xF00000, kCosAt = 0x1100000, kSinAt = 0x1200000;
+
+// a with an append of s_new rows: k_new, v_new (batch, s_new, nheads_kv, head_dim) of q's dtype,
+// contiguous (null data when with_data is false).
+KvcacheArgs with_append(KvcacheArgs a, int64_t s_new, bool with_data = true) {
+  const int64_t b = a.q.shape[0], hk = a.k_cache.shape[2], d = a.k_cache.shape[3];
+  a.k_new = TensorRef::contiguous(with_data ? fake_ptr(kKNewAt) : nullptr, a.q.dtype, {b, s_new, hk, d});
+  a.v_new = TensorRef::contiguous(with_data ? fake_ptr(kVNewAt) : nullptr, a.q.dtype, {b, s_new, hk, d});
+  return a;
+}
+
+// a with rotary tables rotary_cos, rotary_sin float32 (seqlen_ro, rotary_dim / 2), contiguous.
+KvcacheArgs with_rotary(KvcacheArgs a, int64_t seqlen_ro, int64_t rotary_dim) {
+  a.rotary_cos = TensorRef::contiguous(fake_ptr(kCosAt), DType::kFloat32, {seqlen_ro, rotary_dim / 2});
+  a.rotary_sin = TensorRef::contiguous(fake_ptr(kSinAt), DType::kFloat32, {seqlen_ro, rotary_dim / 2});
+  return a;
+}
+
+TEST_F(ValidateKvcache, AppendWithRotaryIsFilled) {
+  KvcacheArgs b = with_rotary(with_append(a, 3), 600, 64);
+  b.rotary_interleaved = true;
+  KvcacheProblem p = problem(b);
+  EXPECT_EQ(p.seqlen_new, 3);
+  EXPECT_EQ(p.rotary_dim, 64);
+  EXPECT_TRUE(p.rotary_interleaved);
+  EXPECT_EQ(p.seqlen_ro, 600);
+  EXPECT_EQ(p.seqlen_cache, 512);  // the cache's shape, not the lengths after the append
+  // q, k_cache, v_cache, out, lse, cache_seqlens, k_new, v_new, rotary_cos, rotary_sin
+  EXPECT_EQ(g_calls, 10);
+  b.rotary_interleaved = false;
+  EXPECT_FALSE(problem(b).rotary_interleaved);
+  // without rotary: rotary_dim 0, not interleaved whatever the flag says
+  b = with_append(a, 3);
+  b.rotary_interleaved = true;
+  p = problem(b);
+  EXPECT_EQ(p.seqlen_new, 3);
+  EXPECT_EQ(p.rotary_dim, 0);
+  EXPECT_FALSE(p.rotary_interleaved);
+  EXPECT_EQ(p.seqlen_ro, 0);
+  // without an append: seqlen_new 0 (the baseline)
+  p = problem(a);
+  EXPECT_EQ(p.seqlen_new, 0);
+  EXPECT_EQ(p.rotary_dim, 0);
+  EXPECT_EQ(p.seqlen_ro, 0);
+  // paged, float16, every head dim and the rotary_dim bounds (16, head_dim); one table row
+  for (int64_t d : {64, 128, 256}) {
+    for (int64_t rot : {int64_t{16}, d}) {
+      KvcacheArgs c = with_rotary(with_append(make_paged(3, 4, 40, 16, 10, 8, 2, d), 5), 1, rot);
+      for (TensorRef* t : {&c.q, &c.k_cache, &c.v_cache, &c.out, &c.k_new, &c.v_new}) t->dtype = DType::kFloat16;
+      p = problem(c);
+      EXPECT_EQ(p.seqlen_new, 5);
+      EXPECT_EQ(p.rotary_dim, rot);
+      EXPECT_EQ(p.seqlen_ro, 1);
+    }
+  }
+}
+
+// seqlen_new 0 (an empty append) is an append of nothing: no pointer needed for k_new, v_new.
+TEST_F(ValidateKvcache, EmptyAppendNeedsNoPointers) {
+  const KvcacheArgs b = with_rotary(with_append(a, 0, /*with_data=*/false), 8, 32);
+  const KvcacheProblem p = problem(b);
+  EXPECT_EQ(p.seqlen_new, 0);
+  EXPECT_EQ(p.rotary_dim, 32);
+  EXPECT_EQ(g_calls, 8);  // the rotary tables are still read (q is rotated)
+}
+
+TEST_F(ValidateKvcache, AppendArgumentsComeTogether) {
+  KvcacheArgs b = with_append(a, 3);
+  b.v_new = TensorRef{};
+  EXPECT_TRUE(kvcache_fails(b, {"v_new is not given but k_new is; k_new and v_new are given together (the appended "
+                                "keys and their values)"}));
+  b = with_append(a, 3);
+  b.k_new = TensorRef{};
+  EXPECT_TRUE(kvcache_fails(b, {"k_new is not given but v_new is; k_new and v_new are given together"}));
+  b = with_rotary(with_append(a, 3), 600, 64);
+  b.rotary_sin = TensorRef{};
+  EXPECT_TRUE(kvcache_fails(b, {"rotary_sin is not given but rotary_cos is; rotary_cos and rotary_sin are given "
+                                "together"}));
+  b = with_rotary(with_append(a, 3), 600, 64);
+  b.rotary_cos = TensorRef{};
+  EXPECT_TRUE(kvcache_fails(b, {"rotary_cos is not given but rotary_sin is"}));
+  b = with_rotary(a, 600, 64);
+  EXPECT_TRUE(kvcache_fails(b, {"rotary_cos is given without k_new; the rotary embedding applies with an append "
+                                "(k_new, v_new) only"}));
+  b = with_append(a, 3);
+  b.cache_seqlens = TensorRef{};
+  EXPECT_TRUE(kvcache_fails(b, {"k_new is given without cache_seqlens; an append needs cache_seqlens (each "
+                                "sequence's length before it: where its new keys go)"}));
+  b.k_new = b.v_new = TensorRef{};  // no append: the whole cache, as before
+  EXPECT_NO_THROW(problem(b));
+}
+
+TEST_F(ValidateKvcache, AppendShapesAndDtypes) {
+  KvcacheArgs b = with_append(a, 3);
+  b.k_new.rank = 3;
+  EXPECT_TRUE(kvcache_fails(b, {"k_new.rank is 3; k_new must have rank 4 (batch, seqlen_new, nheads_kv, head_dim)"}));
+  b = with_append(a, 3);
+  b.v_new.dtype = DType::kFloat16;
+  EXPECT_TRUE(kvcache_fails(b, {"v_new.dtype is float16 but q.dtype is bfloat16; k_new and v_new must have q's dtype "
+                                "(the cache's)"}));
+  b = with_append(a, 3);
+  b.k_new.dtype = DType::kFloat32;
+  EXPECT_TRUE(kvcache_fails(b, {"k_new.dtype is float32 but q.dtype is bfloat16"}));
+  b = with_append(a, 3);
+  b.k_new.shape[1] = b.v_new.shape[1] = -1;
+  EXPECT_TRUE(kvcache_fails(b, {"k_new.shape[1] (seqlen_new) is -1; sizes must be >= 0"}));
+  b = with_append(a, 3);
+  b.k_new.shape[0] = b.v_new.shape[0] = 3;
+  EXPECT_TRUE(kvcache_fails(b, {"k_new.shape[0] (batch) is 3 but q.shape[0] (batch) is 2; k_new must have q's "
+                                "batch"}));
+  b = with_append(a, 3);
+  b.k_new.shape[2] = b.v_new.shape[2] = 4;
+  EXPECT_TRUE(kvcache_fails(b, {"k_new.shape[2] (nheads_kv) is 4 but k_cache.shape[2] (nheads_kv) is 2; k_new must "
+                                "have the cache's nheads_kv"}));
+  b = with_append(a, 3);
+  b.k_new.shape[3] = b.v_new.shape[3] = 64;
+  EXPECT_TRUE(kvcache_fails(b, {"k_new.shape[3] (head_dim) is 64 but k_cache.shape[3] (head_dim) is 128; k_new must "
+                                "have the cache's head_dim"}));
+  b = with_append(a, 3);
+  b.v_new.shape[1] = 2;
+  EXPECT_TRUE(kvcache_fails(b, {"v_new.shape[1] (seqlen_new) is 2 but k_new.shape[1] (seqlen_new) is 3; k_new and "
+                                "v_new must have the same shape"}));
+  // with cache_batch_idx the batch is still q's (not the cache's number of entries)
+  b = with_append(a, 3);
+  b.k_cache.shape[0] = b.v_cache.shape[0] = 5;
+  b.cache_batch_idx = int32_entries(kBatchIdxAt, 2);
+  EXPECT_EQ(problem(b).seqlen_new, 3);
+}
+
+// seqlen_new is at most what one sequence holds (the caller's precondition, cache_seqlens +
+// seqlen_new within it, is on the device and not checked).
+TEST_F(ValidateKvcache, AppendOverrunsTheCache) {
+  EXPECT_EQ(problem(with_append(a, 512)).seqlen_new, 512);
+  EXPECT_TRUE(kvcache_fails(with_append(a, 513), {"k_new.shape[1] (seqlen_new) is 513 but a sequence holds "
+                                                  "k_cache.shape[1] (seqlen_cache) = 512 keys; k_new overruns the "
+                                                  "cache (seqlen_new must be at most seqlen_cache)"}));
+  EXPECT_EQ(problem(with_append(pg, 160)).seqlen_new, 160);
+  EXPECT_TRUE(kvcache_fails(with_append(pg, 161), {"k_new.shape[1] (seqlen_new) is 161 but a sequence holds "
+                                                   "page_table.shape[1] (max_pages_per_seq) x k_cache.shape[1] "
+                                                   "(page_size) = 10 x 16 = 160 keys; k_new overruns the cache "
+                                                   "(seqlen_new must be at most max_pages_per_seq x page_size)"}));
+  // an empty cache holds no new key either
+  KvcacheArgs b = make_kvcache(2, 1, 0, 16, 2, 128);
+  b.k_cache.data = b.v_cache.data = nullptr;
+  EXPECT_EQ(problem(with_append(b, 0)).seqlen_new, 0);
+  EXPECT_TRUE(kvcache_fails(with_append(b, 1), {"k_new.shape[1] (seqlen_new) is 1 but a sequence holds "
+                                                "k_cache.shape[1] (seqlen_cache) = 0 keys; k_new overruns the cache"}));
+}
+
+TEST_F(ValidateKvcache, AppendStrides) {
+  KvcacheArgs b = with_append(a, 3);
+  b.k_new.stride[3] = 2;
+  EXPECT_TRUE(kvcache_fails(b, {"k_new.stride[3] is 2; the last dim must be contiguous (stride 1)"}));
+  b = with_append(a, 3);
+  b.v_new.stride[1] = 260;
+  EXPECT_TRUE(kvcache_fails(b, {"v_new.stride[1] (seqlen_new) is 260 elements (520 bytes); strides other than the "
+                                "last must be multiples of 8 elements (16 bytes)"}));
+  b = with_append(a, 3);
+  b.k_new.stride[0] = -b.k_new.stride[0];
+  EXPECT_TRUE(kvcache_fails(b, {"k_new.stride[0] (batch) is -768", "positive"}));
+  // slices of wider buffers (k and v of one projection), and dims of size 1 whose strides are
+  // never used
+  b = with_append(a, 3);
+  for (TensorRef* t : {&b.k_new, &b.v_new}) {
+    t->stride[2] = 3 * 128;
+    t->stride[1] = 2 * t->stride[2];
+    t->stride[0] = 3 * t->stride[1];
+  }
+  EXPECT_NO_THROW(problem(b));
+  b = with_append(make_kvcache(1, 1, 64, 8, 1, 64), 1);
+  b.k_new.stride[0] = b.k_new.stride[1] = b.k_new.stride[2] = 3;
+  EXPECT_NO_THROW(problem(b));
+}
+
+TEST_F(ValidateKvcache, RotaryTables) {
+  const KvcacheArgs base = with_rotary(with_append(a, 3), 600, 64);
+  KvcacheArgs b = base;
+  b.rotary_cos.dtype = DType::kBFloat16;
+  EXPECT_TRUE(kvcache_fails(b, {"rotary_cos.dtype is bfloat16; rotary_cos and rotary_sin must be float32"}));
+  b = base;
+  b.rotary_sin.rank = 1;
+  EXPECT_TRUE(kvcache_fails(b, {"rotary_sin.rank is 1; rotary_sin must have rank 2 (seqlen_ro, rotary_dim / 2)"}));
+  b = base;
+  b.rotary_sin.shape[0] = 599;
+  EXPECT_TRUE(kvcache_fails(b, {"rotary_sin.shape[0] (seqlen_ro) is 599 but rotary_cos.shape[0] (seqlen_ro) is 600; "
+                                "rotary_cos and rotary_sin must have the same shape"}));
+  b = base;
+  b.rotary_cos.shape[1] = -2;
+  EXPECT_TRUE(kvcache_fails(b, {"rotary_cos.shape[1] (rotary_dim / 2) is -2; sizes must be >= 0"}));
+  EXPECT_TRUE(kvcache_fails(with_rotary(with_append(a, 3), 0, 64), {"rotary_cos.shape[0] (seqlen_ro) is 0; the "
+                                                                    "rotary tables need at least one position (row)"}));
+  for (int64_t rot : {0, 8, 24, 136, 144}) {
+    const std::string half = std::to_string(rot / 2);
+    EXPECT_TRUE(kvcache_fails(with_rotary(with_append(a, 3), 600, rot),
+                              {"rotary_cos.shape[1] (rotary_dim / 2) is " + half + ", so rotary_dim is " +
+                               std::to_string(rot) + "; rotary_dim = 2 x rotary_cos.shape[1] must be a multiple of 16 "
+                               "in [16, head_dim = 128]"}));
+  }
+  b = base;
+  b.rotary_cos.stride[1] = 2;
+  EXPECT_TRUE(kvcache_fails(b, {"rotary_cos.stride[1] is 2; the last dim of rotary_cos must be contiguous (stride 1)"}));
+  b = base;
+  b.rotary_sin.stride[0] = 16;
+  EXPECT_TRUE(kvcache_fails(b, {"rotary_sin.stride[0] (seqlen_ro) is 16 but rotary_sin.shape[1] (rotary_dim / 2) is "
+                                "32; the rows of rotary_sin must not overlap (stride[0] at least rotary_dim / 2)"}));
+  b = base;
+  b.rotary_cos.stride[0] = -32;
+  EXPECT_TRUE(kvcache_fails(b, {"rotary_cos.stride[0] (seqlen_ro) is -32"}));
+  // rows of a wider table; one row, whose stride is never used
+  b = base;
+  b.rotary_cos.stride[0] = b.rotary_sin.stride[0] = 100;
+  EXPECT_NO_THROW(problem(b));
+  b = with_rotary(with_append(a, 3), 1, 64);
+  b.rotary_cos.stride[0] = b.rotary_sin.stride[0] = 0;
+  EXPECT_NO_THROW(problem(b));
+}
+
+TEST_F(ValidateKvcache, AppendPointers) {
+  const KvcacheArgs base = with_rotary(with_append(a, 3), 600, 64);
+  KvcacheArgs b = base;
+  b.k_new.data = nullptr;
+  EXPECT_TRUE(kvcache_fails(b, {"k_new.data is null; a non-empty k_new needs a device pointer"}));
+  b = base;
+  b.v_new.data = fake_ptr(kVNewAt + 8);
+  EXPECT_TRUE(kvcache_fails(b, {"v_new.data is 0xf00008, not 16-byte aligned; flash3 needs 16-byte aligned data "
+                                "pointers"}));
+  b = base;
+  g_host = b.k_new.data;
+  EXPECT_TRUE(kvcache_fails(b, {"k_new.data points to host memory; flash3 needs device memory"}));
+  g_host = nullptr;
+  b.rotary_cos.data = nullptr;
+  EXPECT_TRUE(kvcache_fails(b, {"rotary_cos.data is null; rotary_cos needs a device pointer"}));
+  b = base;
+  b.rotary_sin.data = fake_ptr(kSinAt + 2);
+  EXPECT_TRUE(kvcache_fails(b, {"rotary_sin.data is 0x1200002, not 4-byte aligned; flash3 needs 4-byte aligned "
+                                "rotary table pointers"}));
+  b.rotary_sin.data = fake_ptr(kSinAt + 4);  // 4 bytes is enough for the tables
+  EXPECT_NO_THROW(problem(b));
+  g_unknown = b.rotary_cos.data;
+  EXPECT_TRUE(kvcache_fails(b, {"rotary_cos.data (0x1100000) is not a pointer the CUDA runtime knows"}));
+  g_unknown = nullptr;
+}
+
+// The rules of the append come before any pointer is inspected, and with nothing to compute
+// (batch 0, no query) no pointer is.
+TEST_F(ValidateKvcache, AppendPointerChecksComeLast) {
+  KvcacheArgs b = with_rotary(with_append(a, 3), 600, 64);
+  g_host = b.q.data;
+  b.rotary_sin.stride[1] = 3;
+  EXPECT_TRUE(kvcache_fails(b, {"rotary_sin.stride[1] is 3"}));
+  EXPECT_EQ(g_calls, 0);
+  g_host = nullptr;
+  for (const KvcacheArgs& empty : {make_kvcache(0, 1, 512, 16, 2, 128, false), make_kvcache(2, 0, 512, 16, 2, 128,
+                                                                                             false)}) {
+    b = with_rotary(with_append(empty, 3, /*with_data=*/false), 600, 64);
+    b.rotary_cos.data = b.rotary_sin.data = nullptr;
+    EXPECT_EQ(problem(b).seqlen_new, 3);
+  }
+  EXPECT_EQ(g_calls, 0);
+}
+
 // ---- the C ABI of the KV cache (flash3_fwd_kvcache) -------------------------------------------
 // Failures found before any pointer is inspected, and batch 0 (no launch), so these run without
 // a GPU too.
@@ -2317,6 +2581,11 @@ flash3_kvcache_args c_kvcache_args(const KvcacheArgs& a) {
   c.window_left = a.window_left;
   c.window_right = a.window_right;
   c.softcap = a.softcap;
+  c.k_new = c_tensor(a.k_new);
+  c.v_new = c_tensor(a.v_new);
+  c.rotary_cos = c_tensor(a.rotary_cos);
+  c.rotary_sin = c_tensor(a.rotary_sin);
+  c.rotary_interleaved = a.rotary_interleaved;
   return c;
 }
 
@@ -2325,7 +2594,7 @@ TEST(CApiKvcache, InitSetsTheSizeAndZeroDefaults) {
   std::memset(&c, 0xAB, sizeof c);
   flash3_kvcache_args_init(&c);
   EXPECT_EQ(c.struct_size, sizeof(flash3_kvcache_args));
-  EXPECT_EQ(c.struct_size, FLASH3_KVCACHE_ARGS_SIZE_V1);
+  EXPECT_EQ(c.struct_size, FLASH3_KVCACHE_ARGS_SIZE_V2);
   EXPECT_EQ(c.causal, 0);
   EXPECT_EQ(c.softmax_scale, 0.0f);
   EXPECT_EQ(c.num_splits, 0);  // the heuristic
@@ -2337,6 +2606,12 @@ TEST(CApiKvcache, InitSetsTheSizeAndZeroDefaults) {
   EXPECT_EQ(c.window, 0);
   EXPECT_EQ(c.softcap, 0.0f);
   EXPECT_EQ(c.stream, nullptr);
+  for (const flash3_tensor* t : {&c.k_new, &c.v_new, &c.rotary_cos, &c.rotary_sin}) {
+    EXPECT_EQ(t->data, nullptr);  // no append, no rotary
+    EXPECT_EQ(t->rank, 0);
+  }
+  EXPECT_EQ(c.rotary_interleaved, 0);
+  EXPECT_EQ(c.reserved_v2, 0u);
 }
 
 // The size is the end of the last field, without padding (LP64: what the Python binding packs).
@@ -2347,7 +2622,15 @@ TEST(CApiKvcache, VersionSize) {
   EXPECT_EQ(offsetof(flash3_kvcache_args, window), 16 + 9 * sizeof(flash3_tensor));
   EXPECT_EQ(offsetof(flash3_kvcache_args, stream), 752u);
   EXPECT_EQ(FLASH3_KVCACHE_ARGS_SIZE_V1, 760u);
-  EXPECT_EQ(sizeof(flash3_kvcache_args), FLASH3_KVCACHE_ARGS_SIZE_V1);
+  // v2: the append's tensors where v1 ends, then the flag and a reserved word (no tail padding)
+  EXPECT_EQ(offsetof(flash3_kvcache_args, k_new), FLASH3_KVCACHE_ARGS_SIZE_V1);
+  EXPECT_EQ(offsetof(flash3_kvcache_args, v_new), 760 + sizeof(flash3_tensor));
+  EXPECT_EQ(offsetof(flash3_kvcache_args, rotary_cos), 760 + 2 * sizeof(flash3_tensor));
+  EXPECT_EQ(offsetof(flash3_kvcache_args, rotary_sin), 760 + 3 * sizeof(flash3_tensor));
+  EXPECT_EQ(offsetof(flash3_kvcache_args, rotary_interleaved), 1080u);
+  EXPECT_EQ(offsetof(flash3_kvcache_args, reserved_v2), 1084u);
+  EXPECT_EQ(FLASH3_KVCACHE_ARGS_SIZE_V2, 1088u);
+  EXPECT_EQ(sizeof(flash3_kvcache_args), FLASH3_KVCACHE_ARGS_SIZE_V2);
 }
 
 TEST(CApiKvcache, ReportsInvalidArguments) {
@@ -2379,6 +2662,45 @@ TEST(CApiKvcache, ReportsInvalidArguments) {
   w.window_left = 0;
   w.softcap = -2.0f;
   fails(w, "flash3::fwd_kvcache: softcap is -2");
+}
+
+// The v2 fields (the append) are read and checked by name; reserved_v2 must be 0; a v1 struct
+// (struct_size of the first version) has no append, whatever bytes follow it.
+TEST(CApiKvcache, AppendFields) {
+  char err[512];
+  auto fails = [&](const flash3_kvcache_args& c, const std::string& start) {
+    EXPECT_EQ(flash3_fwd_kvcache(&c, err, sizeof err), FLASH3_INVALID_ARGUMENT);
+    EXPECT_EQ(std::string(err).rfind(start, 0), 0u) << err;
+  };
+  const KvcacheArgs empty = make_kvcache(0, 1, 512, 16, 2, 128, /*with_data=*/false);
+  KvcacheArgs a = with_rotary(with_append(empty, 3, /*with_data=*/false), 600, 64);
+  a.rotary_interleaved = true;
+  flash3_kvcache_args c = c_kvcache_args(a);
+  EXPECT_EQ(c.rotary_interleaved, 1);
+  EXPECT_EQ(flash3_fwd_kvcache(&c, err, sizeof err), FLASH3_OK) << err;  // batch 0: no launch
+  c.v_new = flash3_tensor{};
+  fails(c, "flash3::fwd_kvcache: v_new is not given but k_new is");
+  c = c_kvcache_args(a);
+  c.k_new.shape[1] = c.v_new.shape[1] = 513;
+  fails(c, "flash3::fwd_kvcache: k_new.shape[1] (seqlen_new) is 513 but a sequence holds k_cache.shape[1] "
+           "(seqlen_cache) = 512 keys; k_new overruns the cache");
+  c = c_kvcache_args(a);
+  c.rotary_sin.dtype = FLASH3_BFLOAT16;
+  fails(c, "flash3::fwd_kvcache: rotary_sin.dtype is bfloat16; rotary_cos and rotary_sin must be float32");
+  c = c_kvcache_args(a);
+  c.reserved_v2 = 1;
+  fails(c, "flash3::fwd_kvcache: args->reserved_v2 is 1; it must be 0");
+  // a first-version caller: the bytes past its struct (here a k_new without v_new, and 0xFF) are
+  // not read
+  c = c_kvcache_args(with_append(empty, 3, /*with_data=*/false));
+  c.v_new = flash3_tensor{};
+  fails(c, "flash3::fwd_kvcache: v_new is not given but k_new is");
+  std::vector<unsigned char> buf(sizeof c, 0xFF);
+  std::memcpy(buf.data(), &c, FLASH3_KVCACHE_ARGS_SIZE_V1 + sizeof(flash3_tensor));
+  const uint32_t v1 = FLASH3_KVCACHE_ARGS_SIZE_V1;
+  std::memcpy(buf.data(), &v1, sizeof v1);
+  EXPECT_EQ(flash3_fwd_kvcache(reinterpret_cast<const flash3_kvcache_args*>(buf.data()), err, sizeof err), FLASH3_OK)
+      << err;
 }
 
 TEST(CApiKvcache, EmptyBatchIsANoOp) {  // validation passes with no pointer to inspect

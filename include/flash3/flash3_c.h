@@ -131,6 +131,15 @@ typedef struct flash3_kvcache_args {
   int32_t window_right;
   float softcap;        /* > 0: softcap * tanh(score / softcap); 0: none */
   void* stream;         /* a cudaStream_t; NULL: the default stream */
+  /* v2: the append (see flash3::KvcacheArgs); a tensor with data == NULL and rank 0 is not given.
+   * k_new, v_new (batch, seqlen_new, nheads_kv, head_dim), q's dtype, together and with
+   * cache_seqlens: written into the cache at cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1
+   * and attended to. rotary_cos, rotary_sin float32 (seqlen_ro, rotary_dim / 2), together and
+   * only with k_new: the new keys and q rotated first. */
+  flash3_tensor k_new, v_new;
+  flash3_tensor rotary_cos, rotary_sin;
+  int32_t rotary_interleaved; /* nonzero: rotated pairs (2j, 2j + 1); 0: (j, j + rotary_dim / 2) */
+  uint32_t reserved_v2;       /* 0 */
 } flash3_kvcache_args;
 
 /* The size of each version (the end of its last field); the first version's (V1) is the smallest
@@ -145,6 +154,7 @@ typedef struct flash3_kvcache_args {
 #define FLASH3_QUANTIZE_FP8_ARGS_SIZE_V1 \
   ((uint32_t)(offsetof(flash3_quantize_fp8_args, stream) + sizeof(void*)))
 #define FLASH3_KVCACHE_ARGS_SIZE_V1 ((uint32_t)(offsetof(flash3_kvcache_args, stream) + sizeof(void*)))
+#define FLASH3_KVCACHE_ARGS_SIZE_V2 ((uint32_t)(offsetof(flash3_kvcache_args, reserved_v2) + sizeof(uint32_t)))
 
 /* Set a struct up: all zero (every default), struct_size = sizeof. Inline, so that struct_size
  * is the caller's sizeof, not the library's. */
@@ -180,8 +190,9 @@ int flash3_bwd_workspace_size(const flash3_bwd_args* args, uint64_t* bytes, char
  * an empty in (batch, seqlen or nheads 0) returns FLASH3_OK without a launch. */
 int flash3_quantize_fp8(const flash3_quantize_fp8_args* args, char* err, int err_len);
 
-/* Decoding over a KV cache: writes out, and lse where given. Same return codes and err convention
- * as flash3_fwd; batch or seqlen_q 0 returns FLASH3_OK without a launch. */
+/* Decoding over a KV cache: writes out, and lse where given (and, with k_new, the new keys and
+ * values into the cache). Same return codes and err convention as flash3_fwd; batch or seqlen_q 0
+ * returns FLASH3_OK without a launch. */
 int flash3_fwd_kvcache(const flash3_kvcache_args* args, char* err, int err_len);
 
 /* 1 if a Hopper GPU is usable, else 0 (and a reason in why, if why_len > 0). */

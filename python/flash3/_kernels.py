@@ -59,11 +59,13 @@ def version():
 # block_rows, hadamard; uint64 seed; void* stream. flash3_kvcache_args: uint32 struct_size; int32
 # causal; float softmax_scale; int32 num_splits; q, k_cache, v_cache, out, lse, cache_seqlens,
 # cache_batch_idx, cache_leftpad, page_table; int32 window, window_left, window_right; float
-# softcap; void* stream. Each struct is packed whole into a bytes object by one Struct.pack and
+# softcap; void* stream; k_new, v_new, rotary_cos, rotary_sin; int32 rotary_interleaved; uint32
+# reserved_v2 (v2). Each struct is packed whole into a bytes object by one Struct.pack and
 # passed by address (the library only reads it): the cheapest way to fill it
 # from Python (measured: about half the time of packing a ctypes buffer tensor by tensor). The
 # calls without variable lengths pack the versions before them (_FWD, _BWD: fewer fields to
-# pack, and read by libraries without variable lengths as well).
+# pack, and read by libraries without variable lengths as well); so do the KV-cache calls
+# without an append (_KVCACHE, the first version; _KVCACHE_APPEND with one).
 _TENSOR = "Qii4q4q"
 _MASK = "iiif"  # int32 window, window_left, window_right; float softcap
 _VARLEN = _TENSOR * 4 + "iiiI"  # cu_seqlens_q/k, seqused_q/k; max_seqlen_q/k, no_seqlens_check, reserved
@@ -73,10 +75,13 @@ _FWD_VARLEN = struct.Struct(_FWD.format + _VARLEN)
 _BWD_VARLEN = struct.Struct(_BWD.format + _VARLEN)
 _QUANTIZE = struct.Struct("<II" + _TENSOR * 3 + "iiQQ")
 _KVCACHE = struct.Struct("<Iifi" + _TENSOR * 9 + _MASK + "Q")
-assert (_FWD.size, _BWD.size, _FWD_VARLEN.size, _BWD_VARLEN.size, _QUANTIZE.size, _KVCACHE.size) == (
+_KVCACHE_APPEND = struct.Struct(_KVCACHE.format + _TENSOR * 4 + "iI")  # v2: k_new .. rotary_sin, the flag, reserved
+assert (_FWD.size, _BWD.size, _FWD_VARLEN.size, _BWD_VARLEN.size, _QUANTIZE.size, _KVCACHE.size,
+        _KVCACHE_APPEND.size) == (
     _lib.FWD_ARGS_SIZE_V3, _lib.BWD_ARGS_SIZE_V2, _lib.FWD_ARGS_SIZE, _lib.BWD_ARGS_SIZE,
-    _lib.QUANTIZE_FP8_ARGS_SIZE, _lib.KVCACHE_ARGS_SIZE), "flash3 args layout changed"
+    _lib.QUANTIZE_FP8_ARGS_SIZE, _lib.KVCACHE_ARGS_SIZE_V1, _lib.KVCACHE_ARGS_SIZE), "flash3 args layout changed"
 assert _KVCACHE.size - struct.calcsize("<" + _MASK + "Q") == _lib.KvcacheArgs.window.offset
+assert _KVCACHE.size + 4 * ctypes.sizeof(_lib.Tensor) == _lib.KvcacheArgs.rotary_interleaved.offset
 assert struct.calcsize("<" + _TENSOR) == ctypes.sizeof(_lib.Tensor) and _lib.FwdArgs.q.offset == 16
 assert (_FWD.size - struct.calcsize("<" + _MASK), _BWD.size - struct.calcsize("<" + _MASK)) == (
     _lib.FwdArgs.window.offset, _lib.BwdArgs.window.offset)
@@ -108,7 +113,8 @@ _WANTED_DTYPES = {"lse": "torch.float32", "q_scale": "torch.float32", "k_scale":
                   "v_scale": "torch.float32", "scale": "torch.float32", "x": "torch.bfloat16 or torch.float16",
                   "cu_seqlens_q": "torch.int32", "cu_seqlens_k": "torch.int32", "seqused_q": "torch.int32",
                   "seqused_k": "torch.int32", "cache_seqlens": "torch.int32", "cache_batch_idx": "torch.int32",
-                  "cache_leftpad": "torch.int32", "page_table": "torch.int32",
+                  "cache_leftpad": "torch.int32", "page_table": "torch.int32", "rotary_cos": "torch.float32",
+                  "rotary_sin": "torch.float32",
                   "out": "torch.bfloat16 or torch.float16 (torch.float8_e4m3fn from quantize_fp8)"}
 
 
@@ -882,9 +888,18 @@ def check_kvcache_values(k_cache, cache_seqlens=None, cache_batch_idx=None, cach
                          f"[0, {k_cache.shape[0]}) (k_cache.shape[0])")
 
 
+def _rotary_table(t):
+    """A floating rotary table as the library reads it: float32 with contiguous rows (a copy where t
+    is not one already); anything else as it is (the library, or _explain, names it)."""
+    if isinstance(t, torch.Tensor) and (t.dtype is not _FLOAT32 or not t.is_contiguous()) and t.is_floating_point():
+        return t.to(_FLOAT32).contiguous()
+    return t
+
+
 def forward_kvcache_into(q, k_cache, v_cache, out, lse, cache_seqlens=None, softmax_scale=None, causal=False,
                          window_left=-1, window_right=-1, softcap=0.0, cache_batch_idx=None, cache_leftpad=None,
-                         page_table=None, num_splits=0, check_page_table=False, check_seqlens=False):
+                         page_table=None, num_splits=0, check_page_table=False, check_seqlens=False, k_new=None,
+                         v_new=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=True):
     """Attention of new queries over a KV cache (decoding), into caller-given buffers: q and out
     (batch, seqlen_q, nheads, headdim), bfloat16 or float16; k_cache and v_cache of q's dtype,
     contiguous (batch_cache, seqlen_cache, nheads_kv, headdim) or, with page_table, paged
@@ -902,6 +917,20 @@ def forward_kvcache_into(q, k_cache, v_cache, out, lse, cache_seqlens=None, soft
     Rows that see no key: out 0, lse +inf. softmax_scale, softcap: forward_into's. num_splits:
     key-range splits per (sequence, KV head) in [1, MAX_KVCACHE_SPLITS], or 0 for the library's
     heuristic (the results do not depend on it beyond rounding).
+    The append, inside the kernel (FlashAttention-3's k, v, rotary_cos, rotary_sin): k_new, v_new
+    (batch, seqlen_new, nheads_kv, headdim) of q's dtype, with cache_seqlens (the lengths before
+    the append), are written into k_cache and v_cache in place at cache positions cache_seqlens[b]
+    .. cache_seqlens[b] + seqlen_new - 1 of each sequence (its entry or its pages; they must fit in
+    the cache: positions past it are neither written nor attended to), and attended to: sequence b
+    sees [cache_leftpad[b], cache_seqlens[b] + seqlen_new). cache_seqlens itself is not changed.
+    rotary_cos, rotary_sin (seqlen_ro, rotary_dim / 2), together and only with k_new, rotary_dim a
+    multiple of 16 up to headdim: the first rotary_dim dims of each new key are rotated at its
+    cache position and those of q's row i at cache_seqlens[b] + i (causal or a window; a window
+    that excludes nothing does not count, as FlashAttention-3) or cache_seqlens[b] (neither),
+    pairs (2j, 2j + 1) when rotary_interleaved, else (j, j + rotary_dim / 2); positions past
+    seqlen_ro use its last row. The tables go to the library as float32 with contiguous rows:
+    floating tables of another dtype or layout are converted first (a copy per call; pass float32
+    contiguous tables to avoid it).
     The index values live on the GPU: by default (as FlashAttention-3) the host does not read
     them, and the library clamps them to the cache (bad values give undefined results, never an
     access out of bounds). check_seqlens=True and check_page_table=True check them first
@@ -912,15 +941,21 @@ def forward_kvcache_into(q, k_cache, v_cache, out, lse, cache_seqlens=None, soft
     scale = _scale_arg(softmax_scale)
     mask = mask_fields(window_left, window_right, softcap)
     splits = num_splits_arg(num_splits)
+    append = k_new is not None or v_new is not None or rotary_cos is not None or rotary_sin is not None
+    if append:
+        rotary_cos, rotary_sin = _rotary_table(rotary_cos), _rotary_table(rotary_sin)
     try:
         tensors = (*_fields(q), *_fields(k_cache), *_fields(v_cache), *_fields(out), *_fields(lse),
                    *_fields(cache_seqlens), *_fields(cache_batch_idx), *_fields(cache_leftpad), *_fields(page_table))
+        new = (*_fields(k_new), *_fields(v_new), *_fields(rotary_cos), *_fields(rotary_sin)) if append else ()
         index = q.get_device()
     except (AttributeError, KeyError, IndexError, TypeError, ValueError):
         _explain((("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out), ("lse", lse),
                   ("cache_seqlens", cache_seqlens), ("cache_batch_idx", cache_batch_idx),
-                  ("cache_leftpad", cache_leftpad), ("page_table", page_table)),
-                 optional=("lse", "cache_seqlens", "cache_batch_idx", "cache_leftpad", "page_table"))
+                  ("cache_leftpad", cache_leftpad), ("page_table", page_table), ("k_new", k_new), ("v_new", v_new),
+                  ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)),
+                 optional=("lse", "cache_seqlens", "cache_batch_idx", "cache_leftpad", "page_table", "k_new", "v_new",
+                           "rotary_cos", "rotary_sin"))
         raise
     if check_seqlens or check_page_table:
         kvcache_shapes(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad, page_table, splits)
@@ -930,8 +965,12 @@ def forward_kvcache_into(q, k_cache, v_cache, out, lse, cache_seqlens=None, soft
     if not _lib.has_kvcache():
         raise RuntimeError("this libflash3.so has no KV-cache attention (flash3_fwd_kvcache): rebuild the library")
     with _on_device(index):
-        args = _KVCACHE.pack(_lib.KVCACHE_ARGS_SIZE, 1 if causal else 0, scale, splits, *tensors, *mask,
-                             _stream(index))
+        if append:
+            args = _KVCACHE_APPEND.pack(_lib.KVCACHE_ARGS_SIZE, 1 if causal else 0, scale, splits, *tensors, *mask,
+                                        _stream(index), *new, 1 if rotary_interleaved else 0, 0)
+        else:
+            args = _KVCACHE.pack(_lib.KVCACHE_ARGS_SIZE_V1, 1 if causal else 0, scale, splits, *tensors, *mask,
+                                 _stream(index))
         rc = lib.flash3_fwd_kvcache(args, buf, _lib.ERR_LEN)
     _check(rc, buf, "flash3_fwd_kvcache")
     return out, lse
@@ -939,13 +978,17 @@ def forward_kvcache_into(q, k_cache, v_cache, out, lse, cache_seqlens=None, soft
 
 def fwd_kvcache(q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None, causal=False, want_lse=True,
                 window_left=-1, window_right=-1, softcap=0.0, cache_batch_idx=None, cache_leftpad=None,
-                page_table=None, num_splits=0):
-    """(out, lse) of forward_kvcache_into: out contiguous, shaped and typed like q; lse float32
-    (batch, nheads, seqlen_q), contiguous (None when not want_lse). The shapes and layouts are
-    those of the fake of flash3::fwd_kvcache (_ops.py): keep them in step."""
+                page_table=None, num_splits=0, k_new=None, v_new=None, rotary_cos=None, rotary_sin=None,
+                rotary_interleaved=True):
+    """(out, lse) of forward_kvcache_into (with k_new, the cache updated in place): out contiguous,
+    shaped and typed like q; lse float32 (batch, nheads, seqlen_q), contiguous (None when not
+    want_lse). The shapes and layouts are those of the fake of flash3::fwd_kvcache (_ops.py): keep
+    them in step."""
     b, sq, h = kvcache_shapes(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad, page_table,
                               num_splits)
     out = torch.empty_like(q, memory_format=_CONTIGUOUS)
     lse = q.new_empty((b, h, sq), dtype=_FLOAT32) if want_lse else None
     return forward_kvcache_into(q, k_cache, v_cache, out, lse, cache_seqlens, softmax_scale, causal, window_left,
-                                window_right, softcap, cache_batch_idx, cache_leftpad, page_table, num_splits)
+                                window_right, softcap, cache_batch_idx, cache_leftpad, page_table, num_splits,
+                                k_new=k_new, v_new=v_new, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                                rotary_interleaved=rotary_interleaved)

@@ -21,15 +21,16 @@ CUDA graphs (mode="reduce-overhead") and FakeTensor tracing:
     torch.ops.flash3.fwd_kvcache(q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None,
                                  causal=False, window_left=-1, window_right=-1, softcap=0.0,
                                  cache_batch_idx=None, cache_leftpad=None, page_table=None,
-                                 num_splits=0) -> (out, lse)
+                                 num_splits=0, k_new=None, v_new=None, rotary_cos=None,
+                                 rotary_sin=None, rotary_interleaved=True) -> (out, lse)
 
 window_left, window_right: FlashAttention-3's sliding window (-1: no bound on that side; the
 library refuses < -1), softcap: > 0 caps the scaled scores (0.0: none; 16-bit inputs only), as
 _kernels.forward_into; the backward must be given the forward's. (Appended with defaults: calls
 written for the earlier schemas work unchanged.)
 
-Both are functional (mutates_args=()): they allocate their outputs with torch (the caching
-allocator, so inside a CUDA graph the graph's pool) and run the library on
+All but fwd_kvcache are functional (mutates_args=()): they allocate their outputs with torch (the
+caching allocator, so inside a CUDA graph the graph's pool) and run the library on
 torch.cuda.current_stream() of q's device; the backward's scratch memory is a torch tensor too.
 (Functional rather than writing into preallocated outputs: no functionalization wrappers or
 copies under torch.compile, inductor plans the buffers, and the eager path, which does not go
@@ -53,7 +54,14 @@ k_cache, v_cache, contiguous (batch_cache, seqlen_cache, nheads_kv, head_dim) or
 page_size, nheads_kv, head_dim) with page_table int32 (batch, max_pages_per_seq); cache_seqlens,
 cache_batch_idx (contiguous cache only), cache_leftpad int32 (batch) or None; num_splits 0..64
 (0: the library's heuristic); out like q, lse float32 (batch, nheads, seqlen_q) whatever the cache
-layout; inference only, as fwd_fp8.
+layout; inference only, as fwd_fp8. With k_new, v_new (batch, seqlen_new, nheads_kv, head_dim) the
+kernel appends them in place into k_cache and v_cache at cache_seqlens (rotated with rotary_cos,
+rotary_sin where given, q too; _kernels.forward_kvcache_into). It is the one operator that mutates
+its inputs: k_cache and v_cache are declared written (mutates_args; Tensor(a1!), Tensor(a2!) in
+the schema) whether or not k_new is given. Under torch.compile it is functionalized like any
+mutating operator (a graph that writes its inputs: mode="reduce-overhead" replays it from a CUDA
+graph only where the cache is a static input, a module's buffer say); its fake writes nothing
+(the outputs' shapes do not depend on the append).
 
 Adding an operator (a KV cache, say): a kernel in _kernels.py, then here one annotated
 function that calls it, its fake (shape arithmetic and new_empty / empty_like on the fake
@@ -100,11 +108,12 @@ def direct(*tensors):
     return True
 
 
-def _define(name, kernel, fake, setup_context=None, backward=None):
-    """Registers flash3::<name>: kernel (annotated: the schema is inferred from it) for every
-    device (the kernel itself rejects what is not CUDA, naming the argument), its fake, and its
-    autograd formula where given. Returns the OpOverload, torch.ops.flash3.<name>.default."""
-    op = torch.library.custom_op(f"{NAMESPACE}::{name}", kernel, mutates_args=())
+def _define(name, kernel, fake, setup_context=None, backward=None, mutates_args=()):
+    """Registers flash3::<name>: kernel (annotated: the schema is inferred from it, with the
+    arguments named in mutates_args marked as written) for every device (the kernel itself
+    rejects what is not CUDA, naming the argument), its fake, and its autograd formula where
+    given. Returns the OpOverload, torch.ops.flash3.<name>.default."""
+    op = torch.library.custom_op(f"{NAMESPACE}::{name}", kernel, mutates_args=mutates_args)
     op.register_fake(fake)
     if backward is not None:
         op.register_autograd(backward, setup_context=setup_context)
@@ -306,14 +315,18 @@ def _fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Opt
                  softmax_scale: Optional[float] = None, causal: bool = False, window_left: int = -1,
                  window_right: int = -1, softcap: float = 0.0, cache_batch_idx: Optional[Tensor] = None,
                  cache_leftpad: Optional[Tensor] = None, page_table: Optional[Tensor] = None,
-                 num_splits: int = 0) -> tuple[Tensor, Tensor]:
+                 num_splits: int = 0, k_new: Optional[Tensor] = None, v_new: Optional[Tensor] = None,
+                 rotary_cos: Optional[Tensor] = None, rotary_sin: Optional[Tensor] = None,
+                 rotary_interleaved: bool = True) -> tuple[Tensor, Tensor]:
     return _kernels.fwd_kvcache(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal, True, window_left,
-                                window_right, softcap, cache_batch_idx, cache_leftpad, page_table, num_splits)
+                                window_right, softcap, cache_batch_idx, cache_leftpad, page_table, num_splits, k_new,
+                                v_new, rotary_cos, rotary_sin, rotary_interleaved)
 
 
 def _fwd_kvcache_fake(q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None, causal=False, window_left=-1,
                       window_right=-1, softcap=0.0, cache_batch_idx=None, cache_leftpad=None, page_table=None,
-                      num_splits=0):
+                      num_splits=0, k_new=None, v_new=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=True):
+    # the append writes k_cache and v_cache, which the outputs do not depend on: nothing to do here
     _check_mask(window_left, window_right, softcap)
     b, sq, h = _kernels.kvcache_shapes(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad,
                                        page_table, num_splits)
@@ -328,7 +341,7 @@ if available:
     quantize_fp8 = _define("quantize_fp8", _quantize_fp8, _quantize_fp8_fake)
     fwd_varlen = _define("fwd_varlen", _fwd_varlen, _fwd_varlen_fake, fwd_varlen_setup_context, fwd_varlen_backward)
     bwd_varlen = _define("bwd_varlen", _bwd_varlen, _bwd_varlen_fake)
-    fwd_kvcache = _define("fwd_kvcache", _fwd_kvcache, _fwd_kvcache_fake)
+    fwd_kvcache = _define("fwd_kvcache", _fwd_kvcache, _fwd_kvcache_fake, mutates_args=("k_cache", "v_cache"))
 else:  # pragma: no cover (PyTorch < 2.4)
     fwd, bwd, fwd_fp8, quantize_fp8 = _fwd, _bwd, _fwd_fp8, _quantize_fp8
     fwd_varlen, bwd_varlen, fwd_kvcache = _fwd_varlen, _bwd_varlen, _fwd_kvcache

@@ -48,8 +48,9 @@ through page_table; sequence b to its cache positions [cache_leftpad[b], cache_s
 (cache_seqlens an int, an int32 (batch) tensor, or None: the whole cache), masks aligned
 bottom-right to them; num_splits splits the key range (0: flash3's heuristic); inference only.
 New keys and values k, v are appended in place at cache_seqlens, rotated with rotary_cos,
-rotary_sin (the queries too), as FlashAttention-3 does (flash3.kvcache: torch operations before
-the attention kernel, not yet fused into it). Not yet (NotImplementedError naming the argument):
+rotary_sin (the queries too), inside the decoding kernel as FlashAttention-3 does
+(torch.ops.flash3.fwd_kvcache with k_new, v_new; flash3.kvcache checks the arguments first and
+holds the torch reference). Not yet (NotImplementedError naming the argument):
 cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, rotary_seqlens, qv, the descales. flash3 always
 packs the query heads of a KV head into one tile, so pack_gqa is accepted and ignored, as is
 sm_margin. scheduler_metadata (get_scheduler_metadata's) is accepted and not read: flash3's plan
@@ -492,10 +493,12 @@ def flash_attn_with_kvcache(
     k, v (batch, seqlen_new, nheads_kv, headdim), with cache_seqlens: written into k_cache,
     v_cache in place at positions cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 of each
     sequence (its entry or its pages; they must fit in the cache), and attended to; with
-    rotary_cos, rotary_sin ((seqlen_ro, rotary_dim / 2), covering those positions) the new keys are
-    rotated at those positions and q at positions cache_seqlens + i (causal or a window) or
-    cache_seqlens (otherwise), interleaved pairs or GPT-NeoX halves (rotary_interleaved); as
-    FlashAttention-3, these are cache positions, also with cache_leftpad.
+    rotary_cos, rotary_sin ((seqlen_ro, rotary_dim / 2), covering those positions; rotary_dim a
+    multiple of 16 up to headdim; any floating dtype, used in float32) the new keys are rotated at
+    those positions and q at positions cache_seqlens + i (causal or a window that excludes
+    something) or cache_seqlens (otherwise), interleaved pairs or GPT-NeoX halves
+    (rotary_interleaved); as FlashAttention-3, these are cache positions, also with cache_leftpad.
+    The append and the rotation happen inside the attention kernel, in one launch.
     The index values are not read by the host (as FlashAttention-3): the library clamps them to
     the cache (flash3.forward_kvcache_into(..., check_seqlens=True, check_page_table=True) checks
     them, with a synchronization). causal, window_size, softcap, softmax_scale: as
@@ -520,23 +523,22 @@ def flash_attn_with_kvcache(
     if isinstance(q, torch.Tensor) and q.dim() == 4:
         cache_seqlens = _cache_seqlens(cache_seqlens, q)
     index = (cache_seqlens, cache_batch_idx, cache_leftpad, page_table)
+    given = [t for t in index if t is not None]
+    new = ()  # the append's arguments, where any is given
     if k is not None or v is not None or rotary_cos is not None or rotary_sin is not None:
         _kernels.kvcache_shapes(q, k_cache, v_cache, *index, num_splits)
         kvcache.check_append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, page_table)
-        q, cache_seqlens = kvcache.append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-                                          rotary_interleaved, causal or left >= 0 or right >= 0, cache_batch_idx,
-                                          page_table)
-        index = (cache_seqlens, *index[1:])
-    given = [t for t in index if t is not None]
+        new = (k, v, rotary_cos, rotary_sin, bool(rotary_interleaved))
+        given += [t for t in new[:4] if t is not None]
     if _direct(q, k_cache, v_cache, *given) and not (
             _grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad)):
         out, lse = _kernels.fwd_kvcache(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal,
-                                        return_softmax_lse, left, right, softcap, *index[1:], num_splits)
+                                        return_softmax_lse, left, right, softcap, *index[1:], num_splits, *new)
     else:
         # inputs that require grad: the operator, whose backward raises (inference only)
         _kernels.kvcache_shapes(q, k_cache, v_cache, *index, num_splits)
         out, lse = _ops.fwd_kvcache(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal, left, right, softcap,
-                                    *index[1:], num_splits)
+                                    *index[1:], num_splits, *new)
     return (out, lse) if return_softmax_lse else out
 
 

@@ -1,11 +1,14 @@
-"""The KV cache's append with rotary embedding, for flash_attn_with_kvcache (flash_attn_interface):
-new keys and values written into the cache (contiguous, through cache_batch_idx, or paged through
-page_table) in place at each sequence's length, the rotary embedding (FlashAttention-3's meaning)
-applied to the new keys and to the queries first.
+"""The KV cache's append with rotary embedding (flash_attn_with_kvcache's k, v, rotary_cos,
+rotary_sin): the checks of its arguments flash_attn_with_kvcache makes before the kernel
+(check_append), and the append in torch operations (append, rotary, rotates_q_by_token) as a
+reference: new keys and values written into the cache (contiguous, through cache_batch_idx, or
+paged through page_table) in place at each sequence's length, the rotary embedding
+(FlashAttention-3's meaning) applied to the new keys and to the queries first.
 
-These steps are torch operations (a gather of cos / sin, the rotation in float32, an indexed
-store), not yet fused into the attention kernel as FlashAttention-3 does: a decoding step with
-an append costs their launches on top of the attention's.
+flash3 itself appends inside the decoding kernel (flash3::fwd_kvcache with k_new, v_new,
+rotary_cos, rotary_sin; _kernels.forward_kvcache_into), as FlashAttention-3 does. The torch
+version here is what the tests hold the kernel to (the same cache contents: v as given, k within
+one rounding) and what the CPU stand-in of the kernel runs (tests/stand_in.py).
 """
 import torch
 
@@ -34,14 +37,28 @@ def rotary(x, cos, sin, positions, interleaved):
     return torch.cat((out.to(x.dtype), x[..., rot:]), dim=-1)
 
 
+def rotates_q_by_token(causal, window_left, window_right, seqlen_q, seqlen_cache):
+    """Whether q's row i is rotated at cache_seqlens + i (True) or every row at cache_seqlens:
+    FlashAttention-3's rule, causal or local, on the mask as the library normalizes it (and
+    FlashAttention-3 does): causal makes window_right 0, a bound that excludes nothing (window_left
+    >= seqlen_cache - 1, window_right >= seqlen_q - 1; seqlen_cache the longest key range, as
+    the cache's shape gives it) is no bound, and a window (-1, 0) is causal."""
+    right = 0 if causal else window_right
+    left = -1 if window_left >= seqlen_cache - 1 else window_left
+    right = -1 if right >= seqlen_q - 1 else right
+    return bool(causal) or left >= 0 or right >= 0
+
+
 def check_append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, page_table=None):
     """ValueError naming the argument where the append's arguments do not fit: k and v given
     together, (batch, seqlen_new, nheads_kv, headdim) with q's batch and the cache's heads and
     head dim, seqlen_new at most a sequence's capacity (seqlen_cache, or max_pages_per_seq x
     page_size with page_table), on its device and of its dtype; rotary_cos and rotary_sin
-    together, only with k and v, (seqlen_ro, rotary_dim / 2) with rotary_dim <= headdim, floating,
-    on q's device; cache_seqlens given. (cache_seqlens + seqlen_new within the capacity is the
-    caller's precondition: the values are on the GPU.)"""
+    together, only with k and v, (seqlen_ro, rotary_dim / 2) with rotary_dim a multiple of 16 up
+    to headdim, floating, on q's device; cache_seqlens given. (cache_seqlens + seqlen_new within
+    the capacity is the caller's precondition: the values are on the GPU.) The library checks the
+    same again (flash3::validate_kvcache), by its own names (k_new, v_new); these come first so that
+    the messages name flash_attn_with_kvcache's arguments, also where the library is not called."""
     if (k is None) != (v is None):
         raise ValueError(f"k and v: give both or neither (k is {'None' if k is None else 'given'}, v is "
                          f"{'None' if v is None else 'given'})")
@@ -80,9 +97,10 @@ def check_append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
         if rotary_sin.shape != rotary_cos.shape:
             raise ValueError(f"rotary_sin: shape {tuple(rotary_sin.shape)} differs from rotary_cos's "
                              f"{tuple(rotary_cos.shape)}")
-        if not 0 < 2 * rotary_cos.shape[1] <= q.shape[-1] or rotary_cos.shape[0] == 0:
-            raise ValueError(f"rotary_cos: shape {tuple(rotary_cos.shape)}; rotary_dim = 2 x its dim 1 must be in "
-                             f"[2, headdim = {q.shape[-1]}] and seqlen_ro at least 1")
+        rotary_dim = 2 * rotary_cos.shape[1]
+        if not 0 < rotary_dim <= q.shape[-1] or rotary_dim % 16 != 0 or rotary_cos.shape[0] == 0:
+            raise ValueError(f"rotary_cos: shape {tuple(rotary_cos.shape)}; rotary_dim = 2 x its dim 1 must be a "
+                             f"multiple of 16 in [16, headdim = {q.shape[-1]}] and seqlen_ro at least 1")
 
 
 def append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, rotary_interleaved, causal_or_local,
@@ -95,10 +113,11 @@ def append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, rot
     move them: the new keys follow the sequence's last key, cache_seqlens[b] - 1.
     The rotary angles are those of the same positions (FlashAttention-3's: the cache position,
     not counted from cache_leftpad): key i at cache_seqlens[b] + i, q's row i at cache_seqlens[b]
-    + i where causal_or_local, else all at cache_seqlens[b]. The rows must fit in the cache
-    (cache_seqlens + seqlen_new <= seqlen_cache, or max_pages_per_seq x page_size); the values
-    are on the GPU and not checked: positions past the cache are clamped to its last, as are
-    cache entries and pages to those that exist, so that nothing is written out of bounds."""
+    + i where causal_or_local (rotates_q_by_token), else all at cache_seqlens[b]. The rows must fit
+    in the cache (cache_seqlens + seqlen_new <= seqlen_cache, or max_pages_per_seq x page_size);
+    the values are on the GPU and not checked: positions past the cache are clamped to its last,
+    as are cache entries and pages to those that exist, so that nothing is written out of bounds
+    (the kernel instead neither writes nor attends to them: the two agree where the rows fit)."""
     b, s_new = k.shape[0], k.shape[1]
     start = cache_seqlens.to(_INT64)[:, None]
     pos_k = start + torch.arange(s_new, device=k.device, dtype=_INT64)[None, :]  # (batch, seqlen_new)
