@@ -4,7 +4,7 @@ process, round robin (issue 44).
 
     python3 bench/bench_decode.py --fa3 .anchors/fa3_decode.so.xz [--batches 1,8,64,128]
         [--caches 1024,8192,65536,131072] [--layouts contiguous,paged256,paged16] [--heads 32,4]
-        [--splits 1,4,16,64] [--runs 3] [--reps 20] [--warmup 5] [--json out.json]
+        [--splits 1,4,16,64] [--append N] [--runs 3] [--reps 20] [--warmup 5] [--json out.json]
 
 One point per (layout, batch, cache length): q (batch, 1, heads_q, 128) bf16 over a cache k, v of
 heads_kv heads bf16 (--heads: 32 query heads over 4 kv heads, GQA 8:1, as issue 44 asks),
@@ -15,6 +15,9 @@ not fit in 80% of the free GPU memory is skipped.
   flash3: flash3.forward_kvcache_into into preallocated out and lse (its split heuristic);
   FA3:    torch.ops.flash_attn_3.fwd(q, k_cache, v_cache, seqused_k=cache_seqlens, is_causal=True,
           [page_table=]) (its own split and GQA-packing heuristics);
+  --append N: each call also appends N new tokens (k, v of shape (batch, N, heads_kv, 128)) with
+          rotary (cos, sin of the cache length x 64, not interleaved) at cache_seqlens = the cache
+          length - N; both libraries write them in place (the same slots every call);
   copy:   the ceiling, a device-to-device copy of k_cache (bytes read + written per second).
 Reported per point: each time, t_fa3 / t_flash3 as median [min-max] over runs (>= 1: flash3 at or
 above FlashAttention-3), and the fraction of the copy's bandwidth at which each reads the cache
@@ -71,7 +74,13 @@ def time_point(torch, flash3, fa3, r, run, a, heads_q, heads_kv, seed):
         paged["page_table"] = perm.view(b, per_seq).to(torch.int32)
     k = torch.randn(*shape, device=dev, dtype=torch.bfloat16, generator=g)
     v = torch.randn(*shape, device=dev, dtype=torch.bfloat16, generator=g)
-    lens = torch.full((b,), c, dtype=torch.int32, device=dev)
+    lens = torch.full((b,), c - a.append, dtype=torch.int32, device=dev)
+    if a.append:
+        kn = torch.randn(b, a.append, heads_kv, HDIM, device=dev, dtype=torch.bfloat16, generator=g)
+        vn = torch.randn_like(kn)
+        ang = torch.rand(c, HDIM // 2, device=dev, generator=g) * 6.2832
+        paged.update(k_new=kn, v_new=vn, rotary_cos=ang.cos().bfloat16(), rotary_sin=ang.sin().bfloat16(),
+                     rotary_interleaved=False)
     out = torch.empty_like(q)
     lse = torch.empty(b, heads_q, 1, device=dev, dtype=torch.float32)
     copy_dst = torch.empty_like(k)
@@ -102,6 +111,7 @@ def main(argv=None):
     p.add_argument("--caches", type=ints, default=[1024, 8192, 65536, 131072])
     p.add_argument("--layouts", default="contiguous,paged256,paged16")
     p.add_argument("--splits", type=ints, default=[], help="also time flash3 at these num_splits")
+    p.add_argument("--append", type=int, default=0, help="new tokens appended with rotary per call")
     p.add_argument("--heads", type=ints, default=[32, 4], help="query heads, kv heads")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--reps", type=int, default=20)
