@@ -92,7 +92,8 @@ def time_point(torch, flash3, fa3, r, run, a, heads_q, heads_kv, seed):
         calls[f"flash3_s{n}"] = lambda n=n: flash3.forward_kvcache_into(q, k, v, out, lse, lens, causal=True,
                                                                        num_splits=n, **paged)[0]
     if fa3 is not None:
-        calls["fa3"] = lambda: fa3.fwd(q, k, v, seqused_k=lens, is_causal=True, **paged)[0]
+        fa3_args = {("is_" + n if n == "rotary_interleaved" else n): t for n, t in paged.items()}
+        calls["fa3"] = lambda: fa3.fwd(q, k, v, seqused_k=lens, is_causal=True, **fa3_args)[0]
     errors = r["errors"]
     if run == 0 and fa3 is not None:
         try:

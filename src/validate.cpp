@@ -789,15 +789,21 @@ void new_keys(const Checker& c, const Arg& kn, const Arg& vn, const Arg& q, cons
   c.strides({&kn, &vn}, nullptr, dtype);
 }
 
-// The rotary tables: rotary_cos and rotary_sin float32 (seqlen_ro, rotary_dim / 2) of one shape,
+// The rotary tables: rotary_cos and rotary_sin (seqlen_ro, rotary_dim / 2) of one shape and one
+// dtype, float32 or q's,
 // seqlen_ro >= 1, rotary_dim a multiple of 16 in [16, head_dim], the last dim contiguous and the
 // rows apart (stride[0] >= rotary_dim / 2, where there is more than one row).
-void rotary_tables(const Checker& c, const Arg& cos, const Arg& sin, int64_t head_dim) {
+void rotary_tables(const Checker& c, const Arg& cos, const Arg& sin, int64_t head_dim, DType dtype) {
   c.ranks({&cos, &sin});
   for (const Arg* a : {&cos, &sin}) {
-    if (a->t.dtype != DType::kFloat32) {
-      c.fail(a->name, ".dtype is ", Name{a->t.dtype}, "; rotary_cos and rotary_sin must be float32");
+    if (a->t.dtype != DType::kFloat32 && a->t.dtype != dtype) {
+      c.fail(a->name, ".dtype is ", Name{a->t.dtype}, "; rotary_cos and rotary_sin must be float32 or q's dtype (",
+             Name{dtype}, ")");
     }
+  }
+  if (cos.t.dtype != sin.t.dtype) {
+    c.fail("rotary_sin.dtype is ", Name{sin.t.dtype}, " and rotary_cos.dtype is ", Name{cos.t.dtype},
+           "; the two tables must have one dtype");
   }
   c.sizes({&cos, &sin});
   c.same_shape(sin, cos, "rotary_cos and rotary_sin must have the same shape");
@@ -917,7 +923,7 @@ KvcacheProblem validate_kvcache(const KvcacheArgs& args, PointerInspector inspec
     }
     new_keys(c, kn, vn, q, k, dtype, seqlen_cache, paged, page_table);
   }
-  if (rotary) rotary_tables(c, cos, sin, q.t.shape[3]);
+  if (rotary) rotary_tables(c, cos, sin, q.t.shape[3], dtype);
 
   KvcacheProblem p;
   p.dtype = dtype;

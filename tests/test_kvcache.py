@@ -574,6 +574,8 @@ FUSED_CASES = [  # name, layout (a page size, "contiguous" or "batch_idx"), head
     ("window_excluding_nothing_q3", "contiguous", 128, 3, 3, False, (100000, 100000), 64, False, False, None),
     ("append300_paged256_q7_no_rotary", 256, 128, 7, 300, False, (-1, -1), 0, False, True, None),
     ("decode_paged16_q_dtype_tables", 16, 64, 1, 2, True, (-1, -1), 48, True, False, "q"),
+    ("spec2_q_dtype_tables_neox", "contiguous", 128, 2, 2, True, (-1, -1), 128, False, False, "q"),
+    ("decode_float64_tables", "contiguous", 128, 1, 1, True, (-1, -1), 64, False, False, "float64"),
 ]
 
 
@@ -589,7 +591,8 @@ def test_fused_append_matches_torch_reference(dtype, case):
     Layouts: contiguous, cache_batch_idx, pages of 1 to 256 keys (appends across page boundaries:
     lengths 0, page_size - 1, 2 page_size + 5, 3 page_size - 1), cache_leftpad; rotary_dim 16 to
     head_dim, both pair layouts, q rotated by token (causal, a window) or at cache_seqlens
-    (neither; also a window that excludes nothing); tables of q's dtype converted, strided."""
+    (neither; also a window that excludes nothing); tables of float32 or q's dtype (strided rows)
+    read by the kernel, float64 ones converted."""
     name, layout, d, sq, s_new, causal, window, rot, interleaved, leftpad, table_dtype = case
     page_size = layout if isinstance(layout, int) else None
     unit = page_size or 64
@@ -604,9 +607,11 @@ def test_fused_append_matches_torch_reference(dtype, case):
     cos = sin = None
     if rot:
         cos, sin = rotary_tables(capacity + sq + 8, rot, "cuda")
-        if table_dtype == "q":  # rows of a wider table of q's dtype: converted to float32 by flash3
+        if table_dtype == "q":  # rows of a wider table of q's dtype: read as they are by the kernel
             cos = torch.cat((cos, cos), dim=1).to(dtype)[:, :rot // 2]
             sin = torch.cat((sin, sin), dim=1).to(dtype)[:, :rot // 2]
+        elif table_dtype == "float64":  # converted to float32 by flash3
+            cos, sin = cos.double(), sin.double()
     kc, vc = p["k_cache"], p["v_cache"]
     k_ref, v_ref = kc.clone(), vc.clone()
     lens = p["cache_seqlens"]
@@ -965,7 +970,8 @@ def test_cpu_kvcache_args_match_c_header(probe):
     the flags and numbers, the tensors' ranks, dtypes, shapes and strides, "not given" (NULL data,
     rank 0) for the index tensors left out. Without an append the first version (760 bytes) is
     packed; with one the second (1088 bytes: k_new, v_new, rotary_cos, rotary_sin,
-    rotary_interleaved), the rotary tables as float32 with contiguous rows."""
+    rotary_interleaved), the rotary tables as given when of q's dtype or float32, with the last dim
+    contiguous, else as float32 copies."""
     from flash3 import _kernels, _lib
     layout = [probe.probe_layout(i) for i in range(3 + len(LAYOUT_FIELDS))]
     assert layout[:3] == [_lib.KVCACHE_ARGS_SIZE, _lib.KVCACHE_ARGS_SIZE_V1, _lib.KVCACHE_ARGS_SIZE] == [
@@ -993,19 +999,24 @@ def test_cpu_kvcache_args_match_c_header(probe):
     assert seen()[15:] == [0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0]
     assert seen_v2() == [-1] * 18
     assert probe.probe_calls() == 2
-    # the append: k_new, v_new as given (v_new a slice: its strides), bfloat16 tables of a wider
-    # table converted; rotary_interleaved True by default
+    # the append: k_new, v_new as given (v_new a slice: its strides), tables of q's dtype (bfloat16)
+    # as given (rows of a wider table: stride 48); rotary_interleaved True by default
     k_new = torch.zeros(3, 5, 2, 64, dtype=torch.bfloat16)
     v_new = torch.zeros(3, 9, 2, 64, dtype=torch.bfloat16)[:, 2:7]
     cos = torch.zeros(50, 48, dtype=torch.bfloat16)[:, :16]
     flash3.forward_kvcache_into(q, kc, vc, out, lse, p["cache_seqlens"], page_table=table, k_new=k_new, v_new=v_new,
                                 rotary_cos=cos, rotary_sin=cos)
     assert seen()[0] == 1088 and seen()[17:] == [1, 5, 3, 0, 0, 0, 0, 2, 5, 3, 3, 8, 1]
-    assert seen_v2() == [4, 1, 5, 2, 128, 4, 5, 9 * 128, 2, 2, 50, 16, 16, 2, 2, 16, 1, 0]
+    assert seen_v2() == [4, 1, 5, 2, 128, 4, 5, 9 * 128, 2, 1, 50, 16, 48, 2, 1, 48, 1, 0]
+    # float16 tables (neither float32 nor q's dtype), or two dtypes: converted to float32, contiguous
+    for c, s in ((cos.half(), cos.half()), (cos, cos.float())):
+        flash3.forward_kvcache_into(q, kc, vc, out, lse, p["cache_seqlens"], page_table=table, k_new=k_new,
+                                    v_new=v_new, rotary_cos=c, rotary_sin=s)
+        assert seen_v2() == [4, 1, 5, 2, 128, 4, 5, 9 * 128, 2, 2, 50, 16, 16, 2, 2, 16, 1, 0]
     flash3.forward_kvcache_into(q, kc, vc, out, lse, p["cache_seqlens"], page_table=table, k_new=k_new, v_new=v_new,
                                 rotary_interleaved=False)
     assert seen_v2() == [4, 1, 5, 2, 128, 4, 5, 9 * 128, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
-    assert probe.probe_calls() == 4
+    assert probe.probe_calls() == 6
 
 
 def test_cpu_forward_kvcache_into_names_bad_tensors(probe):
@@ -1028,7 +1039,7 @@ def test_cpu_forward_kvcache_into_names_bad_tensors(probe):
              (dict(k_new=new, v_new=new, rotary_cos=[[1.0]], rotary_sin=cos), r"^rotary_cos: expected a torch.Tensor, "
                                                                               r"got list"),
              (dict(k_new=new, v_new=new, rotary_cos=cos, rotary_sin=cos.long()), r"^rotary_sin: dtype torch.int64 is "
-                                                                                 r"not supported \(use torch.float32\)")]
+                                                                                 r"not supported \(use torch.float32 or q's dtype\)")]
     for kw, pattern in cases:
         with pytest.raises(ValueError, match=pattern):
             flash3.forward_kvcache_into(q, kc, vc, out, None, p["cache_seqlens"], **kw)

@@ -2474,8 +2474,16 @@ TEST_F(ValidateKvcache, AppendStrides) {
 TEST_F(ValidateKvcache, RotaryTables) {
   const KvcacheArgs base = with_rotary(with_append(a, 3), 600, 64);
   KvcacheArgs b = base;
-  b.rotary_cos.dtype = DType::kBFloat16;
-  EXPECT_TRUE(kvcache_fails(b, {"rotary_cos.dtype is bfloat16; rotary_cos and rotary_sin must be float32"}));
+  b.rotary_cos.dtype = DType::kFloat16;  // q is bfloat16
+  b.rotary_sin.dtype = DType::kFloat16;
+  EXPECT_TRUE(kvcache_fails(b, {"rotary_cos.dtype is float16; rotary_cos and rotary_sin must be float32 or q's "
+                                "dtype (bfloat16)"}));
+  b = base;
+  b.rotary_sin.dtype = DType::kBFloat16;
+  EXPECT_TRUE(kvcache_fails(b, {"rotary_sin.dtype is bfloat16 and rotary_cos.dtype is float32; the two tables "
+                                "must have one dtype"}));
+  b.rotary_cos.dtype = DType::kBFloat16;  // tables of q's dtype
+  EXPECT_NO_THROW(problem(b));
   b = base;
   b.rotary_sin.rank = 1;
   EXPECT_TRUE(kvcache_fails(b, {"rotary_sin.rank is 1; rotary_sin must have rank 2 (seqlen_ro, rotary_dim / 2)"}));
@@ -2685,8 +2693,9 @@ TEST(CApiKvcache, AppendFields) {
   fails(c, "flash3::fwd_kvcache: k_new.shape[1] (seqlen_new) is 513 but a sequence holds k_cache.shape[1] "
            "(seqlen_cache) = 512 keys; k_new overruns the cache");
   c = c_kvcache_args(a);
-  c.rotary_sin.dtype = FLASH3_BFLOAT16;
-  fails(c, "flash3::fwd_kvcache: rotary_sin.dtype is bfloat16; rotary_cos and rotary_sin must be float32");
+  c.rotary_sin.dtype = FLASH3_INT32;
+  fails(c, "flash3::fwd_kvcache: rotary_sin.dtype is int32; rotary_cos and rotary_sin must be float32 or q's dtype "
+           "(bfloat16)");
   c = c_kvcache_args(a);
   c.reserved_v2 = 1;
   fails(c, "flash3::fwd_kvcache: args->reserved_v2 is 1; it must be 0");

@@ -214,12 +214,13 @@ struct KvcacheArgs {
   // required: the lengths before the append) and attended to; sequence b then sees positions
   // [cache_leftpad[b], cache_seqlens[b] + seqlen_new). Positions past the cache are neither
   // written nor seen (the caller's precondition: they fit). rotary_cos, rotary_sin (optional,
-  // together, only with k_new): float32 (seqlen_ro, rotary_dim / 2), rotary_dim a multiple of 16
+  // together, only with k_new): (seqlen_ro, rotary_dim / 2) of one dtype, float32 or q's (as
+  // FlashAttention-3's), rotary_dim a multiple of 16
   // and at most head_dim, last dim contiguous: the first rotary_dim dims of each new key are
   // rotated at its cache position and those of each query row at cache_seqlens[b] + i (causal or
   // a window) or cache_seqlens[b] (neither), pairs (2j, 2j + 1) when rotary_interleaved, else
-  // (j, j + rotary_dim / 2); positions past seqlen_ro use its last row. In float32, rounded to
-  // q's dtype.
+  // (j, j + rotary_dim / 2); positions past seqlen_ro use its last row. Computed in float32,
+  // rounded to q's dtype.
   TensorRef k_new, v_new, rotary_cos, rotary_sin;
   bool rotary_interleaved = false;
 };

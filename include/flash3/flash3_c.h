@@ -134,7 +134,7 @@ typedef struct flash3_kvcache_args {
   /* v2: the append (see flash3::KvcacheArgs); a tensor with data == NULL and rank 0 is not given.
    * k_new, v_new (batch, seqlen_new, nheads_kv, head_dim), q's dtype, together and with
    * cache_seqlens: written into the cache at cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1
-   * and attended to. rotary_cos, rotary_sin float32 (seqlen_ro, rotary_dim / 2), together and
+   * and attended to. rotary_cos, rotary_sin (seqlen_ro, rotary_dim / 2), float32 or q's dtype, together and
    * only with k_new: the new keys and q rotated first. */
   flash3_tensor k_new, v_new;
   flash3_tensor rotary_cos, rotary_sin;

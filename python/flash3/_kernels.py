@@ -113,8 +113,8 @@ _WANTED_DTYPES = {"lse": "torch.float32", "q_scale": "torch.float32", "k_scale":
                   "v_scale": "torch.float32", "scale": "torch.float32", "x": "torch.bfloat16 or torch.float16",
                   "cu_seqlens_q": "torch.int32", "cu_seqlens_k": "torch.int32", "seqused_q": "torch.int32",
                   "seqused_k": "torch.int32", "cache_seqlens": "torch.int32", "cache_batch_idx": "torch.int32",
-                  "cache_leftpad": "torch.int32", "page_table": "torch.int32", "rotary_cos": "torch.float32",
-                  "rotary_sin": "torch.float32",
+                  "cache_leftpad": "torch.int32", "page_table": "torch.int32", "rotary_cos": "torch.float32 or q's dtype",
+                  "rotary_sin": "torch.float32 or q's dtype",
                   "out": "torch.bfloat16 or torch.float16 (torch.float8_e4m3fn from quantize_fp8)"}
 
 
@@ -888,12 +888,19 @@ def check_kvcache_values(k_cache, cache_seqlens=None, cache_batch_idx=None, cach
                          f"[0, {k_cache.shape[0]}) (k_cache.shape[0])")
 
 
-def _rotary_table(t):
-    """A floating rotary table as the library reads it: float32 with contiguous rows (a copy where t
-    is not one already); anything else as it is (the library, or _explain, names it)."""
-    if isinstance(t, torch.Tensor) and (t.dtype is not _FLOAT32 or not t.is_contiguous()) and t.is_floating_point():
-        return t.to(_FLOAT32).contiguous()
-    return t
+def _rotary_tables(cos, sin, dtype):
+    """The rotary tables as the library reads them: of one dtype, float32 or q's (dtype), with the
+    last dim contiguous. Floating tables that are not are copied to float32 with contiguous rows;
+    anything else is passed as it is (the library, or _explain, names it)."""
+    def readable(t):
+        return not isinstance(t, torch.Tensor) or not t.is_floating_point() or (
+            t.dtype in (_FLOAT32, dtype) and t.dim() == 2 and t.stride(-1) == 1)
+    same = not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)) or cos.dtype is sin.dtype
+    if same and readable(cos) and readable(sin):
+        return cos, sin
+    def f32(t):
+        return t.to(_FLOAT32).contiguous() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+    return f32(cos), f32(sin)
 
 
 def forward_kvcache_into(q, k_cache, v_cache, out, lse, cache_seqlens=None, softmax_scale=None, causal=False,
@@ -928,9 +935,8 @@ def forward_kvcache_into(q, k_cache, v_cache, out, lse, cache_seqlens=None, soft
     cache position and those of q's row i at cache_seqlens[b] + i (causal or a window; a window
     that excludes nothing does not count, as FlashAttention-3) or cache_seqlens[b] (neither),
     pairs (2j, 2j + 1) when rotary_interleaved, else (j, j + rotary_dim / 2); positions past
-    seqlen_ro use its last row. The tables go to the library as float32 with contiguous rows:
-    floating tables of another dtype or layout are converted first (a copy per call; pass float32
-    contiguous tables to avoid it).
+    seqlen_ro use its last row. The kernel reads tables of one dtype, float32 or q's, with the last
+    dim contiguous; other floating tables are copied to float32 first (a copy per call).
     The index values live on the GPU: by default (as FlashAttention-3) the host does not read
     them, and the library clamps them to the cache (bad values give undefined results, never an
     access out of bounds). check_seqlens=True and check_page_table=True check them first
@@ -943,7 +949,7 @@ def forward_kvcache_into(q, k_cache, v_cache, out, lse, cache_seqlens=None, soft
     splits = num_splits_arg(num_splits)
     append = k_new is not None or v_new is not None or rotary_cos is not None or rotary_sin is not None
     if append:
-        rotary_cos, rotary_sin = _rotary_table(rotary_cos), _rotary_table(rotary_sin)
+        rotary_cos, rotary_sin = _rotary_tables(rotary_cos, rotary_sin, getattr(q, "dtype", None))
     try:
         tensors = (*_fields(q), *_fields(k_cache), *_fields(v_cache), *_fields(out), *_fields(lse),
                    *_fields(cache_seqlens), *_fields(cache_batch_idx), *_fields(cache_leftpad), *_fields(page_table))

@@ -100,8 +100,9 @@ void fwd_kvcache(const KvcacheArgs& args) {
     dp.seqlen_new = p.seqlen_new;
   }
   if (p.rotary_dim > 0) {
-    dp.rot_cos = static_cast<const float*>(args.rotary_cos.data);
-    dp.rot_sin = static_cast<const float*>(args.rotary_sin.data);
+    dp.rot_cos = args.rotary_cos.data;
+    dp.rot_sin = args.rotary_sin.data;
+    dp.rot_f32 = args.rotary_cos.dtype == DType::kFloat32;
     dp.cos_stride = args.rotary_cos.stride[0];
     dp.sin_stride = args.rotary_sin.stride[0];
     dp.rot_half = p.rotary_dim / 2;

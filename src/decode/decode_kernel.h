@@ -59,12 +59,13 @@ struct DecodeParams {
   const void* v_new;
   int64_t k_new_stride[3], v_new_stride[3];
   int seqlen_new;
-  // Rotary (rot_half > 0): float32 tables (seqlen_ro, rot_half), row strides cos_stride, sin_stride.
-  const float* rot_cos;
-  const float* rot_sin;
+  // Rotary (rot_half > 0): tables (seqlen_ro, rot_half), float32 (rot_f32) or of q's dtype, row
+  // strides cos_stride, sin_stride (elements).
+  const void* rot_cos;
+  const void* rot_sin;
   int64_t cos_stride, sin_stride;
   int rot_half, seqlen_ro;
-  bool rot_interleaved;
+  bool rot_interleaved, rot_f32;
   bool q_rot_by_token;  // causal or a window: query row t at cache_seqlens + t, else all at cache_seqlens
   float* part_o;                           // num_splits > 1: (split, batch, head, token, head_dim)
   float* part_lse;                         //                 (split, batch, head, token)
@@ -187,14 +188,18 @@ __device__ __forceinline__ uint4 rotated_chunk(const Element* row, int c, int po
   const int d0 = 8 * c;
   if (p.rot_half == 0 || d0 >= 2 * p.rot_half) return raw;
   const int at = min(pos, p.seqlen_ro - 1);
-  const float* cs = p.rot_cos + int64_t(at) * p.cos_stride;
-  const float* sn = p.rot_sin + int64_t(at) * p.sin_stride;
+  const int64_t cs_row = int64_t(at) * p.cos_stride, sn_row = int64_t(at) * p.sin_stride;
+  // Entry i of this position's row of a table (float32 or Element).
+  auto entry = [&](const void* table, int64_t row, int i) -> float {
+    return p.rot_f32 ? static_cast<const float*>(table)[row + i]
+                     : float(static_cast<const Element*>(table)[row + i]);
+  };
   float x[8], out[8];
   unpack8<Element>(raw, x);
   if (p.rot_interleaved) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const float c0 = cs[d0 / 2 + j], s0 = sn[d0 / 2 + j];
+      const float c0 = entry(p.rot_cos, cs_row, d0 / 2 + j), s0 = entry(p.rot_sin, sn_row, d0 / 2 + j);
       out[2 * j] = x[2 * j] * c0 - x[2 * j + 1] * s0;
       out[2 * j + 1] = x[2 * j] * s0 + x[2 * j + 1] * c0;
     }
@@ -205,7 +210,7 @@ __device__ __forceinline__ uint4 rotated_chunk(const Element* row, int c, int po
     const int i0 = first ? d0 : d0 - p.rot_half;  // the pairs' index into the tables
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const float c0 = cs[i0 + j], s0 = sn[i0 + j];
+      const float c0 = entry(p.rot_cos, cs_row, i0 + j), s0 = entry(p.rot_sin, sn_row, i0 + j);
       out[j] = first ? x[j] * c0 - y[j] * s0 : y[j] * s0 + x[j] * c0;
     }
   }
