@@ -43,7 +43,7 @@ static_assert(FLASH3_KVCACHE_ARGS_SIZE_V1 == 16 + 9 * sizeof(flash3_tensor) + 24
 static_assert(offsetof(flash3_kvcache_args, q) == 16 && offsetof(flash3_kvcache_args, stream) % 8 == 0,
               "flash3_kvcache_args header");
 static_assert(offsetof(flash3_kvcache_args, k_new) == FLASH3_KVCACHE_ARGS_SIZE_V1 &&
-                  FLASH3_KVCACHE_ARGS_SIZE_V2 == FLASH3_KVCACHE_ARGS_SIZE_V1 + 4 * sizeof(flash3_tensor) + 8,
+                  FLASH3_KVCACHE_ARGS_SIZE_V2 == FLASH3_KVCACHE_ARGS_SIZE_V1 + 5 * sizeof(flash3_tensor) + 8,
               "flash3_kvcache_args v2 layout");
 static_assert(sizeof(flash3_kvcache_args) == FLASH3_KVCACHE_ARGS_SIZE_V2,
               "flash3_kvcache_args is v2 (update when appending)");
@@ -224,11 +224,12 @@ flash3::KvcacheArgs kvcache_args(const flash3_kvcache_args* c) {
   args.num_splits = a.num_splits;
   args.stream = static_cast<cudaStream_t>(a.stream);
   set_mask(a, args);
-  // v2 (zero in a v1 struct: no append, no rotary)
+  // v2 (zero in a v1 struct: no append, no rotary, no MLA)
   args.k_new = to_ref(&a.k_new);
   args.v_new = to_ref(&a.v_new);
   args.rotary_cos = to_ref(&a.rotary_cos);
   args.rotary_sin = to_ref(&a.rotary_sin);
+  args.qv = to_ref(&a.qv);
   args.rotary_interleaved = a.rotary_interleaved != 0;
   return args;
 }

@@ -740,6 +740,11 @@ const char* const kPagedCacheDims[] = {"num_pages", "page_size", "nheads_kv", "h
 const char* const kPageTableDims[] = {"batch", "max_pages_per_seq"};
 const char* const kNewDims[] = {"batch", "seqlen_new", "nheads_kv", "head_dim"};
 const char* const kRotaryDims[] = {"seqlen_ro", "rotary_dim / 2"};
+// MLA (qv given): the tensors whose last dim is the latent's (head_dim_v, kMlaLatentDim), not q's.
+const char* const kQvDims[] = {"batch", "seqlen_q", "nheads", "head_dim_v"};
+const char* const kCacheDimsV[] = {"batch_cache", "seqlen_cache", "nheads_kv", "head_dim_v"};
+const char* const kPagedCacheDimsV[] = {"num_pages", "page_size", "nheads_kv", "head_dim_v"};
+const char* const kNewDimsV[] = {"batch", "seqlen_new", "nheads_kv", "head_dim_v"};
 
 // What Checker::mask reads and normalizes, for a KV-cache problem: seqlen_k is the longest key
 // range (a bound that excludes nothing there excludes nothing in any sequence).
@@ -759,11 +764,33 @@ void together(const Checker& c, const Arg& a, const Arg& b, const char* rule) {
   c.fail(missing.name, " is not given but ", present.name, " is; ", rule);
 }
 
+// The shapes of an MLA problem (qv given), in place of the rule that q, k_cache, v_cache and out
+// share one shape: q (batch, seqlen_q, nheads, kMlaRotaryDim) and qv (batch, seqlen_q, nheads,
+// kMlaLatentDim); k_cache (..., nheads_kv, kMlaRotaryDim) and v_cache of k_cache's first three
+// dims with the latent's head dim; out (batch, seqlen_q, nheads, kMlaLatentDim). After the sizes.
+void mla_shapes(const Checker& c, const Arg& q, const Arg& qv, const Arg& k, const Arg& v, const Arg& out) {
+  const char* const why = "; MLA needs q's rotary part of 64 and qv's latent of 512";
+  if (q.t.shape[3] != kMlaRotaryDim) c.fail("qv is given (MLA): ", Dim{q, 3}, " is ", q.t.shape[3], why);
+  if (qv.t.shape[3] != kMlaLatentDim) c.fail("qv is given (MLA): ", Dim{qv, 3}, " is ", qv.t.shape[3], why);
+  const char* const qv_rule = "qv must be (batch, seqlen_q, nheads, 512) with q's batch, seqlen_q and nheads";
+  const char* const out_rule = "with qv (MLA), out must be (batch, seqlen_q, nheads, 512): q's first three dims and "
+                               "qv's head_dim_v";
+  const char* const v_rule = "with qv (MLA), v_cache must have k_cache's first three dims (only the head dims "
+                             "differ: 64 and 512)";
+  for (int d = 0; d < 3; ++d) c.same(qv, d, q, d, qv_rule);
+  for (int d = 0; d < 3; ++d) c.same(out, d, q, d, out_rule);
+  c.same(out, 3, qv, 3, out_rule);
+  for (int d = 0; d < 3; ++d) c.same(v, d, k, d, v_rule);
+  c.same(v, 3, qv, 3, "with qv (MLA), v_cache holds each key's latent: its head_dim_v must be qv's");
+  c.same(k, 3, q, 3, "q and k_cache must have the same head_dim (with qv, the rotary part's 64)");
+}
+
 // The append: k_new and v_new (batch, seqlen_new, nheads_kv, head_dim) of q's dtype, with q's
 // batch and the cache's heads and head_dim, at most a sequence's capacity (seqlen_cache: the
-// longest key range), strides as the caches'. After the cache's own checks.
-void new_keys(const Checker& c, const Arg& kn, const Arg& vn, const Arg& q, const Arg& k, DType dtype,
-              int64_t seqlen_cache, bool paged, const Arg& page_table) {
+// longest key range), strides as the caches'. With qv (mla), v_new's head dim is v_cache's (the
+// latent's), k_new's k_cache's. After the cache's own checks.
+void new_keys(const Checker& c, const Arg& kn, const Arg& vn, const Arg& q, const Arg& k, const Arg& v, bool mla,
+              DType dtype, int64_t seqlen_cache, bool paged, const Arg& page_table) {
   c.ranks({&kn, &vn});
   for (const Arg* a : {&kn, &vn}) {
     if (a->t.dtype != dtype) {
@@ -775,7 +802,12 @@ void new_keys(const Checker& c, const Arg& kn, const Arg& vn, const Arg& q, cons
   c.same(kn, 0, q, 0, "k_new must have q's batch");
   c.same(kn, 2, k, 2, "k_new must have the cache's nheads_kv");
   c.same(kn, 3, k, 3, "k_new must have the cache's head_dim");
-  c.same_shape(vn, kn, "k_new and v_new must have the same shape");
+  if (mla) {
+    for (int d = 0; d < 3; ++d) c.same(vn, d, kn, d, "k_new and v_new must have the same first three dims");
+    c.same(vn, 3, v, 3, "with qv (MLA), v_new must have v_cache's head_dim_v (the latent's)");
+  } else {
+    c.same_shape(vn, kn, "k_new and v_new must have the same shape");
+  }
   const int64_t seqlen_new = kn.t.shape[1];
   if (seqlen_new > seqlen_cache) {
     if (paged) {
@@ -829,10 +861,11 @@ void rotary_tables(const Checker& c, const Arg& cos, const Arg& sin, int64_t hea
 
 KvcacheProblem validate_kvcache(const KvcacheArgs& args, PointerInspector inspect) {
   const Checker c("flash3::fwd_kvcache: ");
-  const bool paged = given(args.page_table), write_lse = args.lse.data != nullptr;
+  const bool paged = given(args.page_table), write_lse = args.lse.data != nullptr, mla = given(args.qv);
   const char* const* cache_dims = paged ? kPagedCacheDims : kCacheDims;
-  const Arg q{"q", args.q, kQDims, 4}, k{"k_cache", args.k_cache, cache_dims, 4},
-      v{"v_cache", args.v_cache, cache_dims, 4}, out{"out", args.out, kQDims, 4}, lse{"lse", args.lse, kLseDims, 3};
+  const char* const* v_dims = !mla ? cache_dims : paged ? kPagedCacheDimsV : kCacheDimsV;
+  const Arg q{"q", args.q, kQDims, 4}, k{"k_cache", args.k_cache, cache_dims, 4}, v{"v_cache", args.v_cache, v_dims, 4},
+      out{"out", args.out, mla ? kQvDims : kQDims, 4}, lse{"lse", args.lse, kLseDims, 3}, qv{"qv", args.qv, kQvDims, 4};
   const Arg seqlens{"cache_seqlens", args.cache_seqlens, kUsedDims, 1},
       batch_idx{"cache_batch_idx", args.cache_batch_idx, kUsedDims, 1},
       leftpad{"cache_leftpad", args.cache_leftpad, kUsedDims, 1},
@@ -840,6 +873,7 @@ KvcacheProblem validate_kvcache(const KvcacheArgs& args, PointerInspector inspec
   const Arg* lse_if = write_lse ? &lse : nullptr;
   Args all = {&q, &k, &v, &out};
   if (write_lse) all.push_back(&lse);
+  if (mla) all.push_back(&qv);
   Args index;  // the index tensors given, in the order of KvcacheArgs
   for (const Arg* a : {&seqlens, &batch_idx, &leftpad, &page_table}) {
     if (given(a->t)) index.push_back(a);
@@ -851,12 +885,19 @@ KvcacheProblem validate_kvcache(const KvcacheArgs& args, PointerInspector inspec
   }
   c.ranks(all);
   const DType dtype = c.dtypes(q, {&k, &v, &out}, lse_if, "q, k_cache, v_cache and out must have the same dtype");
+  if (mla && qv.t.dtype != dtype) {
+    c.fail("qv.dtype is ", Name{qv.t.dtype}, " but q.dtype is ", Name{dtype}, "; qv must have q's dtype");
+  }
   c.int32_tensors(index);
   c.sizes(all);
   c.sizes(index);
-  c.same_shape(out, q, "out must have the same shape as q");
-  c.same_shape(v, k, "k_cache and v_cache must have the same shape");
-  c.same(k, 3, q, 3, "q and k_cache must have the same head_dim");
+  if (mla) {
+    mla_shapes(c, q, qv, k, v, out);
+  } else {
+    c.same_shape(out, q, "out must have the same shape as q");
+    c.same_shape(v, k, "k_cache and v_cache must have the same shape");
+    c.same(k, 3, q, 3, "q and k_cache must have the same head_dim");
+  }
   if (write_lse) c.lse_shape(lse, q);
   const int64_t batch = q.t.shape[0];
   for (const Arg* a : {&seqlens, &batch_idx, &leftpad}) {
@@ -900,7 +941,8 @@ KvcacheProblem validate_kvcache(const KvcacheArgs& args, PointerInspector inspec
            " (2^30): the kernels index keys in 32 bits");
   }
   c.tiles(q, q.t.shape[2], batch, "query");
-  const float scale = c.scale(args.softmax_scale, q.t.shape[3], kMaxSoftmaxScale,
+  // the default 1/sqrt(head_dim) of the scores' head dim: q's, or with qv q's and qv's (576)
+  const float scale = c.scale(args.softmax_scale, mla ? q.t.shape[3] + qv.t.shape[3] : q.t.shape[3], kMaxSoftmaxScale,
                               "2^11: beyond, float32 exponents of the softmax are not exact");
   if (args.num_splits < 0 || args.num_splits > kMaxKvcacheSplits) {
     c.fail("num_splits is ", args.num_splits, "; it must be in [0, ", kMaxKvcacheSplits,
@@ -908,7 +950,7 @@ KvcacheProblem validate_kvcache(const KvcacheArgs& args, PointerInspector inspec
   }
 
   // The append (k_new, v_new) and its rotary embedding (rotary_cos, rotary_sin).
-  const Arg kn{"k_new", args.k_new, kNewDims, 4}, vn{"v_new", args.v_new, kNewDims, 4},
+  const Arg kn{"k_new", args.k_new, kNewDims, 4}, vn{"v_new", args.v_new, mla ? kNewDimsV : kNewDims, 4},
       cos{"rotary_cos", args.rotary_cos, kRotaryDims, 2}, sin{"rotary_sin", args.rotary_sin, kRotaryDims, 2};
   together(c, kn, vn, "k_new and v_new are given together (the appended keys and their values)");
   together(c, cos, sin, "rotary_cos and rotary_sin are given together");
@@ -921,7 +963,7 @@ KvcacheProblem validate_kvcache(const KvcacheArgs& args, PointerInspector inspec
       c.fail("k_new is given without cache_seqlens; an append needs cache_seqlens (each sequence's length before "
              "it: where its new keys go)");
     }
-    new_keys(c, kn, vn, q, k, dtype, seqlen_cache, paged, page_table);
+    new_keys(c, kn, vn, q, k, v, mla, dtype, seqlen_cache, paged, page_table);
   }
   if (rotary) rotary_tables(c, cos, sin, q.t.shape[3], dtype);
 
@@ -932,6 +974,8 @@ KvcacheProblem validate_kvcache(const KvcacheArgs& args, PointerInspector inspec
   p.nheads = static_cast<int>(q.t.shape[2]);
   p.nheads_kv = static_cast<int>(k.t.shape[2]);
   p.head_dim = static_cast<int>(q.t.shape[3]);
+  p.head_dim_v = static_cast<int>(v.t.shape[3]);  // head_dim without qv (same shapes)
+  p.mla = mla;
   p.batch_cache = static_cast<int>(k.t.shape[0]);
   p.seqlen_cache = static_cast<int>(seqlen_cache);
   p.paged = paged;

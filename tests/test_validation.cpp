@@ -2299,12 +2299,13 @@ TEST_F(ValidateKvcache, EmptyProblemsSkipPointerChecks) {
 // Fake addresses of the append's tensors (16-byte aligned, distinct from the others').
 constexpr uintptr_t kKNewAt = 0xE00000, kVNewAt = 0xF00000, kCosAt = 0x1100000, kSinAt = 0x1200000;
 
-// a with an append of s_new rows: k_new, v_new (batch, s_new, nheads_kv, head_dim) of q's dtype,
-// contiguous (null data when with_data is false).
+// a with an append of s_new rows: k_new (batch, s_new, nheads_kv, head_dim) and v_new (batch,
+// s_new, nheads_kv, v_cache's head dim) of q's dtype, contiguous (null data when with_data is
+// false).
 KvcacheArgs with_append(KvcacheArgs a, int64_t s_new, bool with_data = true) {
-  const int64_t b = a.q.shape[0], hk = a.k_cache.shape[2], d = a.k_cache.shape[3];
+  const int64_t b = a.q.shape[0], hk = a.k_cache.shape[2], d = a.k_cache.shape[3], dv = a.v_cache.shape[3];
   a.k_new = TensorRef::contiguous(with_data ? fake_ptr(kKNewAt) : nullptr, a.q.dtype, {b, s_new, hk, d});
-  a.v_new = TensorRef::contiguous(with_data ? fake_ptr(kVNewAt) : nullptr, a.q.dtype, {b, s_new, hk, d});
+  a.v_new = TensorRef::contiguous(with_data ? fake_ptr(kVNewAt) : nullptr, a.q.dtype, {b, s_new, hk, dv});
   return a;
 }
 
@@ -2566,6 +2567,228 @@ TEST_F(ValidateKvcache, AppendPointerChecksComeLast) {
   EXPECT_EQ(g_calls, 0);
 }
 
+// ---- MLA (qv): q the queries' rotary part (64), qv their latent (512), v_cache the keys' latent -
+
+constexpr uintptr_t kQvAt = 0x1300000;  // 16-byte aligned, distinct from the others'
+
+// a made an MLA problem (its batch, seqlen_q, heads, cache entries and lengths kept): q and
+// k_cache (..., 64), v_cache and out (..., 512), and qv (batch, seqlen_q, nheads, 512) of q's
+// dtype, all contiguous (qv's data null where q's is).
+KvcacheArgs with_mla(KvcacheArgs a) {
+  const int64_t b = a.q.shape[0], sq = a.q.shape[1], h = a.q.shape[2];
+  const int64_t n = a.k_cache.shape[0], sc = a.k_cache.shape[1], hk = a.k_cache.shape[2];
+  const DType t = a.q.dtype;
+  a.q = TensorRef::contiguous(a.q.data, t, {b, sq, h, flash3::kMlaRotaryDim});
+  a.k_cache = TensorRef::contiguous(a.k_cache.data, t, {n, sc, hk, flash3::kMlaRotaryDim});
+  a.v_cache = TensorRef::contiguous(a.v_cache.data, t, {n, sc, hk, flash3::kMlaLatentDim});
+  a.out = TensorRef::contiguous(a.out.data, t, {b, sq, h, flash3::kMlaLatentDim});
+  a.qv = TensorRef::contiguous(a.q.data != nullptr ? fake_ptr(kQvAt) : nullptr, t, {b, sq, h, flash3::kMlaLatentDim});
+  return a;
+}
+
+TEST_F(ValidateKvcache, MlaProblemIsFilled) {
+  // DeepSeek's decoding shape: 128 query heads over one latent KV head
+  KvcacheArgs m = with_mla(make_kvcache(2, 1, 512, 128, 1, 64));
+  KvcacheProblem p = problem(m);
+  EXPECT_TRUE(p.mla);
+  EXPECT_EQ(p.head_dim, 64);
+  EXPECT_EQ(p.head_dim_v, 512);
+  EXPECT_EQ(p.nheads, 128);
+  EXPECT_EQ(p.nheads_kv, 1);
+  EXPECT_EQ(p.seqlen_cache, 512);
+  EXPECT_FLOAT_EQ(p.softmax_scale, 1.0f / 24.0f);  // 1/sqrt(64 + 512), the scores' head dim
+  EXPECT_EQ(g_calls, 7);  // q, k_cache, v_cache, out, lse, cache_seqlens, qv
+  m.softmax_scale = 0.5f;
+  EXPECT_EQ(problem(m).softmax_scale, 0.5f);
+  // without qv: head_dim_v is head_dim, the default scale 1/sqrt(head_dim)
+  p = problem(a);
+  EXPECT_FALSE(p.mla);
+  EXPECT_EQ(p.head_dim, 128);
+  EXPECT_EQ(p.head_dim_v, 128);
+  EXPECT_FLOAT_EQ(p.softmax_scale, 0.08838834764f);
+  // paged (pages of 1, 64, 256 keys), GQA 4, several query rows, float16
+  for (int64_t page_size : {1, 64, 256}) {
+    m = with_mla(make_paged(3, 2, 40, page_size, 10, 8, 2, 64));
+    for (TensorRef* t : {&m.q, &m.k_cache, &m.v_cache, &m.out, &m.qv}) t->dtype = DType::kFloat16;
+    p = problem(m);
+    EXPECT_TRUE(p.mla && p.paged);
+    EXPECT_EQ(p.dtype, DType::kFloat16);
+    EXPECT_EQ(p.page_size, page_size);
+    EXPECT_EQ(p.seqlen_cache, 10 * page_size);
+    EXPECT_EQ(p.head_dim, 64);
+    EXPECT_EQ(p.head_dim_v, 512);
+    EXPECT_EQ(p.seqlen_q, 2);
+  }
+  // slices of wider buffers (q and qv of one projection of 576 per head), a cache entry selected
+  // through cache_batch_idx
+  m = with_mla(make_kvcache(2, 5, 300, 16, 2, 64));
+  m.q.stride[2] = m.qv.stride[2] = 576;
+  m.q.stride[1] = m.qv.stride[1] = 16 * 576;
+  m.q.stride[0] = m.qv.stride[0] = 5 * 16 * 576;
+  m.k_cache.shape[0] = m.v_cache.shape[0] = 7;
+  m.cache_batch_idx = int32_entries(kBatchIdxAt, 2);
+  p = problem(m);
+  EXPECT_EQ(p.batch_cache, 7);
+  EXPECT_EQ(p.seqlen_q, 5);
+}
+
+TEST_F(ValidateKvcache, MlaDtypeRankAndHeadDims) {
+  const KvcacheArgs base = with_mla(make_kvcache(2, 1, 512, 16, 2, 64));
+  KvcacheArgs m = base;
+  m.qv.dtype = DType::kFloat16;
+  EXPECT_TRUE(kvcache_fails(m, {"qv.dtype is float16 but q.dtype is bfloat16; qv must have q's dtype"}));
+  m = base;
+  m.qv.rank = 3;
+  EXPECT_TRUE(kvcache_fails(m, {"qv.rank is 3; qv must have rank 4 (batch, seqlen_q, nheads, head_dim_v)"}));
+  m = base;
+  m.qv.shape[3] = -1;
+  EXPECT_TRUE(kvcache_fails(m, {"qv.shape[3] (head_dim_v) is -1; sizes must be >= 0"}));
+  // q (and the keys' rotary part) not 64: MLA's message, not the supported head dims'
+  for (int64_t d : {128, 96}) {
+    m = base;
+    m.q = TensorRef::contiguous(m.q.data, DType::kBFloat16, {2, 1, 16, d});
+    m.k_cache = TensorRef::contiguous(m.k_cache.data, DType::kBFloat16, {2, 512, 2, d});
+    EXPECT_TRUE(kvcache_fails(m, {"qv is given (MLA): q.shape[3] (head_dim) is " + std::to_string(d) +
+                                  "; MLA needs q's rotary part of 64 and qv's latent of 512"}));
+  }
+  // the latent not 512 (qv, v_cache and out alike)
+  m = base;
+  m.qv.shape[3] = m.v_cache.shape[3] = m.out.shape[3] = 256;
+  EXPECT_TRUE(kvcache_fails(m, {"qv is given (MLA): qv.shape[3] (head_dim_v) is 256; MLA needs q's rotary part of "
+                                "64 and qv's latent of 512"}));
+  // without qv, head dims other than 64, 128, 256 are refused as ever, and k_cache and v_cache
+  // (and out and q) must have the same shape
+  EXPECT_TRUE(kvcache_fails(make_kvcache(2, 1, 64, 16, 2, 512), {"q.shape[3] (head_dim) is 512; supported head dims "
+                                                                 "are 64, 128, 256"}));
+  m = base;
+  m.qv = TensorRef{};
+  EXPECT_TRUE(kvcache_fails(m, {"out.shape[3] (head_dim) is 512 but q.shape[3] (head_dim) is 64; out must have the "
+                                "same shape as q"}));
+  m.out.shape[3] = 64;
+  EXPECT_TRUE(kvcache_fails(m, {"v_cache.shape[3] (head_dim) is 512 but k_cache.shape[3] (head_dim) is 64; k_cache "
+                                "and v_cache must have the same shape"}));
+}
+
+TEST_F(ValidateKvcache, MlaShapes) {
+  const KvcacheArgs base = with_mla(make_kvcache(2, 1, 512, 16, 2, 64));
+  const char* qv_rule = "; qv must be (batch, seqlen_q, nheads, 512) with q's batch, seqlen_q and nheads";
+  KvcacheArgs m = base;
+  m.qv.shape[0] = 3;
+  EXPECT_TRUE(kvcache_fails(m, {std::string("qv.shape[0] (batch) is 3 but q.shape[0] (batch) is 2") + qv_rule}));
+  m = base;
+  m.qv.shape[1] = 2;
+  EXPECT_TRUE(kvcache_fails(m, {std::string("qv.shape[1] (seqlen_q) is 2 but q.shape[1] (seqlen_q) is 1") + qv_rule}));
+  m = base;
+  m.qv.shape[2] = 8;
+  EXPECT_TRUE(kvcache_fails(m, {std::string("qv.shape[2] (nheads) is 8 but q.shape[2] (nheads) is 16") + qv_rule}));
+  const char* out_rule = "; with qv (MLA), out must be (batch, seqlen_q, nheads, 512): q's first three dims and qv's "
+                         "head_dim_v";
+  m = base;
+  m.out.shape[3] = 64;  // out like q
+  EXPECT_TRUE(kvcache_fails(m, {std::string("out.shape[3] (head_dim_v) is 64 but qv.shape[3] (head_dim_v) is 512") +
+                                out_rule}));
+  m = base;
+  m.out.shape[2] = 8;
+  EXPECT_TRUE(kvcache_fails(m, {std::string("out.shape[2] (nheads) is 8 but q.shape[2] (nheads) is 16") + out_rule}));
+  m = base;
+  m.v_cache.shape[3] = 64;  // a cache of k's shape
+  EXPECT_TRUE(kvcache_fails(m, {"v_cache.shape[3] (head_dim_v) is 64 but qv.shape[3] (head_dim_v) is 512; with qv "
+                                "(MLA), v_cache holds each key's latent: its head_dim_v must be qv's"}));
+  const char* v_rule = "; with qv (MLA), v_cache must have k_cache's first three dims (only the head dims differ: 64 "
+                       "and 512)";
+  m = base;
+  m.v_cache.shape[1] = 511;
+  EXPECT_TRUE(kvcache_fails(m, {std::string("v_cache.shape[1] (seqlen_cache) is 511 but k_cache.shape[1] "
+                                            "(seqlen_cache) is 512") + v_rule}));
+  m = base;
+  m.v_cache.shape[2] = 1;
+  EXPECT_TRUE(kvcache_fails(m, {std::string("v_cache.shape[2] (nheads_kv) is 1 but k_cache.shape[2] (nheads_kv) is "
+                                            "2") + v_rule}));
+  m = with_mla(make_paged(3, 4, 40, 16, 10, 8, 2, 64));
+  m.v_cache.shape[1] = 8;
+  EXPECT_TRUE(kvcache_fails(m, {std::string("v_cache.shape[1] (page_size) is 8 but k_cache.shape[1] (page_size) is "
+                                            "16") + v_rule}));
+  m = base;
+  m.k_cache.shape[3] = 512;  // a cache of v's shape
+  EXPECT_TRUE(kvcache_fails(m, {"k_cache.shape[3] (head_dim) is 512 but q.shape[3] (head_dim) is 64; q and k_cache "
+                                "must have the same head_dim (with qv, the rotary part's 64)"}));
+  // GQA as ever: nheads a multiple of nheads_kv
+  EXPECT_TRUE(kvcache_fails(with_mla(make_kvcache(2, 1, 64, 6, 4, 64)),
+                            {"q.shape[2] (nheads) is 6 and k_cache.shape[2] (nheads_kv) is 4; nheads must be a "
+                             "positive multiple of nheads_kv"}));
+  m = base;
+  m.lse.shape[1] = 2;
+  EXPECT_TRUE(kvcache_fails(m, {"lse.shape[1] (nheads) is 2 but q.shape[2] (nheads) is 16"}));
+}
+
+// qv's strides and pointer as q's: the last dim contiguous, the others multiples of 16 bytes,
+// 16-byte aligned device memory; none looked at with nothing to compute.
+TEST_F(ValidateKvcache, MlaStridesAndPointers) {
+  const KvcacheArgs base = with_mla(make_kvcache(2, 1, 512, 16, 2, 64));
+  KvcacheArgs m = base;
+  m.qv.stride[3] = 2;
+  EXPECT_TRUE(kvcache_fails(m, {"qv.stride[3] is 2; the last dim must be contiguous (stride 1)"}));
+  m = base;
+  m.qv.stride[2] = 516;
+  EXPECT_TRUE(kvcache_fails(m, {"qv.stride[2] (nheads) is 516 elements (1032 bytes); strides other than the last "
+                                "must be multiples of 8 elements (16 bytes)"}));
+  m = base;
+  m.v_cache.stride[2] = 516;
+  EXPECT_TRUE(kvcache_fails(m, {"v_cache.stride[2] (nheads_kv) is 516 elements (1032 bytes)"}));
+  m = base;
+  m.qv.data = nullptr;
+  EXPECT_TRUE(kvcache_fails(m, {"qv.data is null; a non-empty qv needs a device pointer"}));
+  m = base;
+  m.qv.data = fake_ptr(kQvAt + 8);
+  EXPECT_TRUE(kvcache_fails(m, {"qv.data is 0x1300008, not 16-byte aligned; flash3 needs 16-byte aligned data "
+                                "pointers"}));
+  m = base;
+  g_host = m.qv.data;
+  EXPECT_TRUE(kvcache_fails(m, {"qv.data points to host memory; flash3 needs device memory"}));
+  g_host = nullptr;
+  g_calls = 0;
+  for (const KvcacheArgs& empty : {make_kvcache(0, 1, 512, 16, 2, 64, false), make_kvcache(2, 0, 512, 16, 2, 64,
+                                                                                           false)}) {
+    m = with_mla(empty);
+    EXPECT_EQ(m.qv.data, nullptr);
+    EXPECT_TRUE(problem(m).mla);
+  }
+  EXPECT_EQ(g_calls, 0);
+}
+
+// The append with MLA: k_new (..., 64) and v_new (..., 512), rotary_dim at most 64.
+TEST_F(ValidateKvcache, MlaAppend) {
+  const KvcacheArgs m = with_mla(make_kvcache(2, 1, 512, 16, 2, 64));
+  KvcacheArgs b = with_rotary(with_append(m, 3), 600, 64);
+  EXPECT_EQ(b.v_new.shape[3], 512);
+  KvcacheProblem p = problem(b);
+  EXPECT_TRUE(p.mla);
+  EXPECT_EQ(p.seqlen_new, 3);
+  EXPECT_EQ(p.rotary_dim, 64);
+  EXPECT_EQ(g_calls, 11);  // q, k_cache, v_cache, out, lse, cache_seqlens, qv, k_new, v_new, rotary_cos, rotary_sin
+  EXPECT_EQ(problem(with_rotary(with_append(m, 3), 600, 16)).rotary_dim, 16);
+  EXPECT_EQ(problem(with_append(with_mla(make_paged(3, 4, 40, 16, 10, 8, 2, 64)), 5)).seqlen_new, 5);
+  EXPECT_TRUE(kvcache_fails(with_rotary(with_append(m, 3), 600, 128),
+                            {"rotary_cos.shape[1] (rotary_dim / 2) is 64, so rotary_dim is 128; rotary_dim = 2 x "
+                             "rotary_cos.shape[1] must be a multiple of 16 in [16, head_dim = 64]"}));
+  b = with_append(m, 3);
+  b.k_new.shape[3] = 512;  // k_new like v_new
+  EXPECT_TRUE(kvcache_fails(b, {"k_new.shape[3] (head_dim) is 512 but k_cache.shape[3] (head_dim) is 64; k_new must "
+                                "have the cache's head_dim"}));
+  b = with_append(m, 3);
+  b.v_new.shape[3] = 64;  // v_new like k_new
+  EXPECT_TRUE(kvcache_fails(b, {"v_new.shape[3] (head_dim_v) is 64 but v_cache.shape[3] (head_dim_v) is 512; with qv "
+                                "(MLA), v_new must have v_cache's head_dim_v (the latent's)"}));
+  b = with_append(m, 3);
+  b.v_new.shape[1] = 2;
+  EXPECT_TRUE(kvcache_fails(b, {"v_new.shape[1] (seqlen_new) is 2 but k_new.shape[1] (seqlen_new) is 3; k_new and "
+                                "v_new must have the same first three dims"}));
+  b = with_append(m, 3);
+  b.v_new.stride[1] = 2 * 512 + 4;
+  EXPECT_TRUE(kvcache_fails(b, {"v_new.stride[1] (seqlen_new) is 1028 elements (2056 bytes); strides other than the "
+                                "last must be multiples of 8 elements (16 bytes)"}));
+}
+
 // ---- the C ABI of the KV cache (flash3_fwd_kvcache) -------------------------------------------
 // Failures found before any pointer is inspected, and batch 0 (no launch), so these run without
 // a GPU too.
@@ -2594,6 +2817,7 @@ flash3_kvcache_args c_kvcache_args(const KvcacheArgs& a) {
   c.rotary_cos = c_tensor(a.rotary_cos);
   c.rotary_sin = c_tensor(a.rotary_sin);
   c.rotary_interleaved = a.rotary_interleaved;
+  c.qv = c_tensor(a.qv);
   return c;
 }
 
@@ -2614,8 +2838,8 @@ TEST(CApiKvcache, InitSetsTheSizeAndZeroDefaults) {
   EXPECT_EQ(c.window, 0);
   EXPECT_EQ(c.softcap, 0.0f);
   EXPECT_EQ(c.stream, nullptr);
-  for (const flash3_tensor* t : {&c.k_new, &c.v_new, &c.rotary_cos, &c.rotary_sin}) {
-    EXPECT_EQ(t->data, nullptr);  // no append, no rotary
+  for (const flash3_tensor* t : {&c.k_new, &c.v_new, &c.rotary_cos, &c.rotary_sin, &c.qv}) {
+    EXPECT_EQ(t->data, nullptr);  // no append, no rotary, no MLA
     EXPECT_EQ(t->rank, 0);
   }
   EXPECT_EQ(c.rotary_interleaved, 0);
@@ -2630,14 +2854,16 @@ TEST(CApiKvcache, VersionSize) {
   EXPECT_EQ(offsetof(flash3_kvcache_args, window), 16 + 9 * sizeof(flash3_tensor));
   EXPECT_EQ(offsetof(flash3_kvcache_args, stream), 752u);
   EXPECT_EQ(FLASH3_KVCACHE_ARGS_SIZE_V1, 760u);
-  // v2: the append's tensors where v1 ends, then the flag and a reserved word (no tail padding)
+  // v2: the append's tensors and qv (MLA) where v1 ends, then the flag and a reserved word (no
+  // tail padding)
   EXPECT_EQ(offsetof(flash3_kvcache_args, k_new), FLASH3_KVCACHE_ARGS_SIZE_V1);
   EXPECT_EQ(offsetof(flash3_kvcache_args, v_new), 760 + sizeof(flash3_tensor));
   EXPECT_EQ(offsetof(flash3_kvcache_args, rotary_cos), 760 + 2 * sizeof(flash3_tensor));
   EXPECT_EQ(offsetof(flash3_kvcache_args, rotary_sin), 760 + 3 * sizeof(flash3_tensor));
-  EXPECT_EQ(offsetof(flash3_kvcache_args, rotary_interleaved), 1080u);
-  EXPECT_EQ(offsetof(flash3_kvcache_args, reserved_v2), 1084u);
-  EXPECT_EQ(FLASH3_KVCACHE_ARGS_SIZE_V2, 1088u);
+  EXPECT_EQ(offsetof(flash3_kvcache_args, qv), 1080u);
+  EXPECT_EQ(offsetof(flash3_kvcache_args, rotary_interleaved), 1160u);
+  EXPECT_EQ(offsetof(flash3_kvcache_args, reserved_v2), 1164u);
+  EXPECT_EQ(FLASH3_KVCACHE_ARGS_SIZE_V2, 1168u);
   EXPECT_EQ(sizeof(flash3_kvcache_args), FLASH3_KVCACHE_ARGS_SIZE_V2);
 }
 
@@ -2710,6 +2936,35 @@ TEST(CApiKvcache, AppendFields) {
   std::memcpy(buf.data(), &v1, sizeof v1);
   EXPECT_EQ(flash3_fwd_kvcache(reinterpret_cast<const flash3_kvcache_args*>(buf.data()), err, sizeof err), FLASH3_OK)
       << err;
+}
+
+// qv (v2) is read and checked by name; a v1 struct has no qv, whatever bytes follow it, so an
+// MLA-shaped problem is then checked as one without qv.
+TEST(CApiKvcache, QvField) {
+  char err[512];
+  auto fails = [&](const flash3_kvcache_args& c, const std::string& start) {
+    EXPECT_EQ(flash3_fwd_kvcache(&c, err, sizeof err), FLASH3_INVALID_ARGUMENT);
+    EXPECT_EQ(std::string(err).rfind(start, 0), 0u) << err;
+  };
+  const KvcacheArgs m = with_mla(make_kvcache(0, 1, 512, 16, 2, 64, /*with_data=*/false));
+  flash3_kvcache_args c = c_kvcache_args(m);
+  EXPECT_EQ(c.qv.rank, 4);
+  EXPECT_EQ(c.qv.shape[3], 512);
+  EXPECT_EQ(flash3_fwd_kvcache(&c, err, sizeof err), FLASH3_OK) << err;  // batch 0: no launch
+  c.qv.dtype = FLASH3_FLOAT16;
+  fails(c, "flash3::fwd_kvcache: qv.dtype is float16 but q.dtype is bfloat16; qv must have q's dtype");
+  c = c_kvcache_args(m);
+  c.qv.shape[3] = 256;
+  fails(c, "flash3::fwd_kvcache: qv is given (MLA): qv.shape[3] (head_dim_v) is 256; MLA needs q's rotary part of "
+           "64 and qv's latent of 512");
+  c = c_kvcache_args(with_append(m, 3, /*with_data=*/false));
+  EXPECT_EQ(flash3_fwd_kvcache(&c, err, sizeof err), FLASH3_OK) << err;  // the append with MLA
+  c = c_kvcache_args(m);
+  c.qv = flash3_tensor{};
+  fails(c, "flash3::fwd_kvcache: out.shape[3] (head_dim) is 512 but q.shape[3] (head_dim) is 64");
+  c = c_kvcache_args(m);
+  c.struct_size = FLASH3_KVCACHE_ARGS_SIZE_V1;
+  fails(c, "flash3::fwd_kvcache: out.shape[3] (head_dim) is 512 but q.shape[3] (head_dim) is 64");
 }
 
 TEST(CApiKvcache, EmptyBatchIsANoOp) {  // validation passes with no pointer to inspect

@@ -117,7 +117,7 @@ typedef struct flash3_quantize_fp8_args {
 typedef struct flash3_kvcache_args {
   uint32_t struct_size; /* bytes: sizeof(flash3_kvcache_args) of the caller's header */
   int32_t causal;       /* nonzero: causal mask, aligned bottom-right to each sequence's keys */
-  float softmax_scale;  /* <= 0 (or NaN): 1/sqrt(head_dim) */
+  float softmax_scale;  /* <= 0 (or NaN): 1/sqrt(head_dim); with qv 1/sqrt(576) */
   int32_t num_splits;   /* key-range splits, 1..64; 0: the library's heuristic */
   flash3_tensor q, k_cache, v_cache, out;
   flash3_tensor lse;    /* data == NULL: not written */
@@ -131,13 +131,16 @@ typedef struct flash3_kvcache_args {
   int32_t window_right;
   float softcap;        /* > 0: softcap * tanh(score / softcap); 0: none */
   void* stream;         /* a cudaStream_t; NULL: the default stream */
-  /* v2: the append (see flash3::KvcacheArgs); a tensor with data == NULL and rank 0 is not given.
-   * k_new, v_new (batch, seqlen_new, nheads_kv, head_dim), q's dtype, together and with
+  /* v2: the append and MLA (see flash3::KvcacheArgs); a tensor with data == NULL and rank 0 is not
+   * given. k_new, v_new (batch, seqlen_new, nheads_kv, head_dim), q's dtype, together and with
    * cache_seqlens: written into the cache at cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1
-   * and attended to. rotary_cos, rotary_sin (seqlen_ro, rotary_dim / 2), float32 or q's dtype, together and
-   * only with k_new: the new keys and q rotated first. */
+   * and attended to. rotary_cos, rotary_sin (seqlen_ro, rotary_dim / 2), float32 or q's dtype,
+   * together and only with k_new: the new keys and q rotated first. qv (batch, seqlen_q, nheads,
+   * 512), q's dtype: MLA, the queries' latent part (q then (..., 64), k_cache and k_new (..., 64),
+   * v_cache and v_new (..., 512), out (batch, seqlen_q, nheads, 512); softmax_scale <= 0: 1/sqrt(576)). */
   flash3_tensor k_new, v_new;
   flash3_tensor rotary_cos, rotary_sin;
+  flash3_tensor qv;
   int32_t rotary_interleaved; /* nonzero: rotated pairs (2j, 2j + 1); 0: (j, j + rotary_dim / 2) */
   uint32_t reserved_v2;       /* 0 */
 } flash3_kvcache_args;
