@@ -6,7 +6,8 @@ variable-length batches one sequence at a time, out and lse rows past seqused_q 
 gradient rows past seqused 0; a KV cache one batch entry at a time over its keys, cache
 positions [cache_leftpad[b], cache_seqlens[b]) gathered from its cache entry or its pages, after
 the append of k_new, v_new with rotary as the kernel makes it, by the torch reference
-flash3.kvcache.append), and
+flash3.kvcache.append; with qv (MLA) the attention of [q, qv] over [k, v] with v as the values,
+head dim 576), and
 the FP8 block quantization (with the Hadamard rotation of src/quant/hadamard.h) computed as the
 kernel does, in float32 where it rounds. Everything above them (the operators, their fakes and
 autograd, the eager paths, the allocation of outputs and the handling of dout, the host-side
@@ -279,8 +280,8 @@ def install(monkeypatch):
     def forward_kvcache_into(q, k_cache, v_cache, out, lse, cache_seqlens=None, softmax_scale=None, causal=False,
                              window_left=-1, window_right=-1, softcap=0.0, cache_batch_idx=None, cache_leftpad=None,
                              page_table=None, num_splits=0, check_page_table=False, check_seqlens=False, k_new=None,
-                             v_new=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=True):
-        calls.append(("fwd_kvcache", dict(q=q, k_cache=k_cache, v_cache=v_cache, out=out, lse=lse,
+                             v_new=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=True, qv=None):
+        calls.append(("fwd_kvcache", dict(q=q, k_cache=k_cache, v_cache=v_cache, out=out, lse=lse, qv=qv,
                                           cache_seqlens=cache_seqlens, softmax_scale=softmax_scale, causal=causal,
                                           window_left=window_left, window_right=window_right, softcap=softcap,
                                           cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
@@ -300,7 +301,10 @@ def install(monkeypatch):
         kw = dict(softmax_scale=softmax_scale, causal=causal, window=(window_left, window_right), softcap=softcap)
         for b in range(q.shape[0]):  # entry b over its keys, the masks aligned bottom-right to them
             k, v = kvcache_sequence(k_cache, v_cache, b, cache_seqlens, cache_batch_idx, cache_leftpad, page_table)
-            o, l = attention(q[b:b + 1], k, v, **kw)
+            qb = q[b:b + 1]
+            if qv is not None:  # MLA: scores q k^T + qv v^T, one product of head dim 576 (its default scale too)
+                qb, k = torch.cat((qb, qv[b:b + 1]), dim=-1), torch.cat((k, v), dim=-1)
+            o, l = attention(qb, k, v, **kw)
             out[b] = o[0]
             if lse is not None:
                 lse[b] = l[0]

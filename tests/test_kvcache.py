@@ -6,8 +6,11 @@ with any page size and pages in any order, cache_leftpad), num_splits, the appen
 and values with rotary embedding inside the kernel (k_new, v_new, rotary_cos, rotary_sin; on the
 CPU the stand-in runs flash3.kvcache's torch reference) into each layout against a float64 RoPE
 written here and, on the GPU, against the torch reference (the same cache: v bitwise, k within
-one rounding), the host-side checks of the index values, the arguments not supported yet,
-argument errors, opcheck, torch.compile, CUDA graphs, and the kernels' results.
+one rounding), MLA (FlashAttention-3's qv: q and k_cache (..., 64), qv, v_cache and out (...,
+512); the library's checks of its shapes, its fields in the C struct, the fake, the append with
+rotary, and on the GPU the kernel against the reference of [q, qv] over [k, v] with head dim 576),
+the host-side checks of the index values, the arguments not supported yet, argument errors,
+opcheck, torch.compile, CUDA graphs, and the kernels' results.
 
 Sequence b of q (batch, seqlen_q, nheads, headdim) attends to its cache positions
 [cache_leftpad[b], cache_seqlens[b]), read from cache entry cache_batch_idx[b] (default b) or
@@ -45,7 +48,7 @@ FWD_KVCACHE_SCHEMA = ("flash3::fwd_kvcache(Tensor q, Tensor(a1!) k_cache, Tensor
                       "SymInt window_left=-1, SymInt window_right=-1, float softcap=0., Tensor? cache_batch_idx=None, "
                       "Tensor? cache_leftpad=None, Tensor? page_table=None, SymInt num_splits=0, Tensor? k_new=None, "
                       "Tensor? v_new=None, Tensor? rotary_cos=None, Tensor? rotary_sin=None, "
-                      "bool rotary_interleaved=True) -> (Tensor, Tensor)")
+                      "bool rotary_interleaved=True, Tensor? qv=None) -> (Tensor, Tensor)")
 INDEX = ("cache_seqlens", "cache_batch_idx", "cache_leftpad", "page_table")  # the index tensors of a problem
 _ = inspect.Parameter.empty
 # FlashAttention-3, hopper/flash_attn_interface.py: (name, default) in order.
@@ -77,14 +80,15 @@ def problem(batch, seqlen_q, seqlen_cache, h, hk, d, dtype=torch.bfloat16, devic
 
 
 def kv_problem(lengths, seqlen_q, h, hk, d, dtype=torch.bfloat16, device="cpu", seed=0, page_size=None,
-               capacity=None, batch_idx=False, leftpad=False):
+               capacity=None, batch_idx=False, leftpad=False, dv=None):
     """A decoding problem of len(lengths) sequences (cache_seqlens = lengths): q (batch, seqlen_q,
     h, d) and the cache N(0, 1), room for `capacity` keys per sequence (default the longest
     length). The cache is contiguous (batch, capacity, hk, d); with batch_idx, a larger one of 2 x
     batch + 1 entries read through cache_batch_idx, distinct entries in random order; with
     page_size, paged: page_table (batch, ceil(capacity / page_size)) holds distinct pages of
     num_pages = batch x max_pages + 3 in random order (a few unused). leftpad: cache_leftpad[b]
-    random in [0, lengths[b]] (0 for the first sequence, lengths[b] for the last: no key)."""
+    random in [0, lengths[b]] (0 for the first sequence, lengths[b] for the last: no key).
+    dv (MLA): v_cache's head dim is dv (k_cache's d), and qv (batch, seqlen_q, h, dv) N(0, 1)."""
     g = torch.Generator(device=device).manual_seed(seed)
     cpu = torch.Generator().manual_seed(seed)
     batch = len(lengths)
@@ -108,7 +112,9 @@ def kv_problem(lengths, seqlen_q, h, hk, d, dtype=torch.bfloat16, device="cpu", 
         shape = (2 * batch + 1, capacity, hk, d)
     else:
         shape = (batch, capacity, hk, d)
-    p["k_cache"], p["v_cache"] = randn(*shape), randn(*shape)
+    p["k_cache"], p["v_cache"] = randn(*shape), randn(*shape[:3], d if dv is None else dv)
+    if dv is not None:
+        p["qv"] = randn(batch, seqlen_q, h, dv)
     if leftpad:
         pad = [int(torch.randint(0, n + 1, (1,), generator=cpu)) for n in lengths]
         pad[0], pad[-1] = 0, lengths[-1]
@@ -150,16 +156,21 @@ def sequence_keys(p, b):
 
 
 def check_kvcache(p, out, lse, causal=False, window=(-1, -1), softcap=0.0, scale=None):
-    """Each batch entry against the reference over its keys (sequence_keys)."""
-    q = p["q"]
-    assert out.shape == q.shape and out.dtype == q.dtype
+    """Each batch entry against the reference over its keys (sequence_keys). With p["qv"] (MLA),
+    the reference is the attention of [q, qv] over [k, v] (scores q k^T + qv v^T: one product of
+    head dim 576, whose default scale is 1/sqrt(576)) with v as the values: out has v's head dim."""
+    q, qv = p["q"], p.get("qv")
+    assert out.shape == (*q.shape[:3], p["v_cache"].shape[3]) and out.dtype == q.dtype
     assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
     for b in range(q.shape[0]):
         k, v = sequence_keys(p, b)
         if k.shape[1] == 0:  # no key: out 0, lse +inf
             assert (out[b] == 0).all() and torch.isposinf(lse[b]).all(), f"entry {b}: no key"
             continue
-        check(q[b:b + 1], k, v, causal, scale, out=out[b:b + 1], lse=lse[b:b + 1], window=window, softcap=softcap)
+        qb = q[b:b + 1]
+        if qv is not None:
+            qb, k = torch.cat((qb, qv[b:b + 1]), dim=-1), torch.cat((k, v), dim=-1)
+        check(qb, k, v, causal, scale, out=out[b:b + 1], lse=lse[b:b + 1], window=window, softcap=softcap)
 
 
 # ---- registration, signature, fake ---------------------------------------------------------------
@@ -729,6 +740,8 @@ OPCHECK_CASES = [  # name, kv_problem's layout keywords, seqlen_new (0: no appen
     ("paged_append_rotary", dict(page_size=16, leftpad=True), 3, 32, dict(causal=True, rotary_interleaved=False)),
     ("batch_idx_append", dict(batch_idx=True), 2, 0, dict(window_left=20, window_right=0, num_splits=3)),
     ("append_rotary_noncausal", dict(), 1, 64, dict(softcap=5.0)),
+    ("mla", dict(dv=512), 0, 0, dict(causal=True)),
+    ("mla_paged_append_rotary", dict(page_size=16, dv=512), 3, 64, dict(causal=True, rotary_interleaved=False)),
 ]
 
 
@@ -736,21 +749,22 @@ OPCHECK_CASES = [  # name, kv_problem's layout keywords, seqlen_new (0: no appen
 def test_cpu_opcheck_with_stand_in(calls, case):
     """torch.library.opcheck of flash3::fwd_kvcache with the CPU stand-in (schema: the cache written
     only where declared, k_cache and v_cache; fake against real outputs; AOT dispatch with dynamic
-    shapes, the cache's update included), with and without an append; no input requires grad
-    (inference only)."""
+    shapes, the cache's update included), with and without an append, with and without qv (MLA:
+    out of v_cache's head dim); no input requires grad (inference only)."""
     name, layout, s_new, rot, kwargs = case
     p = kv_problem([5, 30, 17], 2, 4, 2, 64, seed=seed_of(name), capacity=40, **layout)
-    extra = {}
+    extra = {} if p.get("qv") is None else dict(qv=p["qv"])
     if s_new:
         g = torch.Generator().manual_seed(13)
-        extra = dict(k_new=torch.randn(3, s_new, 2, 64, generator=g).to(torch.bfloat16),
-                     v_new=torch.randn(3, s_new, 2, 64, generator=g).to(torch.bfloat16))
+        extra.update(k_new=torch.randn(3, s_new, 2, 64, generator=g).to(torch.bfloat16),
+                     v_new=torch.randn(3, s_new, 2, p["v_cache"].shape[3], generator=g).to(torch.bfloat16))
     if rot:
         extra["rotary_cos"], extra["rotary_sin"] = rotary_tables(48, rot, "cpu")
     args = (p["q"], p["k_cache"], p["v_cache"], p["cache_seqlens"])
     index = {n: p[n] for n in INDEX[1:] if p[n] is not None}
     torch.library.opcheck(torch.ops.flash3.fwd_kvcache.default, args, dict(kwargs, **index, **extra))
     assert calls and all(c["k_new"] is not None for _, c in calls) == bool(s_new)
+    assert all((c["qv"] is not None) == ("qv" in extra) for _, c in calls)
 
 
 @pytest.mark.parametrize("change, pattern", [
@@ -783,9 +797,259 @@ def test_cpu_bad_append_arguments_raise_naming_them(calls, change, pattern):
     assert calls == [] and torch.equal(p["k_cache"], before)
 
 
+# ---- MLA (qv): q and k_cache the rotary parts (64), qv and v_cache the latents (512) ----------------
+
+def test_cpu_fake_shapes_mla():
+    """Under FakeTensorMode, with qv: out (batch, seqlen_q, nheads, v_cache.shape[3]) of q's dtype,
+    contiguous, and lse float32 (batch, nheads, seqlen_q), over a contiguous or paged cache, with
+    or without an append; a qv that is not a 4-dim tensor is refused, naming it."""
+    with FakeTensorMode():
+        def empty(*shape, dtype=torch.bfloat16):
+            return torch.empty(*shape, dtype=dtype, device="cuda")
+
+        q, qv = empty(3, 2, 128, 64), empty(3, 2, 128, 512)
+        k, v = empty(3, 1000, 1, 64), empty(3, 1000, 1, 512)
+        pages_k, pages_v = empty(40, 64, 1, 64), empty(40, 64, 1, 512)
+        lens, table = empty(3, dtype=torch.int32), empty(3, 10, dtype=torch.int32)
+        append = dict(k_new=empty(3, 3, 1, 64), v_new=empty(3, 3, 1, 512), num_splits=3)
+        for kc, vc, kw in ((k, v, {}), (pages_k, pages_v, dict(page_table=table)), (k, v, append)):
+            out, lse = torch.ops.flash3.fwd_kvcache(q, kc, vc, lens, causal=True, qv=qv, **kw)
+            assert out.shape == (3, 2, 128, 512) and out.dtype == q.dtype and out.is_contiguous()
+            assert lse.shape == (3, 128, 2) and lse.dtype == torch.float32
+        with pytest.raises(ValueError, match=r"^qv: expected \(batch, seqlen_q, nheads, 512\) \(MLA: the queries' "
+                                             r"latent part\), got shape \(3, 2, 512\)"):
+            torch.ops.flash3.fwd_kvcache(q, k, v, lens, qv=qv[:, :, 0])
+
+
+def test_cpu_mla_reaches_the_kernel(calls):
+    """flash_attn_with_kvcache with qv (the eager path and the operator's, taken when an input
+    requires grad): out (batch, seqlen_q, nheads, 512), qv handed to forward_kvcache_into as given,
+    softmax_scale None as None (the library's default, 1/sqrt(576) with qv: the stand-in's
+    reference uses it too), the reference's results (the stand-in's [q, qv] over [k, v])."""
+    p = kv_problem([0, 1, 40, 64, 65], 2, 16, 1, 64, seed=21, dv=512)
+    q, kc, vc, qv = p["q"], p["k_cache"], p["v_cache"], p["qv"]
+    out, lse = flash3.flash_attn_with_kvcache(q, kc, vc, qv=qv, cache_seqlens=p["cache_seqlens"], causal=True,
+                                              return_softmax_lse=True)
+    assert out.shape == (5, 2, 16, 512) and out.dtype == q.dtype and out.is_contiguous()
+    check_kvcache(p, out, lse, causal=True)
+    (name, c), = calls
+    assert name == "fwd_kvcache" and c["qv"] is qv and c["softmax_scale"] is None and c["out"].shape[3] == 512
+    scaled = flash3.flash_attn_with_kvcache(q, kc, vc, qv=qv, cache_seqlens=p["cache_seqlens"], causal=True,
+                                            softmax_scale=576 ** -0.5)
+    assert torch.equal(scaled, out)
+    through_op = flash3.flash_attn_with_kvcache(q, kc, vc, qv=qv.clone().requires_grad_(), cache_seqlens=p[
+        "cache_seqlens"], causal=True)
+    assert torch.equal(through_op, out) and len(calls) == 3
+
+
+def test_cpu_compile_fullgraph_mla(calls):
+    """torch.compile(fullgraph=True, dynamic=True) through flash3::fwd_kvcache with qv, a paged cache
+    and an append with rotary: the same results and cache as the eager call; qv reaches the
+    kernel."""
+    def f(q, kc, vc, k, v, qv, cos, sin, lens, table):
+        return flash3.flash_attn_with_kvcache(q, kc, vc, k, v, qv=qv, rotary_cos=cos, rotary_sin=sin,
+                                              cache_seqlens=lens, page_table=table, causal=True,
+                                              return_softmax_lse=True)
+
+    p = kv_problem([5, 30, 17], 2, 8, 1, 64, seed=22, page_size=16, capacity=40, dv=512)
+    g = torch.Generator().manual_seed(23)
+    k, v = torch.randn(3, 2, 1, 64, generator=g).to(torch.bfloat16), torch.randn(3, 2, 1, 512, generator=g).to(
+        torch.bfloat16)
+    cos, sin = rotary_tables(48, 64, "cpu")
+    args = (p["qv"], cos, sin, p["cache_seqlens"], p["page_table"])
+    kc, vc = p["k_cache"].clone(), p["v_cache"].clone()
+    eager = f(p["q"], kc, vc, k, v, *args)
+    got = torch.compile(f, fullgraph=True, backend="aot_eager", dynamic=True)(p["q"], p["k_cache"], p["v_cache"], k,
+                                                                                v, *args)
+    assert got[0].shape == (3, 2, 8, 512)
+    assert torch.equal(got[0], eager[0]) and torch.equal(got[1], eager[1])
+    assert torch.equal(p["k_cache"], kc) and torch.equal(p["v_cache"], vc)
+    assert [name for name, _ in calls] == ["fwd_kvcache"] * 2
+    assert torch.equal(calls[-1][1]["qv"], p["qv"]) and torch.equal(calls[-1][1]["v_new"], v)
+
+
+@pytest.fixture
+def cpu_as_cuda(monkeypatch):
+    """The real libflash3.so (skips where it does not load) handed CPU tensors as CUDA ones: its
+    checks of shapes and dtypes all come before any pointer is inspected, and a problem with batch
+    0 launches nothing, so they run without a GPU."""
+    from flash3 import _kernels, _lib
+    try:
+        _lib.lib()
+    except RuntimeError as e:
+        pytest.skip(f"needs libflash3.so: {e}")
+    if not _lib.has_kvcache():
+        pytest.skip("this libflash3.so has no flash3_fwd_kvcache")
+    monkeypatch.setattr(_kernels, "_on_device", lambda index: contextlib.nullcontext())
+    monkeypatch.setattr(_kernels, "_stream", lambda index: 0)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+
+
+def mla_tensors(b=2, sq=1, h=16, hk=1, sc=64, d=64, dv=512, qv_dv=512, out_dv=512, dtype=torch.bfloat16):
+    """q (b, sq, h, d), k_cache (b, sc, hk, d), v_cache (b, sc, hk, dv), out (b, sq, h, out_dv), lse,
+    qv (b, sq, h, qv_dv), cache_seqlens: zeros (their values are not read by these checks)."""
+    return dict(q=torch.zeros(b, sq, h, d, dtype=dtype), k_cache=torch.zeros(b, sc, hk, d, dtype=dtype),
+                v_cache=torch.zeros(b, sc, hk, dv, dtype=dtype), out=torch.zeros(b, sq, h, out_dv, dtype=dtype),
+                lse=torch.zeros(b, h, sq), qv=torch.zeros(b, sq, h, qv_dv, dtype=dtype),
+                cache_seqlens=torch.zeros(b, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("change, pattern", [
+    (dict(d=128), r"qv is given \(MLA\): q.shape\[3\] \(head_dim\) is 128; MLA needs q's rotary part of 64 and qv's "
+                  r"latent of 512$"),
+    (dict(qv_dv=256, dv=256, out_dv=256), r"qv is given \(MLA\): qv.shape\[3\] \(head_dim_v\) is 256; MLA needs "),
+    (dict(dv=64), r"v_cache.shape\[3\] \(head_dim_v\) is 64 but qv.shape\[3\] \(head_dim_v\) is 512; with qv \(MLA\), "
+                  r"v_cache holds each key's latent"),
+    (dict(out_dv=64), r"out.shape\[3\] \(head_dim_v\) is 64 but qv.shape\[3\] \(head_dim_v\) is 512; with qv \(MLA\), "
+                      r"out must be \(batch, seqlen_q, nheads, 512\)"),
+    (dict(qv=torch.zeros(2, 1, 16, 512, dtype=torch.float16)),
+     r"qv.dtype is float16 but q.dtype is bfloat16; qv must have q's dtype$"),
+    (dict(qv=torch.zeros(2, 1, 8, 512, dtype=torch.bfloat16)), r"qv.shape\[2\] \(nheads\) is 8 but q.shape\[2\] "
+                                                               r"\(nheads\) is 16; qv must be"),
+    (dict(k_new=torch.zeros(2, 3, 1, 512, dtype=torch.bfloat16), v_new=torch.zeros(2, 3, 1, 512, dtype=torch.bfloat16)),
+     r"k_new.shape\[3\] \(head_dim\) is 512 but k_cache.shape\[3\] \(head_dim\) is 64; k_new must have the cache's "
+     r"head_dim$"),
+    (dict(k_new=torch.zeros(2, 3, 1, 64, dtype=torch.bfloat16), v_new=torch.zeros(2, 3, 1, 64, dtype=torch.bfloat16)),
+     r"v_new.shape\[3\] \(head_dim_v\) is 64 but v_cache.shape\[3\] \(head_dim_v\) is 512; with qv \(MLA\), v_new must "
+     r"have v_cache's head_dim_v"),
+    (dict(k_new=torch.zeros(2, 3, 1, 64, dtype=torch.bfloat16), v_new=torch.zeros(2, 3, 1, 512, dtype=torch.bfloat16),
+          rotary_cos=torch.zeros(70, 64), rotary_sin=torch.zeros(70, 64)),
+     r"rotary_cos.shape\[1\] \(rotary_dim / 2\) is 64, so rotary_dim is 128; rotary_dim = 2 x rotary_cos.shape\[1\] "
+     r"must be a multiple of 16 in \[16, head_dim = 64\]"),
+], ids=["q_not_64", "latent_not_512", "v_cache_like_k", "out_like_q", "qv_dtype", "qv_heads", "k_new_like_v",
+        "v_new_like_k", "rotary_dim_128"])
+def test_cpu_library_checks_mla_arguments(cpu_as_cuda, change, pattern):
+    """flash3::validate_kvcache's checks of an MLA call, reached through the C struct's qv
+    (forward_kvcache_into with the real library), raise ValueError with the library's message
+    naming the argument; the same problem with valid shapes and batch 0 passes (nothing to
+    launch)."""
+    dims = {n: change[n] for n in ("d", "dv", "qv_dv", "out_dv") if n in change}
+    t = mla_tensors(**dims)
+    t.update({n: v for n, v in change.items() if n not in dims})
+    names = ("q", "k_cache", "v_cache", "out", "lse", "cache_seqlens")
+    args = [t.pop(n) for n in names]
+    with pytest.raises(ValueError, match="^flash3::fwd_kvcache: " + pattern):
+        flash3.forward_kvcache_into(*args, causal=True, rotary_interleaved=False, **t)
+    empty = mla_tensors(b=0)
+    args = [empty.pop(n) for n in names]
+    out, lse = flash3.forward_kvcache_into(*args, causal=True, **empty)
+    assert out is args[3] and lse is args[4]
+
+
+def test_cpu_library_refuses_mla_head_dims_without_qv(cpu_as_cuda):
+    """Without qv, k_cache and v_cache (and q and out) must have one shape, of head dim 64, 128 or
+    256, as ever: MLA's caches without qv are refused, naming the tensor."""
+    t = mla_tensors(b=0)
+    del t["qv"]
+    with pytest.raises(ValueError, match=r"^flash3::fwd_kvcache: out.shape\[3\] \(head_dim\) is 512 but q.shape\[3\] "
+                                         r"\(head_dim\) is 64; out must have the same shape as q"):
+        flash3.forward_kvcache_into(t["q"], t["k_cache"], t["v_cache"], t["out"], t["lse"], t["cache_seqlens"])
+    with pytest.raises(ValueError, match=r"^flash3::fwd_kvcache: v_cache.shape\[3\] \(head_dim\) is 512 but "
+                                         r"k_cache.shape\[3\] \(head_dim\) is 64; k_cache and v_cache must have the "
+                                         r"same shape"):
+        flash3.flash_attn_with_kvcache(t["q"], t["k_cache"], t["v_cache"], cache_seqlens=t["cache_seqlens"])
+    big = mla_tensors(b=0, d=512, dv=512)
+    with pytest.raises(ValueError, match=r"^flash3::fwd_kvcache: q.shape\[3\] \(head_dim\) is 512; supported head "
+                                         r"dims are 64, 128, 256"):
+        flash3.flash_attn_with_kvcache(big["q"], big["k_cache"], big["v_cache"], cache_seqlens=big["cache_seqlens"])
+
+
+MLA_CASES = [  # name, seqlen_q, nheads, nheads_kv, causal, num_splits, softmax_scale (None: 1/sqrt(576))
+    ("decode_h16_mqa_causal_split1", 1, 16, 1, True, 1, None),
+    ("decode_h128_mqa_split3", 1, 128, 1, False, 3, None),
+    ("decode_h128_mqa_causal_heuristic", 1, 128, 1, True, 0, None),
+    ("decode_h8_gqa4_split3", 1, 8, 2, False, 3, None),
+    ("spec2_h16_mqa_heuristic", 2, 16, 1, False, 0, None),
+    ("spec2_h128_mqa_causal_split3", 2, 128, 1, True, 3, None),
+    ("spec2_h8_gqa4_causal_split1_scale", 2, 8, 2, True, 1, 0.07),
+    ("spec5_h16_mqa_causal_split3", 5, 16, 1, True, 3, None),
+    ("spec5_h8_gqa4_heuristic", 5, 8, 2, False, 0, None),
+]
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("layout", ["contiguous", "paged1", "paged64", "paged256"])
+@pytest.mark.parametrize("case", MLA_CASES, ids=[c[0] for c in MLA_CASES])
+def test_mla_decode_matches_fp64(dtype, layout, case):
+    """MLA decoding (q, k_cache (..., 64); qv, v_cache (..., 512)) over a contiguous cache or pages of
+    1, 64, 256 keys in random order, cache_seqlens 0 and around page and 64-key tile boundaries
+    (boundary_lengths, up to 600 keys), 16 and 128 query heads over one KV head and 8 over 2,
+    seqlen_q 1, 2 and 5 (causal: rows that see no key), num_splits 1, 3 and 0, the default scale
+    1/sqrt(576) and a given one: forward_kvcache_into into NaN-poisoned out (batch, seqlen_q,
+    nheads, 512) and lse against the FP64 reference of [q, qv] over [k, v] with v as the values
+    (check_kvcache), and flash_attn_with_kvcache the same bits."""
+    name, sq, h, hk, causal, splits, scale = case
+    page_size = int(layout[5:]) if layout.startswith("paged") else None
+    p = kv_problem(boundary_lengths(page_size or 64, 600), sq, h, hk, 64, dtype, "cuda",
+                   seed=seed_of("mla", name, layout, str(dtype)), page_size=page_size, capacity=600, dv=512)
+    q, qv, kc, vc = p["q"], p["qv"], p["k_cache"], p["v_cache"]
+    out = torch.full((*q.shape[:3], 512), float("nan"), dtype=dtype, device="cuda")
+    lse = torch.full((q.shape[0], h, sq), float("nan"), device="cuda")
+    flash3.forward_kvcache_into(q, kc, vc, out, lse, softmax_scale=scale, causal=causal, num_splits=splits, qv=qv,
+                                **index_args(p))
+    torch.cuda.synchronize()
+    check_kvcache(p, out, lse, causal, scale=scale)
+    out2, lse2 = flash3.flash_attn_with_kvcache(q, kc, vc, qv=qv, **index_args(p), softmax_scale=scale, causal=causal,
+                                                num_splits=splits, return_softmax_lse=True)
+    assert torch.equal(out2, out) and torch.equal(lse2, lse), "flash_attn_with_kvcache differs from the _into call"
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("layout", ["contiguous", "paged16"])
+def test_mla_append_with_rotary(monkeypatch, device, dtype, layout):
+    """MLA with an append of 3 new tokens (k (..., 64), v (..., 512)) rotated by rotary_dim 64, not
+    interleaved, causal, 3 query rows, 16 query heads over one KV head, into a contiguous cache or
+    pages of 16 (across page boundaries: lengths 0, page_size - 1, 2 page_size + 5, 3 page_size -
+    1): the cache as the torch reference leaves it (flash3.kvcache.append on a copy: v bitwise, k
+    within one rounding, every other row untouched) and the new keys within rounding of the
+    float64 RoPE; cache_seqlens and qv unchanged (qv is not rotated); out (batch, 3, 16, 512)
+    within the reference's tolerance of the FP64 attention of the rotated q and qv over the
+    reference's cache, and close to the call without the append over that cache."""
+    if device == "cpu":
+        stand_in.install(monkeypatch)
+    page_size = 16 if layout == "paged16" else None
+    unit = page_size or 64
+    starts = [0, unit - 1, 2 * unit + 5, 3 * unit - 1]
+    b, h, hk, sq, s_new = len(starts), 16, 1, 3, 3
+    capacity = max(starts) + s_new + 3
+    p = kv_problem(starts, sq, h, hk, 64, dtype, device, seed=seed_of("mla_append", layout, str(dtype)),
+                   page_size=page_size, capacity=capacity, dv=512)
+    g = torch.Generator(device=device).manual_seed(seed_of("mla_append", "new"))
+    k_new = torch.randn(b, s_new, hk, 64, generator=g, device=device).to(dtype)
+    v_new = torch.randn(b, s_new, hk, 512, generator=g, device=device).to(dtype)
+    cos, sin = rotary_tables(capacity + sq + 8, 64, device)
+    kc, vc, lens, qv, table = p["k_cache"], p["v_cache"], p["cache_seqlens"], p["qv"], p["page_table"]
+    k_ref, v_ref, qv_before = kc.clone(), vc.clone(), qv.clone()
+    out, lse = flash3.flash_attn_with_kvcache(p["q"], kc, vc, k_new, v_new, qv=qv, rotary_cos=cos, rotary_sin=sin,
+                                              cache_seqlens=lens, page_table=table, causal=True,
+                                              rotary_interleaved=False, return_softmax_lse=True)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert out.shape == (b, sq, h, 512)
+    assert lens.tolist() == starts, "cache_seqlens must not change (the caller advances it)"
+    assert torch.equal(qv, qv_before)
+    q_rot, lens_after = flash3.kvcache.append(p["q"], k_ref, v_ref, k_new, v_new, cos, sin, lens, False, True,
+                                              page_table=table)
+    assert torch.equal(vc, v_ref), "v_cache differs from the torch reference's"
+    assert one_rounding_apart(kc, k_ref, k_new.abs().max()), "k_cache differs from the torch reference's"
+    pos_k = torch.tensor(starts, device=device)[:, None] + torch.arange(s_new, device=device)[None, :]
+    want_k = rope64(k_new, cos, sin, pos_k, False)
+    for e, n in enumerate(starts):
+        entries, rows = cache_slots(p, e, n, n + s_new)
+        torch.testing.assert_close(kc[entries, rows].double(), want_k[e], rtol=2**-7, atol=1e-6)
+        assert torch.equal(vc[entries, rows], v_new[e]), f"entry {e}: v not appended as given"
+    check_kvcache(dict(p, q=q_rot, k_cache=k_ref, v_cache=v_ref, cache_seqlens=lens_after), out, lse, causal=True)
+    unfused, unfused_lse = flash3.flash_attn_with_kvcache(q_rot, k_ref, v_ref, qv=qv, cache_seqlens=lens_after,
+                                                          page_table=table, causal=True, return_softmax_lse=True)
+    torch.testing.assert_close(out, unfused, rtol=2**-6, atol=2**-7)
+    torch.testing.assert_close(lse, unfused_lse, rtol=0, atol=1e-3)
+
+
 # ---- arguments ----------------------------------------------------------------------------------------
 
-UNSUPPORTED = ["qv", "cu_seqlens_q", "cu_seqlens_k_new", "max_seqlen_q", "rotary_seqlens", "q_descale", "k_descale",
+UNSUPPORTED = ["cu_seqlens_q", "cu_seqlens_k_new", "max_seqlen_q", "rotary_seqlens", "q_descale", "k_descale",
                "v_descale"]
 
 
@@ -868,10 +1132,13 @@ def _int32(*shape, dtype=torch.int32, device="cpu"):
      r"^k_cache: expected \(num_pages, page_size, nheads_kv, headdim\) \(a paged cache: page_table given\)"),
     (dict(q=torch.zeros(2, 2, 64)), ValueError, r"^q: expected \(batch, seqlen_q"),
     (dict(window_size=(1, 2, 3)), ValueError, r"^window_size"),
+    (dict(qv=torch.zeros(2, 1, 512, dtype=torch.bfloat16)), ValueError,
+     r"^qv: expected \(batch, seqlen_q, nheads, 512\) \(MLA: the queries' latent part\), got shape \(2, 1, 512\)"),
+    (dict(qv=[0.0]), ValueError, r"^qv: expected a torch.Tensor, got list"),
 ], ids=["lens_dtype", "lens_length", "lens_rank", "lens_device", "lens_negative_int", "lens_float", "idx_dtype",
         "idx_length", "idx_device", "idx_list", "pad_dtype", "pad_rank", "pad_device", "table_dtype", "table_rows",
         "table_rank", "table_device", "table_list", "idx_with_table", "splits_65", "splits_negative", "splits_float",
-        "k_rank", "k_rank_paged", "q_rank", "window"])
+        "k_rank", "k_rank_paged", "q_rank", "window", "qv_rank", "qv_list"])
 def test_cpu_bad_arguments_raise_naming_them(calls, change, error, pattern):
     """Before anything runs (no call, the cache unchanged, also with an append)."""
     p = problem(2, 1, 16, 2, 1, 64)
@@ -894,7 +1161,7 @@ def test_cpu_bad_arguments_raise_naming_them(calls, change, error, pattern):
 C_PROBE = r"""
 #include <stdint.h>
 #include "flash3/flash3_c.h"
-static double seen[48];
+static double seen[53];
 static int calls;
 const double* probe_seen(void) { return seen; }
 int probe_calls(void) { return calls; }
@@ -910,8 +1177,8 @@ uint64_t probe_layout(int i) {
                         offsetof(flash3_kvcache_args, window_right), offsetof(flash3_kvcache_args, softcap),
                         offsetof(flash3_kvcache_args, stream), offsetof(flash3_kvcache_args, k_new),
                         offsetof(flash3_kvcache_args, v_new), offsetof(flash3_kvcache_args, rotary_cos),
-                        offsetof(flash3_kvcache_args, rotary_sin), offsetof(flash3_kvcache_args, rotary_interleaved),
-                        offsetof(flash3_kvcache_args, reserved_v2)};
+                        offsetof(flash3_kvcache_args, rotary_sin), offsetof(flash3_kvcache_args, qv),
+                        offsetof(flash3_kvcache_args, rotary_interleaved), offsetof(flash3_kvcache_args, reserved_v2)};
   return v[i];
 }
 int probe_fwd_kvcache(const flash3_kvcache_args* a, char* err, int n) {
@@ -926,15 +1193,17 @@ int probe_fwd_kvcache(const flash3_kvcache_args* a, char* err, int n) {
                       (double)a->page_table.shape[1], (double)a->page_table.stride[0],
                       (double)a->page_table.stride[1]};
   for (int i = 0; i < 30; ++i) seen[i] = v[i];
-  for (int i = 30; i < 48; ++i) seen[i] = -1;  /* a v1 struct: the append's fields are not there */
+  for (int i = 30; i < 53; ++i) seen[i] = -1;  /* a v1 struct: the append's fields and qv are not there */
   if (a->struct_size >= FLASH3_KVCACHE_ARGS_SIZE_V2) {
     const double w[] = {a->k_new.rank, a->k_new.dtype, (double)a->k_new.shape[1], (double)a->k_new.shape[2],
                         (double)a->k_new.stride[1], a->v_new.rank, (double)a->v_new.shape[1],
                         (double)a->v_new.stride[0], a->rotary_cos.rank, a->rotary_cos.dtype,
                         (double)a->rotary_cos.shape[0], (double)a->rotary_cos.shape[1],
                         (double)a->rotary_cos.stride[0], a->rotary_sin.rank, a->rotary_sin.dtype,
-                        (double)a->rotary_sin.stride[0], a->rotary_interleaved, a->reserved_v2};
-    for (int i = 0; i < 18; ++i) seen[30 + i] = w[i];
+                        (double)a->rotary_sin.stride[0], a->rotary_interleaved, a->reserved_v2,
+                        a->qv.rank, a->qv.dtype, (double)a->qv.shape[0], (double)a->qv.shape[3],
+                        (double)a->qv.stride[2]};
+    for (int i = 0; i < 23; ++i) seen[30 + i] = w[i];
   }
   ++calls;
   (void)err; (void)n;
@@ -943,7 +1212,7 @@ int probe_fwd_kvcache(const flash3_kvcache_args* a, char* err, int n) {
 """
 LAYOUT_FIELDS = ("causal", "softmax_scale", "num_splits", "q", "k_cache", "v_cache", "out", "lse", "cache_seqlens",
                  "cache_batch_idx", "cache_leftpad", "page_table", "window", "window_left", "window_right", "softcap",
-                 "stream", "k_new", "v_new", "rotary_cos", "rotary_sin", "rotary_interleaved", "reserved_v2")
+                 "stream", "k_new", "v_new", "rotary_cos", "rotary_sin", "qv", "rotary_interleaved", "reserved_v2")
 
 
 @pytest.fixture
@@ -968,14 +1237,15 @@ def test_cpu_kvcache_args_match_c_header(probe):
     """The struct forward_kvcache_into packs has the layout of flash3_kvcache_args as a C compiler
     lays it out (the size, every field's offset), and a C function reads back the values packed:
     the flags and numbers, the tensors' ranks, dtypes, shapes and strides, "not given" (NULL data,
-    rank 0) for the index tensors left out. Without an append the first version (760 bytes) is
-    packed; with one the second (1088 bytes: k_new, v_new, rotary_cos, rotary_sin,
+    rank 0) for the index tensors left out. Without an append or qv the first version (760 bytes)
+    is packed; with either the second (1168 bytes: k_new, v_new, rotary_cos, rotary_sin, qv,
     rotary_interleaved), the rotary tables as given when of q's dtype or float32, with the last dim
-    contiguous, else as float32 copies."""
+    contiguous, else as float32 copies; qv (MLA) as given, softmax_scale None as 0 (the library's
+    default, 1/sqrt(576) with qv)."""
     from flash3 import _kernels, _lib
     layout = [probe.probe_layout(i) for i in range(3 + len(LAYOUT_FIELDS))]
     assert layout[:3] == [_lib.KVCACHE_ARGS_SIZE, _lib.KVCACHE_ARGS_SIZE_V1, _lib.KVCACHE_ARGS_SIZE] == [
-        _kernels._KVCACHE_APPEND.size, _kernels._KVCACHE.size, _kernels._KVCACHE_APPEND.size] == [1088, 760, 1088]
+        _kernels._KVCACHE_APPEND.size, _kernels._KVCACHE.size, _kernels._KVCACHE_APPEND.size] == [1168, 760, 1168]
     assert layout[3:] == [getattr(_lib.KvcacheArgs, f).offset for f in LAYOUT_FIELDS]
     assert _lib.has_kvcache()
 
@@ -984,6 +1254,9 @@ def test_cpu_kvcache_args_match_c_header(probe):
 
     def seen_v2():
         return [probe.probe_seen()[i] for i in range(30, 48)]
+
+    def seen_qv():
+        return [probe.probe_seen()[i] for i in range(48, 53)]
 
     p = kv_problem([5, 40, 17], 2, 8, 2, 64, seed=1, page_size=16, capacity=48, leftpad=True)
     q, kc, vc = p["q"], p["k_cache"], p["v_cache"]
@@ -997,7 +1270,7 @@ def test_cpu_kvcache_args_match_c_header(probe):
         "cache_seqlens"])
     assert seen()[:9] == [760, 0, 0.0, 0, 0, -1, -1, 0.0, 0x5000]
     assert seen()[15:] == [0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0]
-    assert seen_v2() == [-1] * 18
+    assert seen_v2() == [-1] * 18 and seen_qv() == [-1] * 5
     assert probe.probe_calls() == 2
     # the append: k_new, v_new as given (v_new a slice: its strides), tables of q's dtype (bfloat16)
     # as given (rows of a wider table: stride 48); rotary_interleaved True by default
@@ -1006,8 +1279,9 @@ def test_cpu_kvcache_args_match_c_header(probe):
     cos = torch.zeros(50, 48, dtype=torch.bfloat16)[:, :16]
     flash3.forward_kvcache_into(q, kc, vc, out, lse, p["cache_seqlens"], page_table=table, k_new=k_new, v_new=v_new,
                                 rotary_cos=cos, rotary_sin=cos)
-    assert seen()[0] == 1088 and seen()[17:] == [1, 5, 3, 0, 0, 0, 0, 2, 5, 3, 3, 8, 1]
+    assert seen()[0] == 1168 and seen()[17:] == [1, 5, 3, 0, 0, 0, 0, 2, 5, 3, 3, 8, 1]
     assert seen_v2() == [4, 1, 5, 2, 128, 4, 5, 9 * 128, 2, 1, 50, 16, 48, 2, 1, 48, 1, 0]
+    assert seen_qv() == [0] * 5  # not given
     # float16 tables (neither float32 nor q's dtype), or two dtypes: converted to float32, contiguous
     for c, s in ((cos.half(), cos.half()), (cos, cos.float())):
         flash3.forward_kvcache_into(q, kc, vc, out, lse, p["cache_seqlens"], page_table=table, k_new=k_new,
@@ -1016,13 +1290,26 @@ def test_cpu_kvcache_args_match_c_header(probe):
     flash3.forward_kvcache_into(q, kc, vc, out, lse, p["cache_seqlens"], page_table=table, k_new=k_new, v_new=v_new,
                                 rotary_interleaved=False)
     assert seen_v2() == [4, 1, 5, 2, 128, 4, 5, 9 * 128, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
-    assert probe.probe_calls() == 6
+    # qv (MLA) without an append: the second version, the append's tensors not given, qv as given
+    # (the latent part of a wider projection: its strides); softmax_scale None packs 0
+    qv = torch.zeros(3, 2, 8, 576, dtype=torch.bfloat16)[..., 64:]
+    flash3.forward_kvcache_into(q, kc, vc, out, lse, p["cache_seqlens"], page_table=table, qv=qv)
+    assert seen()[:4] == [1168, 0, 0.0, 0] and seen()[17:] == [1, 5, 3, 0, 0, 0, 0, 2, 5, 3, 3, 8, 1]
+    assert seen_v2() == [0] * 16 + [1, 0]  # rotary_interleaved as given (True), unread without rotary
+    assert seen_qv() == [4, 1, 3, 512, 576]
+    # and with an append
+    flash3.forward_kvcache_into(q, kc, vc, out, lse, p["cache_seqlens"], page_table=table, k_new=k_new, v_new=v_new,
+                                rotary_cos=cos, rotary_sin=cos, rotary_interleaved=False, qv=qv)
+    assert seen()[0] == 1168
+    assert seen_v2() == [4, 1, 5, 2, 128, 4, 5, 9 * 128, 2, 1, 50, 16, 48, 2, 1, 48, 0, 0]
+    assert seen_qv() == [4, 1, 3, 512, 576]
+    assert probe.probe_calls() == 8
 
 
 def test_cpu_forward_kvcache_into_names_bad_tensors(probe):
     """What the library cannot be handed (not a tensor, a dtype it has no code for, rank > 4) is
     refused before the call, naming the argument (the append's k_new, v_new, rotary_cos, rotary_sin
-    too); so are num_splits and softmax_scale."""
+    and MLA's qv too); so are num_splits and softmax_scale."""
     p = kv_problem([5, 40], 1, 4, 2, 64, page_size=16, capacity=48)
     q, kc, vc = p["q"], p["k_cache"], p["v_cache"]
     out = torch.empty_like(q)
@@ -1039,7 +1326,10 @@ def test_cpu_forward_kvcache_into_names_bad_tensors(probe):
              (dict(k_new=new, v_new=new, rotary_cos=[[1.0]], rotary_sin=cos), r"^rotary_cos: expected a torch.Tensor, "
                                                                               r"got list"),
              (dict(k_new=new, v_new=new, rotary_cos=cos, rotary_sin=cos.long()), r"^rotary_sin: dtype torch.int64 is "
-                                                                                 r"not supported \(use torch.float32 or q's dtype\)")]
+                                                                                 r"not supported \(use torch.float32 or q's dtype\)"),
+             (dict(qv=new.long()), r"^qv: dtype torch.int64 is not supported \(use torch.bfloat16 or torch.float16\)"),
+             (dict(qv=new[None]), r"^qv: rank 5 is not supported \(at most 4\)"),
+             (dict(qv=[[1.0]]), r"^qv: expected a torch.Tensor, got list")]
     for kw, pattern in cases:
         with pytest.raises(ValueError, match=pattern):
             flash3.forward_kvcache_into(q, kc, vc, out, None, p["cache_seqlens"], **kw)

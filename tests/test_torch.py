@@ -92,7 +92,8 @@ def randn(shape, dtype, gen):
 
 def check(q, k, v, causal, scale=None, out=None, lse=None, window=(-1, -1), softcap=0.0):
     """Compares (out, lse) from flash3 with the fp64 reference (the stand-in) under the
-    tolerance rule; window and softcap as flash_attn_func's."""
+    tolerance rule; window and softcap as flash_attn_func's. v may have a head dim of its own
+    (out then has it: MLA, tests/test_kvcache.py)."""
     if out is None:
         out, lse = flash3.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, window_size=window,
                                           softcap=softcap, return_attn_probs=True)
@@ -100,7 +101,7 @@ def check(q, k, v, causal, scale=None, out=None, lse=None, window=(-1, -1), soft
     q, k, v = q.detach(), k.detach(), v.detach()
     ref, ref_lse = stand_in.attention(q, k, v, s, causal, window, softcap)
     plain, _ = attention(q, k, v, s, causal, upcast=False, window=window, softcap=softcap)
-    assert out.shape == q.shape and out.dtype == q.dtype
+    assert out.shape == (*q.shape[:-1], v.shape[-1]) and out.dtype == q.dtype
     assert not torch.isnan(out).any(), "NaN in out"
     err = (out.double() - ref).abs().max().item()
     plain_err = (plain.double() - ref).abs().max().item()

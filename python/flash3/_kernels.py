@@ -59,13 +59,13 @@ def version():
 # block_rows, hadamard; uint64 seed; void* stream. flash3_kvcache_args: uint32 struct_size; int32
 # causal; float softmax_scale; int32 num_splits; q, k_cache, v_cache, out, lse, cache_seqlens,
 # cache_batch_idx, cache_leftpad, page_table; int32 window, window_left, window_right; float
-# softcap; void* stream; k_new, v_new, rotary_cos, rotary_sin; int32 rotary_interleaved; uint32
+# softcap; void* stream; k_new, v_new, rotary_cos, rotary_sin, qv; int32 rotary_interleaved; uint32
 # reserved_v2 (v2). Each struct is packed whole into a bytes object by one Struct.pack and
 # passed by address (the library only reads it): the cheapest way to fill it
 # from Python (measured: about half the time of packing a ctypes buffer tensor by tensor). The
 # calls without variable lengths pack the versions before them (_FWD, _BWD: fewer fields to
 # pack, and read by libraries without variable lengths as well); so do the KV-cache calls
-# without an append (_KVCACHE, the first version; _KVCACHE_APPEND with one).
+# without an append or qv (_KVCACHE, the first version; _KVCACHE_APPEND, the second, with either).
 _TENSOR = "Qii4q4q"
 _MASK = "iiif"  # int32 window, window_left, window_right; float softcap
 _VARLEN = _TENSOR * 4 + "iiiI"  # cu_seqlens_q/k, seqused_q/k; max_seqlen_q/k, no_seqlens_check, reserved
@@ -75,13 +75,15 @@ _FWD_VARLEN = struct.Struct(_FWD.format + _VARLEN)
 _BWD_VARLEN = struct.Struct(_BWD.format + _VARLEN)
 _QUANTIZE = struct.Struct("<II" + _TENSOR * 3 + "iiQQ")
 _KVCACHE = struct.Struct("<Iifi" + _TENSOR * 9 + _MASK + "Q")
-_KVCACHE_APPEND = struct.Struct(_KVCACHE.format + _TENSOR * 4 + "iI")  # v2: k_new .. rotary_sin, the flag, reserved
+# v2: k_new, v_new, rotary_cos, rotary_sin, qv; rotary_interleaved, reserved_v2
+_KVCACHE_APPEND = struct.Struct(_KVCACHE.format + _TENSOR * 5 + "iI")
 assert (_FWD.size, _BWD.size, _FWD_VARLEN.size, _BWD_VARLEN.size, _QUANTIZE.size, _KVCACHE.size,
         _KVCACHE_APPEND.size) == (
     _lib.FWD_ARGS_SIZE_V3, _lib.BWD_ARGS_SIZE_V2, _lib.FWD_ARGS_SIZE, _lib.BWD_ARGS_SIZE,
     _lib.QUANTIZE_FP8_ARGS_SIZE, _lib.KVCACHE_ARGS_SIZE_V1, _lib.KVCACHE_ARGS_SIZE), "flash3 args layout changed"
 assert _KVCACHE.size - struct.calcsize("<" + _MASK + "Q") == _lib.KvcacheArgs.window.offset
-assert _KVCACHE.size + 4 * ctypes.sizeof(_lib.Tensor) == _lib.KvcacheArgs.rotary_interleaved.offset
+assert _KVCACHE.size + 4 * ctypes.sizeof(_lib.Tensor) == _lib.KvcacheArgs.qv.offset
+assert _KVCACHE.size + 5 * ctypes.sizeof(_lib.Tensor) == _lib.KvcacheArgs.rotary_interleaved.offset
 assert struct.calcsize("<" + _TENSOR) == ctypes.sizeof(_lib.Tensor) and _lib.FwdArgs.q.offset == 16
 assert (_FWD.size - struct.calcsize("<" + _MASK), _BWD.size - struct.calcsize("<" + _MASK)) == (
     _lib.FwdArgs.window.offset, _lib.BwdArgs.window.offset)
@@ -786,28 +788,33 @@ def _page_table_tensor(page_table, q, batch):
 
 
 def kvcache_shapes(q, k_cache, v_cache, cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, page_table=None,
-                   num_splits=0):
-    """(batch, seqlen_q, nheads): the shape arithmetic of the KV-cache attention of q (batch,
-    seqlen_q, nheads, headdim) over k_cache, v_cache, contiguous (batch_cache, seqlen_cache,
+                   num_splits=0, qv=None):
+    """(batch, seqlen_q, nheads, headdim_v): the shape arithmetic of the KV-cache attention of q
+    (batch, seqlen_q, nheads, headdim) over k_cache, v_cache, contiguous (batch_cache, seqlen_cache,
     nheads_kv, headdim) or paged (num_pages, page_size, nheads_kv, headdim) with page_table
-    (symbolic sizes stay symbolic). ValueError naming the argument where q, k_cache or v_cache is
-    not a 4-dim tensor; cache_seqlens, cache_batch_idx or cache_leftpad (not None) is not a rank-1
-    torch.int32 tensor of batch entries on q's device; page_table (not None) is not a torch.int32
-    (batch, max_pages_per_seq) tensor on q's device; cache_batch_idx comes with page_table;
-    num_splits is not an int in [0, MAX_KVCACHE_SPLITS]. float8 q: NotImplementedError. The rest
-    is the library's to check."""
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+    (symbolic sizes stay symbolic); headdim_v is out's head dim: q's, or with qv (MLA: q (...,
+    64) and qv (batch, seqlen_q, nheads, 512), k_cache (..., 64), v_cache (..., 512)) v_cache's.
+    ValueError naming the argument where q, k_cache, v_cache or qv (not None) is not a 4-dim
+    tensor; cache_seqlens, cache_batch_idx or cache_leftpad (not None) is not a rank-1 torch.int32
+    tensor of batch entries on q's device; page_table (not None) is not a torch.int32 (batch,
+    max_pages_per_seq) tensor on q's device; cache_batch_idx comes with page_table; num_splits is
+    not an int in [0, MAX_KVCACHE_SPLITS]. float8 q: NotImplementedError. The rest (the head dims
+    among them) is the library's to check."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("qv", qv)):
+        if t is None and name == "qv":
+            continue
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             what = ("(batch, seqlen_q, nheads, headdim)" if name == "q" else
+                    "(batch, seqlen_q, nheads, 512) (MLA: the queries' latent part)" if name == "qv" else
                     "(num_pages, page_size, nheads_kv, headdim) (a paged cache: page_table given)"
                     if page_table is not None else "(batch_cache, seqlen_cache, nheads_kv, headdim)")
             raise ValueError(f"{name}: expected {what}, got shape {tuple(t.shape)}")
     if q.dtype in FP8_DTYPES:
         raise NotImplementedError(f"q: dtype {q.dtype} is not supported by flash3's KV-cache attention "
                                   "(torch.bfloat16 or torch.float16 q, k_cache, v_cache only)")
-    b, sq, h, _ = q.shape
+    b, sq, h, d = q.shape
     for name, t in (("cache_seqlens", cache_seqlens), ("cache_batch_idx", cache_batch_idx),
                     ("cache_leftpad", cache_leftpad)):
         if t is not None:
@@ -818,7 +825,7 @@ def kvcache_shapes(q, k_cache, v_cache, cache_seqlens=None, cache_batch_idx=None
             raise ValueError("cache_batch_idx: not supported with page_table; a paged cache is addressed through "
                              "page_table alone (cache_batch_idx selects entries of a contiguous cache)")
     num_splits_arg(num_splits)
-    return b, sq, h
+    return b, sq, h, d if qv is None else v_cache.shape[3]
 
 
 def check_kvcache_values(k_cache, cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, page_table=None,
@@ -906,7 +913,7 @@ def _rotary_tables(cos, sin, dtype):
 def forward_kvcache_into(q, k_cache, v_cache, out, lse, cache_seqlens=None, softmax_scale=None, causal=False,
                          window_left=-1, window_right=-1, softcap=0.0, cache_batch_idx=None, cache_leftpad=None,
                          page_table=None, num_splits=0, check_page_table=False, check_seqlens=False, k_new=None,
-                         v_new=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=True):
+                         v_new=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=True, qv=None):
     """Attention of new queries over a KV cache (decoding), into caller-given buffers: q and out
     (batch, seqlen_q, nheads, headdim), bfloat16 or float16; k_cache and v_cache of q's dtype,
     contiguous (batch_cache, seqlen_cache, nheads_kv, headdim) or, with page_table, paged
@@ -937,6 +944,12 @@ def forward_kvcache_into(q, k_cache, v_cache, out, lse, cache_seqlens=None, soft
     pairs (2j, 2j + 1) when rotary_interleaved, else (j, j + rotary_dim / 2); positions past
     seqlen_ro use its last row. The kernel reads tables of one dtype, float32 or q's, with the last
     dim contiguous; other floating tables are copied to float32 first (a copy per call).
+    MLA (FlashAttention-3's qv; DeepSeek's multi-head latent attention): qv (batch, seqlen_q,
+    nheads, 512) of q's dtype is the queries' latent part and q (..., 64) their rotary part;
+    k_cache (..., nheads_kv, 64) holds each key's rotary part and v_cache (..., nheads_kv, 512) its
+    latent, which is also the value: the scores are q k^T + qv v^T (head dim 576; softmax_scale
+    None: 1/sqrt(576)), out (batch, seqlen_q, nheads, 512). k_new (..., 64) and v_new (..., 512)
+    append as above; the rotary embedding (rotary_dim up to 64) applies to q and k_new, not to qv.
     The index values live on the GPU: by default (as FlashAttention-3) the host does not read
     them, and the library clamps them to the cache (bad values give undefined results, never an
     access out of bounds). check_seqlens=True and check_page_table=True check them first
@@ -953,27 +966,29 @@ def forward_kvcache_into(q, k_cache, v_cache, out, lse, cache_seqlens=None, soft
     try:
         tensors = (*_fields(q), *_fields(k_cache), *_fields(v_cache), *_fields(out), *_fields(lse),
                    *_fields(cache_seqlens), *_fields(cache_batch_idx), *_fields(cache_leftpad), *_fields(page_table))
-        new = (*_fields(k_new), *_fields(v_new), *_fields(rotary_cos), *_fields(rotary_sin)) if append else ()
+        # the second version's fields: the append's tensors and qv
+        v2 = (*_fields(k_new), *_fields(v_new), *_fields(rotary_cos), *_fields(rotary_sin), *_fields(qv)) if (
+            append or qv is not None) else ()
         index = q.get_device()
     except (AttributeError, KeyError, IndexError, TypeError, ValueError):
         _explain((("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out), ("lse", lse),
                   ("cache_seqlens", cache_seqlens), ("cache_batch_idx", cache_batch_idx),
                   ("cache_leftpad", cache_leftpad), ("page_table", page_table), ("k_new", k_new), ("v_new", v_new),
-                  ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)),
+                  ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("qv", qv)),
                  optional=("lse", "cache_seqlens", "cache_batch_idx", "cache_leftpad", "page_table", "k_new", "v_new",
-                           "rotary_cos", "rotary_sin"))
+                           "rotary_cos", "rotary_sin", "qv"))
         raise
     if check_seqlens or check_page_table:
-        kvcache_shapes(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad, page_table, splits)
+        kvcache_shapes(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad, page_table, splits, qv)
         check_kvcache_values(k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, page_table, check_seqlens,
                              check_page_table)
     lib, buf = _lib.lib(), _lib.err_buffer()
     if not _lib.has_kvcache():
         raise RuntimeError("this libflash3.so has no KV-cache attention (flash3_fwd_kvcache): rebuild the library")
     with _on_device(index):
-        if append:
+        if v2:
             args = _KVCACHE_APPEND.pack(_lib.KVCACHE_ARGS_SIZE, 1 if causal else 0, scale, splits, *tensors, *mask,
-                                        _stream(index), *new, 1 if rotary_interleaved else 0, 0)
+                                        _stream(index), *v2, 1 if rotary_interleaved else 0, 0)
         else:
             args = _KVCACHE.pack(_lib.KVCACHE_ARGS_SIZE_V1, 1 if causal else 0, scale, splits, *tensors, *mask,
                                  _stream(index))
@@ -985,16 +1000,16 @@ def forward_kvcache_into(q, k_cache, v_cache, out, lse, cache_seqlens=None, soft
 def fwd_kvcache(q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None, causal=False, want_lse=True,
                 window_left=-1, window_right=-1, softcap=0.0, cache_batch_idx=None, cache_leftpad=None,
                 page_table=None, num_splits=0, k_new=None, v_new=None, rotary_cos=None, rotary_sin=None,
-                rotary_interleaved=True):
+                rotary_interleaved=True, qv=None):
     """(out, lse) of forward_kvcache_into (with k_new, the cache updated in place): out contiguous,
-    shaped and typed like q; lse float32 (batch, nheads, seqlen_q), contiguous (None when not
-    want_lse). The shapes and layouts are those of the fake of flash3::fwd_kvcache (_ops.py): keep
-    them in step."""
-    b, sq, h = kvcache_shapes(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad, page_table,
-                              num_splits)
-    out = torch.empty_like(q, memory_format=_CONTIGUOUS)
+    of q's dtype, shaped like q, or with qv (MLA) (batch, seqlen_q, nheads, v_cache.shape[3]); lse
+    float32 (batch, nheads, seqlen_q), contiguous (None when not want_lse). The shapes and layouts
+    are those of the fake of flash3::fwd_kvcache (_ops.py): keep them in step."""
+    b, sq, h, dv = kvcache_shapes(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad, page_table,
+                                  num_splits, qv)
+    out = torch.empty_like(q, memory_format=_CONTIGUOUS) if qv is None else q.new_empty((b, sq, h, dv))
     lse = q.new_empty((b, h, sq), dtype=_FLOAT32) if want_lse else None
     return forward_kvcache_into(q, k_cache, v_cache, out, lse, cache_seqlens, softmax_scale, causal, window_left,
                                 window_right, softcap, cache_batch_idx, cache_leftpad, page_table, num_splits,
                                 k_new=k_new, v_new=v_new, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-                                rotary_interleaved=rotary_interleaved)
+                                rotary_interleaved=rotary_interleaved, qv=qv)

@@ -89,8 +89,8 @@ class QuantizeFp8Args(ctypes.Structure):
 
 
 class KvcacheArgs(ctypes.Structure):
-    """flash3_kvcache_args (second version): the layout _kernels._KVCACHE_APPEND packs (_kernels._KVCACHE: its
-    first KVCACHE_ARGS_SIZE_V1 bytes)."""
+    """flash3_kvcache_args (second version: the append and MLA): the layout _kernels._KVCACHE_APPEND packs
+    (_kernels._KVCACHE: its first KVCACHE_ARGS_SIZE_V1 bytes)."""
     _fields_ = [
         ("struct_size", ctypes.c_uint32),
         ("causal", ctypes.c_int32),
@@ -104,6 +104,7 @@ class KvcacheArgs(ctypes.Structure):
         ("softcap", ctypes.c_float),
         ("stream", ctypes.c_void_p),
         ("k_new", Tensor), ("v_new", Tensor), ("rotary_cos", Tensor), ("rotary_sin", Tensor),  # v2: the append
+        ("qv", Tensor),  # v2: MLA (the queries' latent part)
         ("rotary_interleaved", ctypes.c_int32),
         ("reserved_v2", ctypes.c_uint32),
     ]
@@ -112,8 +113,9 @@ class KvcacheArgs(ctypes.Structure):
 # struct_size as this package fills the structs (flash3_c.h): the variable-length calls the whole
 # structs (FLASH3_FWD_ARGS_SIZE_V4, FLASH3_BWD_ARGS_SIZE_V3), every other call the versions before
 # them (FLASH3_FWD_ARGS_SIZE_V3, FLASH3_BWD_ARGS_SIZE_V2: what a library without variable lengths
-# reads too); FLASH3_QUANTIZE_FP8_ARGS_SIZE_V1; the KV-cache calls with an append the whole struct
-# (FLASH3_KVCACHE_ARGS_SIZE_V2), the others the first version (FLASH3_KVCACHE_ARGS_SIZE_V1).
+# reads too); FLASH3_QUANTIZE_FP8_ARGS_SIZE_V1; the KV-cache calls with an append or qv (MLA) the
+# whole struct (FLASH3_KVCACHE_ARGS_SIZE_V2), the others the first version
+# (FLASH3_KVCACHE_ARGS_SIZE_V1).
 FWD_ARGS_SIZE = ctypes.sizeof(FwdArgs)
 BWD_ARGS_SIZE = ctypes.sizeof(BwdArgs)
 FWD_ARGS_SIZE_V3 = FwdArgs.cu_seqlens_q.offset
@@ -122,7 +124,7 @@ QUANTIZE_FP8_ARGS_SIZE = ctypes.sizeof(QuantizeFp8Args)
 KVCACHE_ARGS_SIZE = ctypes.sizeof(KvcacheArgs)
 KVCACHE_ARGS_SIZE_V1 = KvcacheArgs.k_new.offset
 assert (FWD_ARGS_SIZE, BWD_ARGS_SIZE, FWD_ARGS_SIZE_V3, BWD_ARGS_SIZE_V2, QUANTIZE_FP8_ARGS_SIZE, KVCACHE_ARGS_SIZE,
-        KVCACHE_ARGS_SIZE_V1) == (1016, 1112, 680, 776, 272, 1088, 760), "flash3 args layout changed"
+        KVCACHE_ARGS_SIZE_V1) == (1016, 1112, 680, 776, 272, 1168, 760), "flash3 args layout changed"
 
 _lib = None
 _load_error = None

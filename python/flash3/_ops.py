@@ -22,7 +22,7 @@ CUDA graphs (mode="reduce-overhead") and FakeTensor tracing:
                                  causal=False, window_left=-1, window_right=-1, softcap=0.0,
                                  cache_batch_idx=None, cache_leftpad=None, page_table=None,
                                  num_splits=0, k_new=None, v_new=None, rotary_cos=None,
-                                 rotary_sin=None, rotary_interleaved=True) -> (out, lse)
+                                 rotary_sin=None, rotary_interleaved=True, qv=None) -> (out, lse)
 
 window_left, window_right: FlashAttention-3's sliding window (-1: no bound on that side; the
 library refuses < -1), softcap: > 0 caps the scaled scores (0.0: none; 16-bit inputs only), as
@@ -56,8 +56,11 @@ cache_batch_idx (contiguous cache only), cache_leftpad int32 (batch) or None; nu
 (0: the library's heuristic); out like q, lse float32 (batch, nheads, seqlen_q) whatever the cache
 layout; inference only, as fwd_fp8. With k_new, v_new (batch, seqlen_new, nheads_kv, head_dim) the
 kernel appends them in place into k_cache and v_cache at cache_seqlens (rotated with rotary_cos,
-rotary_sin where given, q too; _kernels.forward_kvcache_into). It is the one operator that mutates
-its inputs: k_cache and v_cache are declared written (mutates_args; Tensor(a1!), Tensor(a2!) in
+rotary_sin where given, q too; _kernels.forward_kvcache_into). With qv (MLA, FlashAttention-3's
+qv: q (..., 64) and qv (batch, seqlen_q, nheads, 512) the queries' rotary and latent parts,
+k_cache (..., 64) and v_cache (..., 512) the keys' (v_cache also the values)), out is (batch,
+seqlen_q, nheads, v_cache.shape[3]). It is the one operator that mutates its inputs: k_cache
+and v_cache are declared written (mutates_args; Tensor(a1!), Tensor(a2!) in
 the schema) whether or not k_new is given. Under torch.compile it is functionalized like any
 mutating operator (a graph that writes its inputs: mode="reduce-overhead" replays it from a CUDA
 graph only where the cache is a static input, a module's buffer say); its fake writes nothing
@@ -317,20 +320,22 @@ def _fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Opt
                  cache_leftpad: Optional[Tensor] = None, page_table: Optional[Tensor] = None,
                  num_splits: int = 0, k_new: Optional[Tensor] = None, v_new: Optional[Tensor] = None,
                  rotary_cos: Optional[Tensor] = None, rotary_sin: Optional[Tensor] = None,
-                 rotary_interleaved: bool = True) -> tuple[Tensor, Tensor]:
+                 rotary_interleaved: bool = True, qv: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     return _kernels.fwd_kvcache(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal, True, window_left,
                                 window_right, softcap, cache_batch_idx, cache_leftpad, page_table, num_splits, k_new,
-                                v_new, rotary_cos, rotary_sin, rotary_interleaved)
+                                v_new, rotary_cos, rotary_sin, rotary_interleaved, qv)
 
 
 def _fwd_kvcache_fake(q, k_cache, v_cache, cache_seqlens=None, softmax_scale=None, causal=False, window_left=-1,
                       window_right=-1, softcap=0.0, cache_batch_idx=None, cache_leftpad=None, page_table=None,
-                      num_splits=0, k_new=None, v_new=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=True):
-    # the append writes k_cache and v_cache, which the outputs do not depend on: nothing to do here
+                      num_splits=0, k_new=None, v_new=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=True,
+                      qv=None):
+    # the append writes k_cache and v_cache, which the outputs do not depend on: nothing to do here.
+    # out as _kernels.fwd_kvcache allocates it: like q, or with qv (MLA) of v_cache's head dim
     _check_mask(window_left, window_right, softcap)
-    b, sq, h = _kernels.kvcache_shapes(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad,
-                                       page_table, num_splits)
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    b, sq, h, dv = _kernels.kvcache_shapes(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad,
+                                           page_table, num_splits, qv)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format) if qv is None else q.new_empty((b, sq, h, dv))
     return out, q.new_empty((b, h, sq), dtype=torch.float32)
 
 

@@ -31,8 +31,9 @@ seqused_k (int32 (batch)) keep only the first seqused[b] rows of sequence b: out
 seqused_q are 0 (softmax_lse +inf) and gradient rows past seqused are 0. bfloat16 and float16 only.
 
 Arguments flash3 does not support yet raise NotImplementedError naming the argument when given
-a value other than their default: qv (not None), attention_chunk (not 0); for
-flash_attn_varlen_func also q_descale, k_descale, v_descale (not None), and float8 q names q.
+a value other than their default: qv (not None; flash_attn_with_kvcache takes it, below),
+attention_chunk (not 0); for flash_attn_varlen_func also q_descale, k_descale, v_descale (not
+None), and float8 q names q.
 (Under torch.compile with fullgraph=True, dynamo reports the NotImplementedError, with its
 message, as an unsupported exception; without fullgraph it reaches the caller as it is.)
 Accepted and ignored (by flash_attn_varlen_func too), because they tune speed only and cannot
@@ -50,8 +51,11 @@ bottom-right to them; num_splits splits the key range (0: flash3's heuristic); i
 New keys and values k, v are appended in place at cache_seqlens, rotated with rotary_cos,
 rotary_sin (the queries too), inside the decoding kernel as FlashAttention-3 does
 (torch.ops.flash3.fwd_kvcache with k_new, v_new; flash3.kvcache checks the arguments first and
-holds the torch reference). Not yet (NotImplementedError naming the argument):
-cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, rotary_seqlens, qv, the descales. flash3 always
+holds the torch reference). MLA (DeepSeek's multi-head latent attention), as FlashAttention-3's
+qv: q (..., 64) and qv (batch, seqlen_q, nheads, 512) are the queries' rotary and latent parts,
+k_cache (..., nheads_kv, 64) and v_cache (..., nheads_kv, 512) the keys' (the latent is also the
+value); out is (batch, seqlen_q, nheads, 512). Not yet (NotImplementedError naming the argument):
+cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, rotary_seqlens, the descales. flash3 always
 packs the query heads of a KV head into one tile, so pack_gqa is accepted and ignored, as is
 sm_margin. scheduler_metadata (get_scheduler_metadata's) is accepted and not read: flash3's plan
 (the splits) comes from the shapes on the host at each call and its launch reads nothing from
@@ -506,11 +510,17 @@ def flash_attn_with_kvcache(
     position (cache_seqlens[b] - cache_leftpad[b]) - seqlen_q + i of them. A row that sees no key
     gives out 0 (softmax_lse +inf). num_splits: the key-range splits per (sequence, KV head), 1 to
     64, or 0 for flash3's heuristic (the results do not depend on it beyond rounding).
-    Returns out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse) when
+    qv (MLA, DeepSeek's multi-head latent attention): (batch, seqlen_q, nheads, 512) of q's dtype,
+    the queries' latent part, with q (..., 64) their rotary part; k_cache (..., nheads_kv, 64)
+    holds each key's rotary part and v_cache (..., nheads_kv, 512) its latent, which is also the
+    value: the scores are q k^T + qv v^T (head dim 576; softmax_scale None: 1/sqrt(576)), out
+    (batch, seqlen_q, nheads, 512). k (..., 64) and v (..., 512) append as above, rotary_cos and
+    rotary_sin (rotary_dim up to 64) rotate q and k (not qv). Only these head dims with qv.
+    Returns out (batch, seqlen_q, nheads, headdim; 512 with qv), or (out, softmax_lse) when
     return_softmax_lse, softmax_lse float32 (batch, nheads, seqlen_q). Inference only.
     The unsupported and ignored arguments: see the module's docstring.
     """
-    for name, value in (("qv", qv), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k_new", cu_seqlens_k_new),
+    for name, value in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k_new", cu_seqlens_k_new),
                         ("max_seqlen_q", max_seqlen_q), ("rotary_seqlens", rotary_seqlens), ("q_descale", q_descale),
                         ("k_descale", k_descale), ("v_descale", v_descale)):
         if value is not None:
@@ -526,19 +536,24 @@ def flash_attn_with_kvcache(
     given = [t for t in index if t is not None]
     new = ()  # the append's arguments, where any is given
     if k is not None or v is not None or rotary_cos is not None or rotary_sin is not None:
-        _kernels.kvcache_shapes(q, k_cache, v_cache, *index, num_splits)
+        _kernels.kvcache_shapes(q, k_cache, v_cache, *index, num_splits, qv)
         kvcache.check_append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, page_table)
         new = (k, v, rotary_cos, rotary_sin, bool(rotary_interleaved))
         given += [t for t in new[:4] if t is not None]
+    mla = {}  # qv where given
+    if qv is not None:
+        mla["qv"] = qv
+        given.append(qv)
     if _direct(q, k_cache, v_cache, *given) and not (
-            _grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad)):
+            _grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad or
+                                 getattr(qv, "requires_grad", False))):
         out, lse = _kernels.fwd_kvcache(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal,
-                                        return_softmax_lse, left, right, softcap, *index[1:], num_splits, *new)
+                                        return_softmax_lse, left, right, softcap, *index[1:], num_splits, *new, **mla)
     else:
         # inputs that require grad: the operator, whose backward raises (inference only)
-        _kernels.kvcache_shapes(q, k_cache, v_cache, *index, num_splits)
+        _kernels.kvcache_shapes(q, k_cache, v_cache, *index, num_splits, qv)
         out, lse = _ops.fwd_kvcache(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal, left, right, softcap,
-                                    *index[1:], num_splits, *new)
+                                    *index[1:], num_splits, *new, **mla)
     return (out, lse) if return_softmax_lse else out
 
 
