@@ -223,12 +223,23 @@ struct KvcacheArgs {
   // rounded to q's dtype.
   TensorRef k_new, v_new, rotary_cos, rotary_sin;
   bool rotary_interleaved = false;
+  // MLA (DeepSeek's multi-head latent attention; FlashAttention-3's qv), optional: qv (batch,
+  // seqlen_q, nheads, 512), q's dtype, the queries' latent part, with q (..., 64) their rotary
+  // part. The cache then holds per key its rotary part in k_cache (..., nheads_kv, 64) and its
+  // latent in v_cache (..., nheads_kv, 512), which is also the value: the scores are q k^T +
+  // qv v^T (head dim 576), out (batch, seqlen_q, nheads, 512) = softmax(scores) v. k_new (..., 64)
+  // and v_new (..., 512) append; the rotary embedding applies to q and k_new (rotary_dim <= 64).
+  // softmax_scale defaults to 1 / sqrt(576). Only these head dims (64 + 512) are supported.
+  TensorRef qv;
 };
+constexpr int kMlaRotaryDim = 64, kMlaLatentDim = 512;
 constexpr int kMaxKvcacheSplits = 64;
 
 struct KvcacheProblem {
   DType dtype = DType::kBFloat16;
   int batch = 0, seqlen_q = 0, nheads = 0, nheads_kv = 0, head_dim = 0;
+  int head_dim_v = 0;  // v_cache's and out's head dim: head_dim, or kMlaLatentDim with qv (MLA)
+  bool mla = false;    // qv given: head_dim = kMlaRotaryDim, head_dim_v = kMlaLatentDim
   int batch_cache = 0;   // contiguous: dim 0 of k_cache; paged: num_pages
   int seqlen_cache = 0;  // the longest key range: seqlen_cache, or max_pages_per_seq x page_size
   bool paged = false;
