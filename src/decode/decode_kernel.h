@@ -655,8 +655,13 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
     if (lane == 0) sLse[r] = sum > 0.0f ? (bw + log2f(sum)) * kLn2 : INFINITY;
   }
   __syncthreads();
-  constexpr int kMine = kGroups / T::kThreads;  // groups per thread
+  // Only the tile's rows (a group of 8 heads fills half of it); the loads of kBatch pieces are
+  // issued before any is summed, so that about 16 float4 per thread are in flight (a latency-bound
+  // read of the pieces, which are in L2).
+  constexpr int kMine = kGroups / T::kThreads;  // groups per thread, at most
+  constexpr int kBatch = kMine >= 16 ? 1 : 16 / kMine;
   static_assert(kGroups % T::kThreads == 0);
+  const int groups = min(kRows, p.rows - row0) * (kHeadDimV / 4);
   float4 acc[kMine];
   int64_t base_at[kMine];
 #pragma unroll
@@ -665,23 +670,35 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
     acc[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     base_at[i] = piece_row(g / (kHeadDimV / 4)) * kHeadDimV + 4 * (g % (kHeadDimV / 4));
   }
-#pragma unroll 2
-  for (int sp = 0; sp < p.num_splits; ++sp) {
+  for (int sp0 = 0; sp0 < p.num_splits; sp0 += kBatch) {
+    float4 x[kBatch][kMine];
 #pragma unroll
-    for (int i = 0; i < kMine; ++i) {
-      const int r = (tid + i * T::kThreads) / (kHeadDimV / 4);
-      const float w = sW[sp * kRows + r];
-      const float4 x = __ldcg(reinterpret_cast<const float4*>(p.part_o + sp * split_stride * kHeadDimV + base_at[i]));
-      acc[i].x += w * x.x;
-      acc[i].y += w * x.y;
-      acc[i].z += w * x.z;
-      acc[i].w += w * x.w;
+    for (int j = 0; j < kBatch; ++j) {
+#pragma unroll
+      for (int i = 0; i < kMine; ++i) {
+        const bool ok = sp0 + j < p.num_splits && tid + i * T::kThreads < groups;
+        x[j][i] = ok ? __ldcg(reinterpret_cast<const float4*>(p.part_o + (sp0 + j) * split_stride * kHeadDimV +
+                                                             base_at[i]))
+                     : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+#pragma unroll
+      for (int i = 0; i < kMine; ++i) {
+        const int r = (tid + i * T::kThreads) / (kHeadDimV / 4);
+        const float w = sp0 + j < p.num_splits ? sW[(sp0 + j) * kRows + r] : 0.0f;
+        acc[i].x += w * x[j][i].x;
+        acc[i].y += w * x[j][i].y;
+        acc[i].z += w * x[j][i].z;
+        acc[i].w += w * x[j][i].w;
+      }
     }
   }
 #pragma unroll
   for (int i = 0; i < kMine; ++i) {
     const int g = tid + i * T::kThreads, r = g / (kHeadDimV / 4);
-    if (row0 + r < p.rows) store_out(row0 + r, g % (kHeadDimV / 4), acc[i], sLse[r]);
+    if (g < groups) store_out(row0 + r, g % (kHeadDimV / 4), acc[i], sLse[r]);
   }
 }
 
