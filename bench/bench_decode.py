@@ -4,7 +4,7 @@ process, round robin (issue 44).
 
     python3 bench/bench_decode.py --fa3 .anchors/fa3_decode.so.xz [--batches 1,8,64,128]
         [--caches 1024,8192,65536,131072] [--layouts contiguous,paged256,paged16] [--heads 32,4]
-        [--splits 1,4,16,64] [--append N] [--runs 3] [--reps 20] [--warmup 5] [--json out.json]
+        [--splits 1,4,16,64] [--append N] [--mla] [--runs 3] [--reps 20] [--warmup 5] [--json out.json]
 
 One point per (layout, batch, cache length): q (batch, 1, heads_q, 128) bf16 over a cache k, v of
 heads_kv heads bf16 (--heads: 32 query heads over 4 kv heads, GQA 8:1, as issue 44 asks),
@@ -15,6 +15,9 @@ not fit in 80% of the free GPU memory is skipped.
   flash3: flash3.forward_kvcache_into into preallocated out and lse (its split heuristic);
   FA3:    torch.ops.flash_attn_3.fwd(q, k_cache, v_cache, seqused_k=cache_seqlens, is_causal=True,
           [page_table=]) (its own split and GQA-packing heuristics);
+  --mla:  MLA decoding (DeepSeek's shape): q (batch, 1, heads_q, 64) and qv (batch, 1, heads_q,
+          512) over a cache k (..., heads_kv, 64), v (..., heads_kv, 512) (--heads 16,1 or 128,1);
+          FA3 with its qv argument (an error is recorded where its build has no such kernel);
   --append N: each call also appends N new tokens (k, v of shape (batch, N, heads_kv, 128)) with
           rotary (cos, sin of the cache length x 64, not interleaved) at cache_seqlens = the cache
           length - N; both libraries write them in place (the same slots every call);
@@ -37,6 +40,7 @@ from timing import (first_line, hopper_torch, ints, log, median_or_none, rel_dif
                     sha256, spread)
 
 HDIM = 128
+MLA_ROPE, MLA_LATENT = 64, 512
 SPIN = 200_000
 
 
@@ -62,31 +66,36 @@ def time_point(torch, flash3, fa3, r, run, a, heads_q, heads_kv, seed):
     b, c, layout = r["batch"], r["cache"], r["layout"]
     g = torch.Generator(device=dev)
     g.manual_seed(seed)
-    q = torch.randn(b, 1, heads_q, HDIM, device=dev, dtype=torch.bfloat16, generator=g)
+    hd, hd_v = (MLA_ROPE, MLA_LATENT) if a.mla else (HDIM, HDIM)
+    q = torch.randn(b, 1, heads_q, hd, device=dev, dtype=torch.bfloat16, generator=g)
     paged = {}
+    if a.mla:
+        paged["qv"] = torch.randn(b, 1, heads_q, hd_v, device=dev, dtype=torch.bfloat16, generator=g)
     if layout == "contiguous":
-        shape = (b, c, heads_kv, HDIM)
+        shape = (b, c, heads_kv)
     else:
         ps = int(layout[len("paged"):])
         per_seq = -(-c // ps)
-        shape = (b * per_seq, ps, heads_kv, HDIM)
+        shape = (b * per_seq, ps, heads_kv)
         perm = torch.randperm(b * per_seq, device=dev, generator=g)
         paged["page_table"] = perm.view(b, per_seq).to(torch.int32)
-    k = torch.randn(*shape, device=dev, dtype=torch.bfloat16, generator=g)
-    v = torch.randn(*shape, device=dev, dtype=torch.bfloat16, generator=g)
+    k = torch.randn(*shape, hd, device=dev, dtype=torch.bfloat16, generator=g)
+    v = torch.randn(*shape, hd_v, device=dev, dtype=torch.bfloat16, generator=g)
     lens = torch.full((b,), c - a.append, dtype=torch.int32, device=dev)
     if a.append:
-        kn = torch.randn(b, a.append, heads_kv, HDIM, device=dev, dtype=torch.bfloat16, generator=g)
-        vn = torch.randn_like(kn)
-        ang = torch.rand(c, HDIM // 2, device=dev, generator=g) * 6.2832
+        kn = torch.randn(b, a.append, heads_kv, hd, device=dev, dtype=torch.bfloat16, generator=g)
+        vn = torch.randn(b, a.append, heads_kv, hd_v, device=dev, dtype=torch.bfloat16, generator=g)
+        ang = torch.rand(c, hd // 2, device=dev, generator=g) * 6.2832
         paged.update(k_new=kn, v_new=vn, rotary_cos=ang.cos().bfloat16(), rotary_sin=ang.sin().bfloat16(),
                      rotary_interleaved=False)
-    out = torch.empty_like(q)
+    out = torch.empty(b, 1, heads_q, hd_v, device=dev, dtype=torch.bfloat16)
     lse = torch.empty(b, heads_q, 1, device=dev, dtype=torch.float32)
-    copy_dst = torch.empty_like(k)
+    # the copy moves |k| + |v| bytes: half of them read, half written
+    copy_src = torch.cat((k.flatten(), v.flatten()))[: (k.numel() + v.numel()) // 2]
+    copy_dst = torch.empty_like(copy_src)
     calls = {
         "flash3": lambda: flash3.forward_kvcache_into(q, k, v, out, lse, lens, causal=True, **paged)[0],
-        "copy": lambda: copy_dst.copy_(k),
+        "copy": lambda: copy_dst.copy_(copy_src),
     }
     for n in a.splits:  # flash3 at fixed split counts, beside its heuristic's
         calls[f"flash3_s{n}"] = lambda n=n: flash3.forward_kvcache_into(q, k, v, out, lse, lens, causal=True,
@@ -112,6 +121,7 @@ def main(argv=None):
     p.add_argument("--caches", type=ints, default=[1024, 8192, 65536, 131072])
     p.add_argument("--layouts", default="contiguous,paged256,paged16")
     p.add_argument("--splits", type=ints, default=[], help="also time flash3 at these num_splits")
+    p.add_argument("--mla", action="store_true", help="MLA decoding (q 64 + qv 512 over k 64, v 512)")
     p.add_argument("--append", type=int, default=0, help="new tokens appended with rotary per call")
     p.add_argument("--heads", type=ints, default=[32, 4], help="query heads, kv heads")
     p.add_argument("--runs", type=int, default=3)
@@ -132,7 +142,7 @@ def main(argv=None):
     for run in range(a.runs):
         for i, r in enumerate(rows):
             b, c = r["batch"], r["cache"]
-            kv_bytes = 2 * b * c * heads_kv * HDIM * 2
+            kv_bytes = b * c * heads_kv * ((MLA_ROPE + MLA_LATENT) if a.mla else 2 * HDIM) * 2
             free, _ = torch.cuda.mem_get_info()
             if 1.5 * kv_bytes > 0.8 * free:  # k, v and the copy's buffer (half of kv)
                 r["skipped"] = f"cache of {kv_bytes / 2**30:.1f} GiB does not fit"
@@ -141,8 +151,10 @@ def main(argv=None):
             time_point(torch, flash3, fa3, r, run, a, heads_q, heads_kv, seed=1000 + i)
             torch.cuda.empty_cache()
         log(f"run {run + 1}/{a.runs} done")
-    print(f"device: {torch.cuda.get_device_name()}; q (b, 1, {heads_q}, {HDIM}), cache of {heads_kv} heads of {HDIM} "
-          f"bf16, causal; FA3 {fa3_info['path'] if fa3_info else 'none'}")
+    dims = f"{MLA_ROPE} + qv {MLA_LATENT}" if a.mla else f"{HDIM}"
+    cache = f"k {MLA_ROPE}, v {MLA_LATENT}" if a.mla else f"{HDIM}"
+    print(f"device: {torch.cuda.get_device_name()}; q (b, 1, {heads_q}, {dims}), cache of {heads_kv} heads of {cache} "
+          f"bf16, causal{f', {a.append} appended' if a.append else ''}; FA3 {fa3_info['path'] if fa3_info else 'none'}")
     print(f"{'layout':>10} {'batch':>5} {'cache':>7} | {'flash3 us':>9} {'fa3 us':>8} {'copy us':>8} | {'FA3/flash3':>22} | "
           f"{'flash3 / copy bw':>16} {'fa3 / copy bw':>14} | check")
     for r in rows:
@@ -169,7 +181,9 @@ def main(argv=None):
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "fa3": fa3_info,
-                       "options": vars(a), "shape": {"heads_q": heads_q, "heads_kv": heads_kv, "hdim": HDIM},
+                       "options": vars(a), "shape": {"heads_q": heads_q, "heads_kv": heads_kv,
+                                                     "hdim": MLA_ROPE if a.mla else HDIM,
+                                                     "hdim_v": MLA_LATENT if a.mla else HDIM},
                        "rows": rows}, f, indent=1)
     return 0
 

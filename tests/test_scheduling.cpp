@@ -401,8 +401,12 @@ flash3::KvcacheProblem decode_problem(int batch, int seqlen_q, int nheads, int n
 // group / 16).
 TEST(KvcacheSplits, FillsOneWaveWithinTheBounds) {
   using flash3::kvcache_num_splits;
-  // batch 1, 4 KV heads: 4 tiles; 264 / 4 = 66 splits, capped at 32 (8k keys) or by the keys.
+  // batch 1, 4 KV heads: 4 tiles; 264 / 4 = 66 splits, capped by the keys: up to 32 splits of
+  // 128 keys or more, beyond that of 1024 or more, at most 64.
   EXPECT_EQ(kvcache_num_splits(decode_problem(1, 1, 32, 4, 8192), 132), 32);
+  EXPECT_EQ(kvcache_num_splits(decode_problem(1, 1, 32, 4, 40960), 132), 40);
+  EXPECT_EQ(kvcache_num_splits(decode_problem(1, 1, 32, 4, 65536), 132), 64);
+  EXPECT_EQ(kvcache_num_splits(decode_problem(1, 1, 32, 4, 1 << 20), 132), 64);
   EXPECT_EQ(kvcache_num_splits(decode_problem(1, 1, 32, 4, 1024), 132), 8);   // 128 keys each
   EXPECT_EQ(kvcache_num_splits(decode_problem(1, 1, 32, 4, 100), 132), 1);    // under 128 keys
   EXPECT_EQ(kvcache_num_splits(decode_problem(8, 1, 32, 4, 65536), 132), 8);  // 32 tiles: 264 / 32
@@ -412,14 +416,19 @@ TEST(KvcacheSplits, FillsOneWaveWithinTheBounds) {
   // Head dim 256 (one block per SM) and 64 (three).
   EXPECT_EQ(kvcache_num_splits(decode_problem(8, 1, 32, 4, 65536, 256), 132), 4);
   EXPECT_EQ(kvcache_num_splits(decode_problem(8, 1, 32, 4, 65536, 64), 132), 12);
-  // Every shape: within [1, 32], and never more splits for a larger batch.
+  // MLA: one block per SM.
+  flash3::KvcacheProblem mla = decode_problem(32, 1, 16, 1, 8192, 64);
+  mla.mla = true;
+  mla.head_dim_v = 512;
+  EXPECT_EQ(kvcache_num_splits(mla, 132), 4);  // 32 tiles: 132 / 32
+  // Every shape: within [1, 64], and never more splits for a larger batch.
   for (int hd : {64, 128, 256}) {
     for (int cache : {1, 127, 128, 4096, 1 << 17}) {
       int prev = 1 << 30;
       for (int batch = 1; batch <= 256; batch *= 2) {
         const int s = kvcache_num_splits(decode_problem(batch, 1, 16, 2, cache, hd), 132);
         EXPECT_GE(s, 1);
-        EXPECT_LE(s, 32);
+        EXPECT_LE(s, 64);
         EXPECT_LE(s, prev) << "batch " << batch << " cache " << cache << " hdim " << hd;
         prev = s;
       }

@@ -16,31 +16,36 @@ namespace {
 // A split gets at least this many keys of the longest key range: fewer, and each block's fixed
 // cost (the Q load, the first stage's latency, the merge) outweighs its share of the cache.
 constexpr int kMinSplitKeys = 128;
-// The heuristic's most splits: the merging block reads every piece (at 64 pieces of a batch-1
-// step, 512 KB per tile), which measured slower than 32 (bench_decode.py --splits).
-constexpr int kMaxAutoSplits = 32;
+// Up to kManySplits splits of at least kMinSplitKeys; beyond, splits of at least kLongSplitKeys
+// (batch 1 at head dim 128, bench_decode.py --splits: 32 splits best at 8k keys, 64 at 64k and
+// 128k, 7% to 40% faster than 32 there).
+constexpr int kManySplits = 32;
+constexpr int kLongSplitKeys = 1024;
 }  // namespace
 
 int kvcache_num_splits(const KvcacheProblem& p, int sms) {
   const int rows = p.seqlen_q * (p.nheads / p.nheads_kv);
   const long long tiles = (long long)p.batch * p.nheads_kv * ((rows + 15) / 16);
-  // Blocks per SM the shared memory allows (decode_kernel.h: 4 / 3 / 3 stages of 64 keys).
-  const int per_sm = p.head_dim == 64 ? 3 : p.head_dim == 128 ? 2 : 1;
+  // Blocks per SM the shared memory allows (decode_kernel.h: 4 / 3 / 3 stages of 64 keys; MLA
+  // 2 stages of 576 dims).
+  const int per_sm = p.mla ? 1 : p.head_dim == 64 ? 3 : p.head_dim == 128 ? 2 : 1;
   const long long wave = (long long)sms * per_sm;
   if (tiles <= 0 || tiles * 2 > wave) return 1;
   const long long by_sms = wave / tiles;  // splits that still fit in one wave
-  const long long by_keys = std::max(1, p.seqlen_cache / kMinSplitKeys);
-  return int(std::clamp<long long>(std::min(by_sms, by_keys), 1, kMaxAutoSplits));
+  const long long by_keys = std::max(std::min(p.seqlen_cache / kMinSplitKeys, kManySplits),
+                                     p.seqlen_cache / kLongSplitKeys);
+  return int(std::clamp<long long>(std::min(by_sms, by_keys), 1, kMaxKvcacheSplits));
 }
 
 namespace detail {
 namespace {
 
-template <class Element, int kHeadDim>
+template <class Element, int kHeadDim, int kHeadDimV = kHeadDim>
 void launch_decode(const DecodeParams& params, unsigned tiles, unsigned splits, cudaStream_t stream) {
-  using T = DecodeTraits<Element, kHeadDim>;
-  set_max_dynamic_smem<&decode_kernel<Element, kHeadDim>>(T::kSmemBytes);
-  decode_kernel<Element, kHeadDim><<<::dim3(tiles, splits), T::kThreads, T::kSmemBytes, stream>>>(params);
+  using T = DecodeTraits<Element, kHeadDim, kHeadDimV>;
+  constexpr auto kernel = &decode_kernel<Element, kHeadDim, kHeadDimV>;
+  set_max_dynamic_smem<kernel>(T::kSmemBytes);
+  kernel<<<::dim3(tiles, splits), T::kThreads, T::kSmemBytes, stream>>>(params);
   check_cuda(cudaGetLastError(), "flash3::fwd_kvcache: kernel launch");
 }
 
@@ -61,11 +66,13 @@ void fwd_kvcache(const KvcacheArgs& args) {
 
   DecodeParams dp{};
   dp.q = args.q.data;
+  dp.qv = p.mla ? args.qv.data : nullptr;
   dp.out = args.out.data;
   dp.k = args.k_cache.data;
   dp.v = args.v_cache.data;
   dp.lse = p.write_lse ? static_cast<float*>(args.lse.data) : nullptr;
   strides3(dp.q_stride, args.q, 0, 1, 2);
+  if (p.mla) strides3(dp.qv_stride, args.qv, 0, 1, 2);
   strides3(dp.o_stride, args.out, 0, 1, 2);
   strides3(dp.k_stride, args.k_cache, 0, 1, 2);
   strides3(dp.v_stride, args.v_cache, 0, 1, 2);
@@ -128,7 +135,7 @@ void fwd_kvcache(const KvcacheArgs& args) {
     // Scratch: a counter per tile in the zeroed head, then the pieces' O and log-sum-exps. Without
     // it (a stream capture that would need it to grow), one split.
     const size_t rows = size_t(p.batch) * p.nheads * p.seqlen_q * size_t(splits);
-    const size_t o_bytes = rows * p.head_dim * sizeof(float);
+    const size_t o_bytes = rows * p.head_dim_v * sizeof(float);
     const size_t lse_bytes = (rows * sizeof(float) + 255) / 256 * 256;
     char* scratch = stream_memory(args.stream, kScratchCounterBytes + o_bytes + lse_bytes,
                                   size_t(tiles) * sizeof(int)).scratch;
@@ -142,10 +149,13 @@ void fwd_kvcache(const KvcacheArgs& args) {
   }
   dp.num_splits = splits;
 
-  // The 16-bit rows of the kernel table (those with a backward).
+  // The 16-bit rows of the kernel table (those with a backward); MLA at its one shape.
   const bool found = dispatch<true>(p.dtype, p.head_dim, [&](auto dtype, auto head_dim) {
     using Element = std::conditional_t<decltype(dtype)::value == DType::kBFloat16, __nv_bfloat16, __half>;
     constexpr int kHeadDim = decltype(head_dim)::value;
+    if constexpr (kHeadDim == kMlaRotaryDim) {
+      if (p.mla) return launch_decode<Element, kMlaRotaryDim, kMlaLatentDim>(dp, unsigned(tiles), unsigned(splits), args.stream);
+    }
     launch_decode<Element, kHeadDim>(dp, unsigned(tiles), unsigned(splits), args.stream);
   });
   if (!found) throw Error("flash3::fwd_kvcache: no kernel for head_dim " + std::to_string(p.head_dim));

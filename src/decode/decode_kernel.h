@@ -14,6 +14,12 @@
 //   split more than one split: each block writes its piece's O (FP32) and log-sum-exp to the
 //         scratch, counts itself done, and the last block of the tile merges all pieces by their
 //         log-sum-exps (no second kernel), then sets the counter back to zero.
+//   MLA   (kHeadDimV = 512 > kHeadDim = 64): a stage row holds a key's latent (v_cache, 512
+//         dims, also its value) then its rotary part (k_cache, 64), and a Q row qv then q, so
+//         S is one product over 576 dims. O (16 x 512) is too wide for one warp's registers:
+//         each warp computes S for its 16 keys as above, the block agrees on the row maxima
+//         and shares P (16 x 64) through shared memory, and each warp accumulates O for its 128
+//         of the 512 dims over all 64 keys.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -30,11 +36,12 @@ namespace flash3::detail {
 
 struct DecodeParams {
   const void* q;
+  const void* qv;  // MLA: the queries' latent part (q: their rotary part)
   void* out;
   void* k;  // the cache: written by the append
   void* v;
   float* lse;  // null: not written
-  int64_t q_stride[3], o_stride[3];   // batch, token, head (elements)
+  int64_t q_stride[3], qv_stride[3], o_stride[3];  // batch, token, head (elements)
   int64_t k_stride[3], v_stride[3];   // cache entry or page, row, KV head
   int64_t lse_stride[3];              // batch, head, token
   const int* cache_seqlens;           // each may be null
@@ -67,24 +74,34 @@ struct DecodeParams {
   int rot_half, seqlen_ro;
   bool rot_interleaved, rot_f32;
   bool q_rot_by_token;  // causal or a window: query row t at cache_seqlens + t, else all at cache_seqlens
-  float* part_o;                           // num_splits > 1: (split, batch, head, token, head_dim)
+  float* part_o;                           // num_splits > 1: (split, batch, head, token, head_dim_v)
   float* part_lse;                         //                 (split, batch, head, token)
   int* counters;                           //                 one per (batch, KV head, row tile), zero
 };
 
-template <class Element, int kHeadDim>
+// kHeadDim: q's and k_cache's head dim; kHeadDimV: v_cache's and out's (MLA when they differ).
+template <class Element, int kHeadDim, int kHeadDimV = kHeadDim>
 struct DecodeTraits {
+  static constexpr bool kMla = kHeadDimV != kHeadDim;
   static constexpr int kWarps = 4, kThreads = 32 * kWarps;
   static constexpr int kRows = 16;            // one m16 tile
   static constexpr int kBlockN = 16 * kWarps; // keys per stage: 16 per warp
-  static constexpr int kStages = kHeadDim == 64 ? 4 : 3;
-  static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
-  static constexpr int kSmemBytes = (kRows + 2 * kStages * kBlockN) * kHeadDim * int(sizeof(Element));
+  // The dims of a Q row and a stage row (MLA: latent then rotary part, V the first kHeadDimV).
+  static constexpr int kDimQK = kMla ? kHeadDimV + kHeadDim : kHeadDim;
+  static constexpr int kStages = kMla ? 2 : kHeadDim == 64 ? 4 : 3;
+  static constexpr int kChunks = kDimQK / 8;  // 16-byte chunks per row
+  static constexpr int kStageBytes = (kMla ? 1 : 2) * kBlockN * kDimQK * int(sizeof(Element));  // K (and V)
+  // MLA: the warps' row maxima and P, shared every stage.
+  static constexpr int kShareBytes = kMla ? kWarps * kRows * 4 + kRows * kBlockN * int(sizeof(Element)) : 0;
+  static constexpr int kSmemBytes = kRows * kDimQK * int(sizeof(Element)) + kStages * kStageBytes + kShareBytes;
+  // O's warp slots: MLA's warps hold disjoint dims of one O, the others whole O's to merge.
+  static constexpr int kOSlots = kMla ? 1 : kWarps;
   // The warps' partial results (O, max, sum) reuse the stages once the loop is done.
-  static_assert(kWarps * kRows * (kHeadDim + 2) * 4 <= 2 * kStages * kBlockN * kHeadDim * int(sizeof(Element)));
+  static_assert((kOSlots * kRows * kHeadDimV + 2 * kWarps * kRows) * 4 <= kStages * kStageBytes);
   // So do the split merge's weights (decode_kernel's end).
-  static_assert((kMaxKvcacheSplits + 1) * kRows * 4 <= 2 * kStages * kBlockN * kHeadDim * int(sizeof(Element)));
-  static_assert(kHeadDim % 64 == 0 && kThreads % kChunks == 0);
+  static_assert((kMaxKvcacheSplits + 1) * kRows * 4 <= kStages * kStageBytes);
+  static_assert(kHeadDim % 64 == 0 && kHeadDimV % 64 == 0 && (kMla || kThreads % kChunks == 0));
+  static_assert(!kMla || kHeadDimV == 4 * 128, "MLA: each of the 4 warps owns 128 dims of O");
 };
 
 namespace decode {
@@ -219,17 +236,25 @@ __device__ __forceinline__ uint4 rotated_chunk(const Element* row, int c, int po
 
 }  // namespace decode
 
-template <class Element, int kHeadDim>
-__global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim>::kThreads)
+template <class Element, int kHeadDim, int kHeadDimV = kHeadDim>
+__global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kThreads)
     decode_kernel(const __grid_constant__ DecodeParams p) {
-  using T = DecodeTraits<Element, kHeadDim>;
+  using T = DecodeTraits<Element, kHeadDim, kHeadDimV>;
   using namespace decode;
+  constexpr bool kMla = T::kMla;
   constexpr int kChunks = T::kChunks, kBlockN = T::kBlockN, kStages = T::kStages, kRows = T::kRows;
-  constexpr int kStageElems = kBlockN * kHeadDim;
+  constexpr int kStageElems = kBlockN * T::kDimQK;
+  // MLA: the chunks of a row that hold the latent (qv, v_cache); the rest hold the rotary part.
+  constexpr int kLatentChunks = kMla ? kHeadDimV / 8 : 0;
+  // O's n8 tiles per warp: MLA's warps own kHeadDimV / kWarps dims each, the others all of them.
+  constexpr int kOTiles = kMla ? kHeadDimV / (8 * T::kWarps) : kHeadDim / 8;
   extern __shared__ __align__(128) char smem_raw[];
   Element* sQ = reinterpret_cast<Element*>(smem_raw);
-  Element* sK = sQ + kRows * kHeadDim;
-  Element* sV = sK + kStages * kStageElems;
+  Element* sK = sQ + kRows * T::kDimQK;
+  Element* sV = kMla ? sK : sK + kStages * kStageElems;  // MLA: V is the latent part of the K rows
+  // MLA: the warps' row maxima (warp, row) and P (row, key), past the stages.
+  float* sMax = reinterpret_cast<float*>(smem_raw + kRows * T::kDimQK * int(sizeof(Element)) + kStages * T::kStageBytes);
+  Element* sP = reinterpret_cast<Element*>(sMax + T::kWarps * kRows);
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int tile = blockIdx.x % p.row_tiles;
@@ -259,17 +284,21 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim>::kThreads)
   const int blk_begin = min(n_blocks, split * per_split), blk_end = min(n_blocks, blk_begin + per_split);
 
   // ---- Q: the tile's 16 rows, zero past the last --------------------------------------------
+  // MLA: the latent chunks from qv (never rotated), then q's.
   const Element* q = static_cast<const Element*>(p.q);
+  const Element* qv = static_cast<const Element*>(p.qv);
   for (int i = tid; i < kRows * kChunks; i += T::kThreads) {
     const int r = i / kChunks, c = i % kChunks, row = row0 + r;
-    const bool ok = row < p.rows;
+    const bool ok = row < p.rows, latent = c < kLatentChunks;
     const int t = ok ? row / p.group : 0, h = head_kv * p.group + (ok ? row % p.group : 0);
-    const Element* src = q + b * p.q_stride[0] + t * p.q_stride[1] + h * p.q_stride[2];
-    if (p.rot_half > 0) {  // rotated in registers, stored before the loop's first barrier
-      const uint4 v = ok ? rotated_chunk<Element>(src, c, end_old + (p.q_rot_by_token ? t : 0), p) : make_uint4(0, 0, 0, 0);
+    const Element* src = latent ? qv + b * p.qv_stride[0] + t * p.qv_stride[1] + h * p.qv_stride[2]
+                                : q + b * p.q_stride[0] + t * p.q_stride[1] + h * p.q_stride[2];
+    const int cs = c - (latent ? 0 : kLatentChunks);  // the chunk of src
+    if (p.rot_half > 0 && !latent) {  // rotated in registers, stored before the loop's first barrier
+      const uint4 v = ok ? rotated_chunk<Element>(src, cs, end_old + (p.q_rot_by_token ? t : 0), p) : make_uint4(0, 0, 0, 0);
       *reinterpret_cast<uint4*>(sQ + swizzled<kChunks>(r, c)) = v;
     } else {
-      cp_async16(smem_addr(sQ + swizzled<kChunks>(r, c)), src + c * 8, ok ? 16 : 0);
+      cp_async16(smem_addr(sQ + swizzled<kChunks>(r, c)), src + cs * 8, ok ? 16 : 0);
     }
   }
 
@@ -291,40 +320,64 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim>::kThreads)
     const int s0 = page_of(leftpad + key0), s1 = page_of(leftpad + min(key0 + kBlockN, k_hi) - 1);
     if (tid <= s1 - s0) cp_async4(smem_addr(&s_slots[blk % kSlotRing][tid]), pages + s0 + tid);
   };
+  // The offsets of cache position pos's K and V rows (this KV head), through the page table.
+  auto cache_rows = [&](int pos, int page_entry, int64_t& ko, int64_t& vo) {
+    if (pages != nullptr) {
+      const int page = clampi(page_entry, 0, p.entries - 1), row = pos - page_of(pos) * p.page_size;
+      ko = page * p.k_stride[0] + row * p.k_stride[1];
+      vo = page * p.v_stride[0] + row * p.v_stride[1];
+    } else {
+      ko = entry * p.k_stride[0] + pos * p.k_stride[1];
+      vo = entry * p.v_stride[0] + pos * p.v_stride[1];
+    }
+    ko += head_kv * p.k_stride[2];
+    vo += head_kv * p.v_stride[2];
+  };
+  auto new_row = [&](const void* base, const int64_t (&stride)[3], int i) {  // row i of k_new or v_new
+    return static_cast<const Element*>(base) + b * stride[0] + i * stride[1] + head_kv * stride[2];
+  };
   auto load_block = [&](int blk, int stage, const int* slots) {
     const int key0 = k_lo + blk * kBlockN;
-    const int c = tid % kChunks;
     const int s0 = pages != nullptr ? page_of(leftpad + key0) : 0;
-    for (int r = tid / kChunks; r < kBlockN; r += T::kThreads / kChunks) {
+    // Each thread: chunk c0 (+ 8 j for MLA's kChunks / 8 chunks) of every kRowStep-th row.
+    constexpr int kPerRow = kMla ? 8 : kChunks, kRowStep = T::kThreads / kPerRow;
+    const int c0 = tid % kPerRow;
+    for (int r = tid / kPerRow; r < kBlockN; r += kRowStep) {
       const int key = key0 + r;
       const bool ok = key < k_hi;
-      const int dst = stage * kStageElems + swizzled<kChunks>(r, c);
+      Element* dst_row = sK + stage * kStageElems;
       if (ok && key >= new_begin) {  // an appended key: from k_new (rotated), v_new
         const int i = key - new_begin;
-        const Element* kr = static_cast<const Element*>(p.k_new) + b * p.k_new_stride[0] + i * p.k_new_stride[1] +
-                            head_kv * p.k_new_stride[2];
-        const Element* vr = static_cast<const Element*>(p.v_new) + b * p.v_new_stride[0] + i * p.v_new_stride[1] +
-                            head_kv * p.v_new_stride[2];
-        *reinterpret_cast<uint4*>(sK + dst) = rotated_chunk<Element>(kr, c, end_old + i, p);
-        *reinterpret_cast<uint4*>(sV + dst) = *reinterpret_cast<const uint4*>(vr + 8 * c);
+        const Element* kr = new_row(p.k_new, p.k_new_stride, i);
+        const Element* vr = new_row(p.v_new, p.v_new_stride, i);
+        if constexpr (kMla) {
+#pragma unroll
+          for (int c = c0; c < kChunks; c += 8) {
+            *reinterpret_cast<uint4*>(dst_row + swizzled<kChunks>(r, c)) =
+                c < kLatentChunks ? *reinterpret_cast<const uint4*>(vr + 8 * c)
+                                  : rotated_chunk<Element>(kr, c - kLatentChunks, end_old + i, p);
+          }
+        } else {
+          const int dst = stage * kStageElems + swizzled<kChunks>(r, c0);
+          *reinterpret_cast<uint4*>(sK + dst) = rotated_chunk<Element>(kr, c0, end_old + i, p);
+          *reinterpret_cast<uint4*>(sV + dst) = *reinterpret_cast<const uint4*>(vr + 8 * c0);
+        }
         continue;
       }
       const int pos = leftpad + (ok ? key : key0);
       int64_t ko, vo;
-      if (pages != nullptr) {
-        const int slot = page_of(pos);
-        const int page = clampi(slots != nullptr ? slots[slot - s0] : pages[slot], 0, p.entries - 1);
-        const int row = pos - slot * p.page_size;
-        ko = page * p.k_stride[0] + row * p.k_stride[1];
-        vo = page * p.v_stride[0] + row * p.v_stride[1];
+      cache_rows(pos, pages == nullptr ? 0 : slots != nullptr ? slots[page_of(pos) - s0] : pages[page_of(pos)], ko, vo);
+      if constexpr (kMla) {
+#pragma unroll
+        for (int c = c0; c < kChunks; c += 8) {
+          const Element* src = c < kLatentChunks ? vbase + vo + 8 * c : kbase + ko + 8 * (c - kLatentChunks);
+          cp_async16(smem_addr(dst_row + swizzled<kChunks>(r, c)), src, ok ? 16 : 0);
+        }
       } else {
-        ko = entry * p.k_stride[0] + pos * p.k_stride[1];
-        vo = entry * p.v_stride[0] + pos * p.v_stride[1];
+        const int dst = stage * kStageElems + swizzled<kChunks>(r, c0);
+        cp_async16(smem_addr(sK + dst), kbase + ko + 8 * c0, ok ? 16 : 0);
+        cp_async16(smem_addr(sV + dst), vbase + vo + 8 * c0, ok ? 16 : 0);
       }
-      ko += head_kv * p.k_stride[2] + c * 8;
-      vo += head_kv * p.v_stride[2] + c * 8;
-      cp_async16(smem_addr(sK + dst), kbase + ko, ok ? 16 : 0);
-      cp_async16(smem_addr(sV + dst), vbase + vo, ok ? 16 : 0);
     }
   };
 
@@ -333,31 +386,26 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim>::kThreads)
     for (int i = tid; i < p.seqlen_new * kChunks; i += T::kThreads) {
       const int n = i / kChunks, c = i % kChunks, pos = end_old + n;
       if (pos >= p.capacity) break;  // rows past the cache: neither written nor seen
-      const Element* kr = static_cast<const Element*>(p.k_new) + b * p.k_new_stride[0] + n * p.k_new_stride[1] +
-                          head_kv * p.k_new_stride[2];
-      const Element* vr = static_cast<const Element*>(p.v_new) + b * p.v_new_stride[0] + n * p.v_new_stride[1] +
-                          head_kv * p.v_new_stride[2];
+      const Element* kr = new_row(p.k_new, p.k_new_stride, n);
+      const Element* vr = new_row(p.v_new, p.v_new_stride, n);
       int64_t ko, vo;
-      if (pages != nullptr) {
-        const int slot = page_of(pos);
-        const int page = clampi(pages[slot], 0, p.entries - 1), row = pos - slot * p.page_size;
-        ko = page * p.k_stride[0] + row * p.k_stride[1];
-        vo = page * p.v_stride[0] + row * p.v_stride[1];
+      cache_rows(pos, pages != nullptr ? pages[page_of(pos)] : 0, ko, vo);
+      if (kMla && c < kLatentChunks) {
+        *reinterpret_cast<uint4*>(vbase + vo + 8 * c) = *reinterpret_cast<const uint4*>(vr + 8 * c);
+      } else if (kMla) {
+        *reinterpret_cast<uint4*>(kbase + ko + 8 * (c - kLatentChunks)) =
+            rotated_chunk<Element>(kr, c - kLatentChunks, pos, p);
       } else {
-        ko = entry * p.k_stride[0] + pos * p.k_stride[1];
-        vo = entry * p.v_stride[0] + pos * p.v_stride[1];
+        *reinterpret_cast<uint4*>(kbase + ko + 8 * c) = rotated_chunk<Element>(kr, c, pos, p);
+        *reinterpret_cast<uint4*>(vbase + vo + 8 * c) = *reinterpret_cast<const uint4*>(vr + 8 * c);
       }
-      ko += head_kv * p.k_stride[2] + c * 8;
-      vo += head_kv * p.v_stride[2] + c * 8;
-      *reinterpret_cast<uint4*>(kbase + ko) = rotated_chunk<Element>(kr, c, pos, p);
-      *reinterpret_cast<uint4*>(vbase + vo) = *reinterpret_cast<const uint4*>(vr + 8 * c);
     }
   }
 
   // ---- the per-row state of this thread's two rows (lane / 4 and lane / 4 + 8) ---------------
-  float o[kHeadDim / 8][4];
+  float o[kOTiles][4];
 #pragma unroll
-  for (int i = 0; i < kHeadDim / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+  for (int i = 0; i < kOTiles; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   int lo[2], hi[2];
 #pragma unroll
@@ -387,7 +435,7 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim>::kThreads)
     float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
     const int key_row = warp * 16 + (lane % 8) + 8 * (lane / 16);
 #pragma unroll
-    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+    for (int kk = 0; kk < T::kDimQK / 16; ++kk) {
       uint32_t a[4], bk[4];
       ldmatrix_x4(a, q_base + 2 * swizzled<kChunks>((lane % 8) + 8 * ((lane / 8) % 2), 2 * kk + lane / 16));
       ldmatrix_x4(bk, k_base + 2 * (stage * kStageElems + swizzled<kChunks>(key_row, 2 * kk + (lane / 8) % 2)));
@@ -408,18 +456,33 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim>::kThreads)
         mx[i] = fmaxf(mx[i], x);
       }
     }
-    float base[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
       mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+    }
+    if constexpr (kMla) {  // the block's row maxima, so that every warp scales by the same m
+      if (lane % 4 == 0) {
+        sMax[warp * kRows + lane / 4] = mx[0];
+        sMax[warp * kRows + lane / 4 + 8] = mx[1];
+      }
+      __syncthreads();
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+#pragma unroll
+        for (int w = 0; w < T::kWarps; ++w) mx[i] = fmaxf(mx[i], sMax[w * kRows + lane / 4 + 8 * i]);
+      }
+    }
+    float base[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
       const float m_new = fmaxf(m[i], mx[i]);
       base[i] = m_new == -INFINITY ? 0.0f : m_new;
       const float corr = exp2f(m[i] - base[i]);
       m[i] = m_new;
       l[i] *= corr;
 #pragma unroll
-      for (int d = 0; d < kHeadDim / 8; ++d) {
+      for (int d = 0; d < kOTiles; ++d) {
         o[d][2 * i] *= corr;
         o[d][2 * i + 1] *= corr;
       }
@@ -436,21 +499,51 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim>::kThreads)
     // layout), V^T by transposing loads.
     const uint32_t pa[4] = {pack2<Element>(s[0][0], s[0][1]), pack2<Element>(s[0][2], s[0][3]),
                             pack2<Element>(s[1][0], s[1][1]), pack2<Element>(s[1][2], s[1][3])};
-    const int v_row = warp * 16 + (lane % 8) + 8 * ((lane / 8) % 2);
+    if constexpr (kMla) {
+      // P (16 x 64) through shared memory; this warp's dims of O over all 64 keys.
+      constexpr int kPChunks = kBlockN / 8, kWarpChunks = kHeadDimV / (8 * T::kWarps);
 #pragma unroll
-    for (int nn = 0; nn < kHeadDim / 16; ++nn) {
-      uint32_t bv[4];
-      ldmatrix_x4_trans(bv, v_base + 2 * (stage * kStageElems + swizzled<kChunks>(v_row, 2 * nn + lane / 16)));
-      mma16816<Element>(o[2 * nn], pa, bv[0], bv[1]);
-      mma16816<Element>(o[2 * nn + 1], pa, bv[2], bv[3]);
+      for (int n = 0; n < 2; ++n) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          *reinterpret_cast<uint32_t*>(sP + swizzled<kPChunks>(lane / 4 + 8 * i, 2 * warp + n) + 2 * (lane % 4)) =
+              pa[2 * n + i];
+        }
+      }
+      __syncthreads();
+      const uint32_t p_base = smem_addr(sP);
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        uint32_t a[4];
+        ldmatrix_x4(a, p_base + 2 * swizzled<kPChunks>((lane % 8) + 8 * ((lane / 8) % 2), 2 * kk + lane / 16));
+        const int v_row = kk * 16 + (lane % 8) + 8 * ((lane / 8) % 2);
+#pragma unroll
+        for (int nn = 0; nn < kOTiles / 2; ++nn) {
+          uint32_t bv[4];
+          ldmatrix_x4_trans(bv, v_base + 2 * (stage * kStageElems +
+                                              swizzled<kChunks>(v_row, warp * kWarpChunks + 2 * nn + lane / 16)));
+          mma16816<Element>(o[2 * nn], a, bv[0], bv[1]);
+          mma16816<Element>(o[2 * nn + 1], a, bv[2], bv[3]);
+        }
+      }
+    } else {
+      const int v_row = warp * 16 + (lane % 8) + 8 * ((lane / 8) % 2);
+#pragma unroll
+      for (int nn = 0; nn < kHeadDim / 16; ++nn) {
+        uint32_t bv[4];
+        ldmatrix_x4_trans(bv, v_base + 2 * (stage * kStageElems + swizzled<kChunks>(v_row, 2 * nn + lane / 16)));
+        mma16816<Element>(o[2 * nn], pa, bv[0], bv[1]);
+        mma16816<Element>(o[2 * nn + 1], pa, bv[2], bv[3]);
+      }
     }
   }
   cp_async_wait<0>();
   __syncthreads();  // the stages are free: the warps' partial results go there
 
   // ---- merge the 4 warps: O (16 x head_dim FP32), max and sum per row, per warp --------------
-  float* sO = reinterpret_cast<float*>(smem_raw);      // (warp, row, head_dim)
-  float* sM = sO + T::kWarps * kRows * kHeadDim;       // (warp, row)
+  // (MLA: one O whose dims the warps share out, one max, a partial sum per warp.)
+  float* sO = reinterpret_cast<float*>(smem_raw);      // (slot, row, head_dim_v)
+  float* sM = sO + T::kOSlots * kRows * kHeadDimV;     // (warp, row)
   float* sL = sM + T::kWarps * kRows;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -461,15 +554,16 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim>::kThreads)
       sM[warp * kRows + r] = m[i];
       sL[warp * kRows + r] = l[i];
     }
+    const int slot = kMla ? 0 : warp, col0 = kMla ? warp * kOTiles * 8 : 0;
 #pragma unroll
-    for (int d = 0; d < kHeadDim / 8; ++d) {
-      *reinterpret_cast<float2*>(sO + (warp * kRows + r) * kHeadDim + 8 * d + 2 * (lane % 4)) =
+    for (int d = 0; d < kOTiles; ++d) {
+      *reinterpret_cast<float2*>(sO + (slot * kRows + r) * kHeadDimV + col0 + 8 * d + 2 * (lane % 4)) =
           make_float2(o[d][2 * i], o[d][2 * i + 1]);
     }
   }
   __syncthreads();
 
-  constexpr int kGroups = kRows * kHeadDim / 4;  // float4 groups of the tile's O
+  constexpr int kGroups = kRows * kHeadDimV / 4;  // float4 groups of the tile's O
   const bool single = p.num_splits == 1;
   Element* out = static_cast<Element*>(p.out);
   auto store_out = [&](int row, int d4, float4 v, float lse_row) {
@@ -482,7 +576,7 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim>::kThreads)
   };
   const int nheads = p.nheads_kv * p.group;
   for (int g = tid; g < kGroups; g += T::kThreads) {
-    const int r = g / (kHeadDim / 4), d4 = g % (kHeadDim / 4), row = row0 + r;
+    const int r = g / (kHeadDimV / 4), d4 = g % (kHeadDimV / 4), row = row0 + r;
     if (row >= p.rows) continue;
     float mw = -INFINITY;
 #pragma unroll
@@ -494,7 +588,8 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim>::kThreads)
     for (int w = 0; w < T::kWarps; ++w) {
       const float f = exp2f(sM[w * kRows + r] - bw);
       sum += f * sL[w * kRows + r];
-      const float4 x = *reinterpret_cast<const float4*>(sO + (w * kRows + r) * kHeadDim + 4 * d4);
+      if (w >= T::kOSlots) continue;
+      const float4 x = *reinterpret_cast<const float4*>(sO + (w * kRows + r) * kHeadDimV + 4 * d4);
       acc.x += f * x.x;
       acc.y += f * x.y;
       acc.z += f * x.z;
@@ -512,7 +607,7 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim>::kThreads)
     } else {
       const int t = row / p.group, h = head_kv * p.group + row % p.group;
       const int64_t at = ((int64_t(split) * p.batch + b) * nheads + h) * p.seqlen_q + t;
-      *reinterpret_cast<float4*>(p.part_o + at * kHeadDim + 4 * d4) = acc;
+      *reinterpret_cast<float4*>(p.part_o + at * kHeadDimV + 4 * d4) = acc;
       if (d4 == 0) p.part_lse[at] = lse2;
     }
   }
@@ -560,33 +655,50 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim>::kThreads)
     if (lane == 0) sLse[r] = sum > 0.0f ? (bw + log2f(sum)) * kLn2 : INFINITY;
   }
   __syncthreads();
-  constexpr int kMine = kGroups / T::kThreads;  // groups per thread
+  // Only the tile's rows (a group of 8 heads fills half of it); the loads of kBatch pieces are
+  // issued before any is summed, so that about 16 float4 per thread are in flight (a latency-bound
+  // read of the pieces, which are in L2).
+  constexpr int kMine = kGroups / T::kThreads;  // groups per thread, at most
+  constexpr int kBatch = kMine >= 16 ? 1 : 16 / kMine;
   static_assert(kGroups % T::kThreads == 0);
+  const int groups = min(kRows, p.rows - row0) * (kHeadDimV / 4);
   float4 acc[kMine];
   int64_t base_at[kMine];
 #pragma unroll
   for (int i = 0; i < kMine; ++i) {
     const int g = tid + i * T::kThreads;
     acc[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    base_at[i] = piece_row(g / (kHeadDim / 4)) * kHeadDim + 4 * (g % (kHeadDim / 4));
+    base_at[i] = piece_row(g / (kHeadDimV / 4)) * kHeadDimV + 4 * (g % (kHeadDimV / 4));
   }
-#pragma unroll 2
-  for (int sp = 0; sp < p.num_splits; ++sp) {
+  for (int sp0 = 0; sp0 < p.num_splits; sp0 += kBatch) {
+    float4 x[kBatch][kMine];
 #pragma unroll
-    for (int i = 0; i < kMine; ++i) {
-      const int r = (tid + i * T::kThreads) / (kHeadDim / 4);
-      const float w = sW[sp * kRows + r];
-      const float4 x = __ldcg(reinterpret_cast<const float4*>(p.part_o + sp * split_stride * kHeadDim + base_at[i]));
-      acc[i].x += w * x.x;
-      acc[i].y += w * x.y;
-      acc[i].z += w * x.z;
-      acc[i].w += w * x.w;
+    for (int j = 0; j < kBatch; ++j) {
+#pragma unroll
+      for (int i = 0; i < kMine; ++i) {
+        const bool ok = sp0 + j < p.num_splits && tid + i * T::kThreads < groups;
+        x[j][i] = ok ? __ldcg(reinterpret_cast<const float4*>(p.part_o + (sp0 + j) * split_stride * kHeadDimV +
+                                                             base_at[i]))
+                     : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+#pragma unroll
+      for (int i = 0; i < kMine; ++i) {
+        const int r = (tid + i * T::kThreads) / (kHeadDimV / 4);
+        const float w = sp0 + j < p.num_splits ? sW[(sp0 + j) * kRows + r] : 0.0f;
+        acc[i].x += w * x[j][i].x;
+        acc[i].y += w * x[j][i].y;
+        acc[i].z += w * x[j][i].z;
+        acc[i].w += w * x[j][i].w;
+      }
     }
   }
 #pragma unroll
   for (int i = 0; i < kMine; ++i) {
-    const int g = tid + i * T::kThreads, r = g / (kHeadDim / 4);
-    if (row0 + r < p.rows) store_out(row0 + r, g % (kHeadDim / 4), acc[i], sLse[r]);
+    const int g = tid + i * T::kThreads, r = g / (kHeadDimV / 4);
+    if (g < groups) store_out(row0 + r, g % (kHeadDimV / 4), acc[i], sLse[r]);
   }
 }
 
