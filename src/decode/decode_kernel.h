@@ -17,9 +17,9 @@
 //   MLA   (kHeadDimV = 512 > kHeadDim = 64): a stage row holds a key's latent (v_cache, 512
 //         dims, also its value) then its rotary part (k_cache, 64), and a Q row qv then q, so
 //         S is one product over 576 dims. O (16 x 512) is too wide for one warp's registers:
-//         stages of 32 keys (5 of them), each warp computes S for 8 keys, the block agrees on
-//         the row maxima and shares P (16 x 32) through shared memory, and each warp
-//         accumulates O for its 128 of the 512 dims over all 32 keys.
+//         each warp computes S for its 16 keys as above, the block agrees on the row maxima
+//         and shares P (16 x 64) through shared memory, and each warp accumulates O for its 128
+//         of the 512 dims over all 64 keys.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -85,18 +85,14 @@ struct DecodeTraits {
   static constexpr bool kMla = kHeadDimV != kHeadDim;
   static constexpr int kWarps = 4, kThreads = 32 * kWarps;
   static constexpr int kRows = 16;            // one m16 tile
-  // Keys per stage: 16 per warp; MLA 8 per warp (a stage row is 576 dims: smaller stages, more
-  // of them in flight).
-  static constexpr int kWarpKeys = kMla ? 8 : 16, kBlockN = kWarpKeys * kWarps;
+  static constexpr int kBlockN = 16 * kWarps; // keys per stage: 16 per warp
   // The dims of a Q row and a stage row (MLA: latent then rotary part, V the first kHeadDimV).
   static constexpr int kDimQK = kMla ? kHeadDimV + kHeadDim : kHeadDim;
-  static constexpr int kStages = kMla ? 5 : kHeadDim == 64 ? 4 : 3;
+  static constexpr int kStages = kMla ? 2 : kHeadDim == 64 ? 4 : 3;
   static constexpr int kChunks = kDimQK / 8;  // 16-byte chunks per row
   static constexpr int kStageBytes = (kMla ? 1 : 2) * kBlockN * kDimQK * int(sizeof(Element));  // K (and V)
-  // MLA: the warps' row maxima and P (rows padded by 16 bytes: conflict-free ldmatrix), shared
-  // every stage.
-  static constexpr int kPStride = kBlockN + 8;
-  static constexpr int kShareBytes = kMla ? kWarps * kRows * 4 + kRows * kPStride * int(sizeof(Element)) : 0;
+  // MLA: the warps' row maxima and P, shared every stage.
+  static constexpr int kShareBytes = kMla ? kWarps * kRows * 4 + kRows * kBlockN * int(sizeof(Element)) : 0;
   static constexpr int kSmemBytes = kRows * kDimQK * int(sizeof(Element)) + kStages * kStageBytes + kShareBytes;
   // O's warp slots: MLA's warps hold disjoint dims of one O, the others whole O's to merge.
   static constexpr int kOSlots = kMla ? 1 : kWarps;
@@ -131,9 +127,6 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
-}
-__device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
 }
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
@@ -438,33 +431,22 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
     fetch_slots(next + kStages - 1);
     cp_async_commit();
 
-    // S = Q K^T over this warp's keys: kSTiles n8 tiles.
-    constexpr int kSTiles = T::kWarpKeys / 8;
-    float s[kSTiles][4];
-#pragma unroll
-    for (int n = 0; n < kSTiles; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-    const int key_row = warp * T::kWarpKeys + (lane % 8) + 8 * (kSTiles == 2 ? lane / 16 : 0);
+    // S = Q K^T over this warp's 16 keys: two n8 tiles.
+    float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+    const int key_row = warp * 16 + (lane % 8) + 8 * (lane / 16);
 #pragma unroll
     for (int kk = 0; kk < T::kDimQK / 16; ++kk) {
-      uint32_t a[4];
+      uint32_t a[4], bk[4];
       ldmatrix_x4(a, q_base + 2 * swizzled<kChunks>((lane % 8) + 8 * ((lane / 8) % 2), 2 * kk + lane / 16));
-      const uint32_t k_at = k_base + 2 * (stage * kStageElems + swizzled<kChunks>(key_row, 2 * kk + (lane / 8) % 2));
-      if constexpr (kSTiles == 2) {
-        uint32_t bk[4];
-        ldmatrix_x4(bk, k_at);
-        mma16816<Element>(s[0], a, bk[0], bk[1]);
-        mma16816<Element>(s[1], a, bk[2], bk[3]);
-      } else {
-        uint32_t bk[2];
-        ldmatrix_x2(bk, k_at);
-        mma16816<Element>(s[0], a, bk[0], bk[1]);
-      }
+      ldmatrix_x4(bk, k_base + 2 * (stage * kStageElems + swizzled<kChunks>(key_row, 2 * kk + (lane / 8) % 2)));
+      mma16816<Element>(s[0], a, bk[0], bk[1]);
+      mma16816<Element>(s[1], a, bk[2], bk[3]);
     }
     // Scale (softcap), mask, online softmax in the log2 domain.
-    const int key_base = k_lo + blk * kBlockN + warp * T::kWarpKeys + 2 * (lane % 4);
+    const int key_base = k_lo + blk * kBlockN + warp * 16 + 2 * (lane % 4);
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int n = 0; n < kSTiles; ++n) {
+    for (int n = 0; n < 2; ++n) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = e / 2, key = key_base + 8 * n + e % 2;
@@ -506,23 +488,26 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
       }
     }
 #pragma unroll
-    for (int n = 0; n < kSTiles; ++n) {
+    for (int n = 0; n < 2; ++n) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         s[n][e] = exp2f(s[n][e] - base[e / 2]);
         l[e / 2] += s[n][e];
       }
     }
+    // O += P V: P from the S accumulators (the m16n8 C layout of two n-tiles is the m16k16 A
+    // layout), V^T by transposing loads.
+    const uint32_t pa[4] = {pack2<Element>(s[0][0], s[0][1]), pack2<Element>(s[0][2], s[0][3]),
+                            pack2<Element>(s[1][0], s[1][1]), pack2<Element>(s[1][2], s[1][3])};
     if constexpr (kMla) {
-      // P (16 x kBlockN) through shared memory; this warp's dims of O over all the stage's keys.
-      constexpr int kWarpChunks = kHeadDimV / (8 * T::kWarps);
+      // P (16 x 64) through shared memory; this warp's dims of O over all 64 keys.
+      constexpr int kPChunks = kBlockN / 8, kWarpChunks = kHeadDimV / (8 * T::kWarps);
 #pragma unroll
-      for (int n = 0; n < kSTiles; ++n) {
+      for (int n = 0; n < 2; ++n) {
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-          const int col = warp * T::kWarpKeys + 8 * n + 2 * (lane % 4);
-          *reinterpret_cast<uint32_t*>(sP + (lane / 4 + 8 * i) * T::kPStride + col) =
-              pack2<Element>(s[n][2 * i], s[n][2 * i + 1]);
+          *reinterpret_cast<uint32_t*>(sP + swizzled<kPChunks>(lane / 4 + 8 * i, 2 * warp + n) + 2 * (lane % 4)) =
+              pa[2 * n + i];
         }
       }
       __syncthreads();
@@ -530,7 +515,7 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk) {
         uint32_t a[4];
-        ldmatrix_x4(a, p_base + 2 * (((lane % 8) + 8 * ((lane / 8) % 2)) * T::kPStride + 16 * kk + 8 * (lane / 16)));
+        ldmatrix_x4(a, p_base + 2 * swizzled<kPChunks>((lane % 8) + 8 * ((lane / 8) % 2), 2 * kk + lane / 16));
         const int v_row = kk * 16 + (lane % 8) + 8 * ((lane / 8) % 2);
 #pragma unroll
         for (int nn = 0; nn < kOTiles / 2; ++nn) {
@@ -542,10 +527,6 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
         }
       }
     } else {
-      // P from the S accumulators (the m16n8 C layout of two n-tiles is the m16k16 A layout), V^T
-      // by transposing loads.
-      const uint32_t pa[4] = {pack2<Element>(s[0][0], s[0][1]), pack2<Element>(s[0][2], s[0][3]),
-                              pack2<Element>(s[1][0], s[1][1]), pack2<Element>(s[1][2], s[1][3])};
       const int v_row = warp * 16 + (lane % 8) + 8 * ((lane / 8) % 2);
 #pragma unroll
       for (int nn = 0; nn < kHeadDim / 16; ++nn) {
