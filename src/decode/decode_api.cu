@@ -130,9 +130,7 @@ void fwd_kvcache(const KvcacheArgs& args) {
   }
   int splits = p.num_splits > 0 ? p.num_splits : kvcache_num_splits(p, current_device_info().sms);
   splits = std::min(splits, std::max(1, (p.seqlen_cache + 63) / 64));  // no split without a key block
-  // Counters: one per tile, then kMaxFanGroups per tile for the merge's first level.
-  const int64_t counter_bytes = tiles * (1 + kMaxFanGroups) * int64_t(sizeof(int));
-  if (counter_bytes > int64_t(kScratchCounterBytes)) splits = 1;  // grid fills the GPU anyway
+  if (tiles * int64_t(sizeof(int)) > int64_t(kScratchCounterBytes)) splits = 1;  // grid fills the GPU anyway
   if (splits > 1) {
     // Scratch: a counter per tile in the zeroed head, then the pieces' O and log-sum-exps. Without
     // it (a stream capture that would need it to grow), one split.
@@ -140,10 +138,9 @@ void fwd_kvcache(const KvcacheArgs& args) {
     const size_t o_bytes = rows * p.head_dim_v * sizeof(float);
     const size_t lse_bytes = (rows * sizeof(float) + 255) / 256 * 256;
     char* scratch = stream_memory(args.stream, kScratchCounterBytes + o_bytes + lse_bytes,
-                                  size_t(counter_bytes)).scratch;
+                                  size_t(tiles) * sizeof(int)).scratch;
     if (scratch != nullptr) {
       dp.counters = reinterpret_cast<int*>(scratch);
-      dp.group_counters = int(tiles);
       dp.part_o = reinterpret_cast<float*>(scratch + kScratchCounterBytes);
       dp.part_lse = reinterpret_cast<float*>(scratch + kScratchCounterBytes + o_bytes);
     } else {

@@ -76,12 +76,8 @@ struct DecodeParams {
   bool q_rot_by_token;  // causal or a window: query row t at cache_seqlens + t, else all at cache_seqlens
   float* part_o;                           // num_splits > 1: (split, batch, head, token, head_dim_v)
   float* part_lse;                         //                 (split, batch, head, token)
-  int* counters;                           //                 one per (batch, KV head, row tile), zero,
-  int group_counters;                      //   then from counters + group_counters, kMaxFanGroups per tile
+  int* counters;                           //                 one per (batch, KV head, row tile), zero
 };
-
-// The split's two-level merge (decode_kernel's end): pieces in groups of kFanIn.
-constexpr int kFanIn = 8, kMaxFanGroups = kMaxKvcacheSplits / kFanIn;
 
 // kHeadDim: q's and k_cache's head dim; kHeadDimV: v_cache's and out's (MLA when they differ).
 template <class Element, int kHeadDim, int kHeadDimV = kHeadDim>
@@ -617,126 +613,92 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
   }
   if (single) return;
 
-  // ---- split: merged in two levels ------------------------------------------------------------
-  // Pieces in groups of kFanIn: the last block of a group to finish merges the group's pieces
-  // into its first piece's slot; the last group to finish merges the groups into out. (One
-  // level when there is one group.) The merging block's reads are latency-bound, so two merges
-  // of at most kFanIn pieces take less than one of num_splits.
-  const int n_groups = (p.num_splits + kFanIn - 1) / kFanIn;
+  // ---- split: the last block of this tile to finish merges every piece -------------------------
   __shared__ int last;
   __threadfence();
   __syncthreads();
+  int* counter = p.counters + blockIdx.x;
+  if (tid == 0) {
+    last = atomicAdd(counter, 1) == p.num_splits - 1;
+    if (last) *counter = 0;  // zero again for the next launch
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  // The pieces' log-sum-exps into shared memory (loaded in parallel), then per row their
+  // weights exp2(lse - max) / sum (one warp per 4 rows), then O as the weighted sum of the
+  // pieces, each thread's groups loaded together.
   const int64_t split_stride = int64_t(p.batch) * nheads * p.seqlen_q;
-  float* sW = reinterpret_cast<float*>(smem_raw);  // (piece, row): lse, then weight
+  float* sW = reinterpret_cast<float*>(smem_raw);  // (split, row): lse, then weight
   float* sLse = sW + kMaxKvcacheSplits * kRows;
   auto piece_row = [&](int r) {  // the (batch, head, token) index of row r (clamped to a row)
     const int row = min(row0 + r, p.rows - 1);
     return (int64_t(b) * nheads + head_kv * p.group + row % p.group) * p.seqlen_q + row / p.group;
   };
-  // Whether this block is the last of `count` to arrive at `counter` (which it then zeroes for
-  // the next launch); the others return.
-  auto arrive_last = [&](int* counter, int count) {
-    if (tid == 0) {
-      last = atomicAdd(counter, 1) == count - 1;
-      if (last) *counter = 0;
-    }
-    __syncthreads();
-    return last != 0;
-  };
-  // Merges pieces first, first + stride, ... (count of them) by their log-sum-exps: into out
-  // (to_out), else into piece `first`'s slot (O and the log2-domain lse). The pieces' lse into
-  // shared memory (loaded in parallel), per row their weights exp2(lse - max) / sum (one warp
-  // per 4 rows), then O as the weighted sum, only the tile's rows (a group of 8 heads fills half
-  // of it), the loads of kBatch pieces issued before any is summed (about 16 float4 per thread
-  // in flight: the pieces are in L2 and the reads latency-bound).
-  auto merge = [&](int first, int count, int stride, bool to_out) {
-    for (int i = tid; i < count * kRows; i += T::kThreads) {
-      const int j = i / kRows, r = i % kRows;
-      sW[i] = row0 + r < p.rows ? __ldcg(p.part_lse + (first + j * stride) * split_stride + piece_row(r)) : -INFINITY;
-    }
-    __syncthreads();
-    for (int r = warp; r < kRows; r += T::kWarps) {
-      float mw = -INFINITY;
-      for (int j = lane; j < count; j += 32) mw = fmaxf(mw, sW[j * kRows + r]);
-#pragma unroll
-      for (int x = 16; x > 0; x /= 2) mw = fmaxf(mw, __shfl_xor_sync(0xffffffffu, mw, x));
-      const float bw = mw == -INFINITY ? 0.0f : mw;
-      float sum = 0.0f;
-      for (int j = lane; j < count; j += 32) sum += exp2f(sW[j * kRows + r] - bw);
-#pragma unroll
-      for (int x = 16; x > 0; x /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, x);
-      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-      for (int j = lane; j < count; j += 32) sW[j * kRows + r] = exp2f(sW[j * kRows + r] - bw) * inv;
-      if (lane == 0) {
-        const float lse2 = sum > 0.0f ? bw + log2f(sum) : -INFINITY;
-        sLse[r] = to_out ? (sum > 0.0f ? lse2 * kLn2 : INFINITY) : lse2;
-      }
-    }
-    __syncthreads();
-    constexpr int kMine = kGroups / T::kThreads;  // groups per thread, at most
-    constexpr int kBatch = kMine >= 16 ? 1 : 16 / kMine;
-    static_assert(kGroups % T::kThreads == 0);
-    const int groups = min(kRows, p.rows - row0) * (kHeadDimV / 4);
-    float4 acc[kMine];
-    int64_t base_at[kMine];
-#pragma unroll
-    for (int i = 0; i < kMine; ++i) {
-      const int g = tid + i * T::kThreads;
-      acc[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      base_at[i] = piece_row(g / (kHeadDimV / 4)) * kHeadDimV + 4 * (g % (kHeadDimV / 4));
-    }
-    for (int j0 = 0; j0 < count; j0 += kBatch) {
-      float4 x[kBatch][kMine];
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-#pragma unroll
-        for (int i = 0; i < kMine; ++i) {
-          const bool ok = j0 + j < count && tid + i * T::kThreads < groups;
-          const int64_t piece = first + (j0 + j) * stride;
-          x[j][i] = ok ? __ldcg(reinterpret_cast<const float4*>(p.part_o + piece * split_stride * kHeadDimV + base_at[i]))
-                       : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-#pragma unroll
-        for (int i = 0; i < kMine; ++i) {
-          const int r = (tid + i * T::kThreads) / (kHeadDimV / 4);
-          const float w = j0 + j < count ? sW[(j0 + j) * kRows + r] : 0.0f;
-          acc[i].x += w * x[j][i].x;
-          acc[i].y += w * x[j][i].y;
-          acc[i].z += w * x[j][i].z;
-          acc[i].w += w * x[j][i].w;
-        }
-      }
-    }
-    // Each thread writes only the elements it read: the slot of piece `first` may be the target.
-#pragma unroll
-    for (int i = 0; i < kMine; ++i) {
-      const int g = tid + i * T::kThreads, r = g / (kHeadDimV / 4);
-      if (g >= groups) continue;
-      if (to_out) {
-        store_out(row0 + r, g % (kHeadDimV / 4), acc[i], sLse[r]);
-      } else {
-        *reinterpret_cast<float4*>(p.part_o + int64_t(first) * split_stride * kHeadDimV + base_at[i]) = acc[i];
-        if (g % (kHeadDimV / 4) == 0) p.part_lse[int64_t(first) * split_stride + piece_row(r)] = sLse[r];
-      }
-    }
-  };
-  if (n_groups > 1) {
-    const int group = split / kFanIn, first = group * kFanIn, count = min(kFanIn, p.num_splits - first);
-    if (!arrive_last(p.counters + p.group_counters + blockIdx.x * kMaxFanGroups + group, count)) return;
-    __threadfence();
-    merge(first, count, 1, false);
-    __threadfence();
-    __syncthreads();
+  for (int i = tid; i < p.num_splits * kRows; i += T::kThreads) {
+    const int sp = i / kRows, r = i % kRows;
+    sW[i] = row0 + r < p.rows ? __ldcg(p.part_lse + sp * split_stride + piece_row(r)) : -INFINITY;
   }
-  if (!arrive_last(p.counters + blockIdx.x, n_groups)) return;
-  __threadfence();
-  if (n_groups > 1) {
-    merge(0, n_groups, kFanIn, true);
-  } else {
-    merge(0, p.num_splits, 1, true);
+  __syncthreads();
+  for (int r = warp; r < kRows; r += T::kWarps) {
+    float mw = -INFINITY;
+    for (int sp = lane; sp < p.num_splits; sp += 32) mw = fmaxf(mw, sW[sp * kRows + r]);
+#pragma unroll
+    for (int x = 16; x > 0; x /= 2) mw = fmaxf(mw, __shfl_xor_sync(0xffffffffu, mw, x));
+    const float bw = mw == -INFINITY ? 0.0f : mw;
+    float sum = 0.0f;
+    for (int sp = lane; sp < p.num_splits; sp += 32) sum += exp2f(sW[sp * kRows + r] - bw);
+#pragma unroll
+    for (int x = 16; x > 0; x /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, x);
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    for (int sp = lane; sp < p.num_splits; sp += 32) sW[sp * kRows + r] = exp2f(sW[sp * kRows + r] - bw) * inv;
+    if (lane == 0) sLse[r] = sum > 0.0f ? (bw + log2f(sum)) * kLn2 : INFINITY;
+  }
+  __syncthreads();
+  // Only the tile's rows (a group of 8 heads fills half of it); the loads of kBatch pieces are
+  // issued before any is summed, so that about 16 float4 per thread are in flight (a latency-bound
+  // read of the pieces, which are in L2).
+  constexpr int kMine = kGroups / T::kThreads;  // groups per thread, at most
+  constexpr int kBatch = kMine >= 16 ? 1 : 16 / kMine;
+  static_assert(kGroups % T::kThreads == 0);
+  const int groups = min(kRows, p.rows - row0) * (kHeadDimV / 4);
+  float4 acc[kMine];
+  int64_t base_at[kMine];
+#pragma unroll
+  for (int i = 0; i < kMine; ++i) {
+    const int g = tid + i * T::kThreads;
+    acc[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    base_at[i] = piece_row(g / (kHeadDimV / 4)) * kHeadDimV + 4 * (g % (kHeadDimV / 4));
+  }
+  for (int sp0 = 0; sp0 < p.num_splits; sp0 += kBatch) {
+    float4 x[kBatch][kMine];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+#pragma unroll
+      for (int i = 0; i < kMine; ++i) {
+        const bool ok = sp0 + j < p.num_splits && tid + i * T::kThreads < groups;
+        x[j][i] = ok ? __ldcg(reinterpret_cast<const float4*>(p.part_o + (sp0 + j) * split_stride * kHeadDimV +
+                                                             base_at[i]))
+                     : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+#pragma unroll
+      for (int i = 0; i < kMine; ++i) {
+        const int r = (tid + i * T::kThreads) / (kHeadDimV / 4);
+        const float w = sp0 + j < p.num_splits ? sW[(sp0 + j) * kRows + r] : 0.0f;
+        acc[i].x += w * x[j][i].x;
+        acc[i].y += w * x[j][i].y;
+        acc[i].z += w * x[j][i].z;
+        acc[i].w += w * x[j][i].w;
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kMine; ++i) {
+    const int g = tid + i * T::kThreads, r = g / (kHeadDimV / 4);
+    if (g < groups) store_out(row0 + r, g % (kHeadDimV / 4), acc[i], sLse[r]);
   }
 }
 
