@@ -656,10 +656,10 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
   }
   __syncthreads();
   // Only the tile's rows (a group of 8 heads fills half of it); the loads of kBatch pieces are
-  // issued before any is summed, so that about 32 float4 per thread are in flight (a latency-bound
+  // issued before any is summed, so that about 16 float4 per thread are in flight (a latency-bound
   // read of the pieces, which are in L2).
   constexpr int kMine = kGroups / T::kThreads;  // groups per thread, at most
-  constexpr int kBatch = kMine >= 32 ? 1 : 32 / kMine;
+  constexpr int kBatch = kMine >= 16 ? 1 : 16 / kMine;
   static_assert(kGroups % T::kThreads == 0);
   const int groups = min(kRows, p.rows - row0) * (kHeadDimV / 4);
   float4 acc[kMine];
