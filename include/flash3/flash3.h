@@ -263,8 +263,8 @@ KvcacheProblem validate_kvcache(const KvcacheArgs& args, PointerInspector inspec
 
 // The split count num_splits = 0 chooses: 1 when batch x nheads_kv x row tiles (the tiles) fill
 // half of one wave (the blocks the `sms` SMs hold at once: 3 / 2 / 1 per SM at head dim 64 / 128
-// / 256), else as many splits as one wave holds, each at least 128 keys of seqlen_cache, at most
-// 32.
+// / 256, 1 for MLA), else as many splits as one wave holds, each at least 128 keys of
+// seqlen_cache up to 32 splits, beyond 32 at least 1024 keys, at most 64.
 int kvcache_num_splits(const KvcacheProblem& p, int sms);
 
 // Runs the decoding kernel. Throws flash3::Error on invalid arguments and flash3::CudaError on
