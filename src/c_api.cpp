@@ -112,6 +112,13 @@ T read_args(const T* args, uint32_t v1_size, const char* op, const char* type) {
   return a;
 }
 
+// A reserved field (`name`) must be zero: it may carry an option in a later version.
+void require_zero(const char* op, const char* name, uint32_t value) {
+  if (value != 0) {
+    throw flash3::Error(std::string(op) + "args->" + name + " is " + std::to_string(value) + "; it must be 0");
+  }
+}
+
 // The window and softcap fields (fwd v3, bwd v2, kvcache v1; zero in an older struct: none).
 template <class C, class Args>
 void set_mask(const C& a, Args& args) {
@@ -136,12 +143,8 @@ void set_varlen(const C& a, Args& args) {
 
 flash3::FwdArgs fwd_args(const flash3_fwd_args* c) {
   const flash3_fwd_args a = read_args(c, FLASH3_FWD_ARGS_SIZE_V1, "flash3::fwd: ", "flash3_fwd_args");
-  if (a.reserved != 0) {
-    throw flash3::Error("flash3::fwd: args->reserved is " + std::to_string(a.reserved) + "; it must be 0");
-  }
-  if (a.reserved_v4 != 0) {
-    throw flash3::Error("flash3::fwd: args->reserved_v4 is " + std::to_string(a.reserved_v4) + "; it must be 0");
-  }
+  require_zero("flash3::fwd: ", "reserved", a.reserved);
+  require_zero("flash3::fwd: ", "reserved_v4", a.reserved_v4);
   flash3::FwdArgs args;
   args.q = to_ref(&a.q);
   args.k = to_ref(&a.k);
@@ -161,9 +164,7 @@ flash3::FwdArgs fwd_args(const flash3_fwd_args* c) {
 
 flash3::BwdArgs bwd_args(const flash3_bwd_args* c) {
   const flash3_bwd_args a = read_args(c, FLASH3_BWD_ARGS_SIZE_V1, "flash3::bwd: ", "flash3_bwd_args");
-  if (a.reserved_v3 != 0) {
-    throw flash3::Error("flash3::bwd: args->reserved_v3 is " + std::to_string(a.reserved_v3) + "; it must be 0");
-  }
+  require_zero("flash3::bwd: ", "reserved_v3", a.reserved_v3);
   flash3::BwdArgs args;
   args.q = to_ref(&a.q);
   args.k = to_ref(&a.k);
@@ -188,9 +189,7 @@ flash3::BwdArgs bwd_args(const flash3_bwd_args* c) {
 flash3::QuantizeArgs quantize_args(const flash3_quantize_fp8_args* c) {
   const flash3_quantize_fp8_args a = read_args(c, FLASH3_QUANTIZE_FP8_ARGS_SIZE_V1, "flash3::quantize_fp8: ",
                                                "flash3_quantize_fp8_args");
-  if (a.reserved != 0) {
-    throw flash3::Error("flash3::quantize_fp8: args->reserved is " + std::to_string(a.reserved) + "; it must be 0");
-  }
+  require_zero("flash3::quantize_fp8: ", "reserved", a.reserved);
   flash3::QuantizeArgs args;
   args.in = to_ref(&a.in);
   args.out = to_ref(&a.out);
@@ -205,10 +204,7 @@ flash3::QuantizeArgs quantize_args(const flash3_quantize_fp8_args* c) {
 flash3::KvcacheArgs kvcache_args(const flash3_kvcache_args* c) {
   const flash3_kvcache_args a =
       read_args(c, FLASH3_KVCACHE_ARGS_SIZE_V1, "flash3::fwd_kvcache: ", "flash3_kvcache_args");
-  if (a.reserved_v2 != 0) {
-    throw flash3::Error("flash3::fwd_kvcache: args->reserved_v2 is " + std::to_string(a.reserved_v2) +
-                        "; it must be 0");
-  }
+  require_zero("flash3::fwd_kvcache: ", "reserved_v2", a.reserved_v2);
   flash3::KvcacheArgs args;
   args.q = to_ref(&a.q);
   args.k_cache = to_ref(&a.k_cache);

@@ -822,9 +822,9 @@ void new_keys(const Checker& c, const Arg& kn, const Arg& vn, const Arg& q, cons
 }
 
 // The rotary tables: rotary_cos and rotary_sin (seqlen_ro, rotary_dim / 2) of one shape and one
-// dtype, float32 or q's,
-// seqlen_ro >= 1, rotary_dim a multiple of 16 in [16, head_dim], the last dim contiguous and the
-// rows apart (stride[0] >= rotary_dim / 2, where there is more than one row).
+// dtype, float32 or q's; seqlen_ro >= 1, rotary_dim a multiple of 16 in [16, head_dim], the last
+// dim contiguous and the rows apart (stride[0] >= rotary_dim / 2, where there is more than one
+// row).
 void rotary_tables(const Checker& c, const Arg& cos, const Arg& sin, int64_t head_dim, DType dtype) {
   c.ranks({&cos, &sin});
   for (const Arg* a : {&cos, &sin}) {
