@@ -4,7 +4,7 @@
     python3 bench/compare_builds.py --build old=.old/python:.old/libflash3.so \\
         --build new=python:build/libflash3.so [--fa3 /tmp/fa3_anchor.so] [--cudnn] \\
         [--pass fwd|bwd|both] [--hdims 64,128,256] [--seqlens 512,...] [--causal 0|1|both] \\
-        [--reps 10] [--runs 3] [--warmup 3] [--quick] [--json out.json]
+        [--reps 10] [--runs 3] [--warmup 3] [--quick] [--fp8] [--json out.json]
     python3 bench/compare_builds.py --report out.json      # the table and summary again, no GPU
 
 Builds: each --build NAME=PKG_DIR:LIB gives a folder holding the `flash3` package (or the package
@@ -30,7 +30,8 @@ same in every run).
   per timed call (FA3: one fa3.bwd call).
 Correctness, before timing, in the first run: each output (forward) or dq, dk, dv (backward, the
 largest of the three) against FA3's (else the baseline build's): relative norm difference
-|x - ref| / |ref|; above 1e-2, or any NaN, the point is flagged MISMATCH. Each build is also
+|x - ref| / |ref|; above 1e-2 (5e-2 with --fp8: two e4m3 kernels differ by about 1% at
+non-causal points, where the output is an average over many keys), or any NaN, the point is flagged MISMATCH. Each build is also
 compared with the baseline build (JSON).
 
 Timing: each call between two CUDA events after a spin kernel (timing.py). At each point of a
@@ -114,6 +115,8 @@ def parse_args(argv=None):
     p.add_argument("--spin", type=int, default=None, metavar="CYCLES",
                    help="spin kernel before each timed call (default 200k fwd, 1M bwd)")
     p.add_argument("--quick", action="store_true", help="seqlens 1k,4k only")
+    p.add_argument("--fp8", action="store_true",
+                   help="forward in e4m3 (inputs cast from the bf16 ones) with unit (batch, kv head) descales")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--report", metavar="JSON", help="print the table and summary of a written JSON and exit")
     a = p.parse_args(argv)
@@ -129,6 +132,8 @@ def parse_args(argv=None):
             p.error(f"--build names must differ: {names}")
         if a.runs < 1 or a.reps < 1 or a.bwd_reps < 1:
             p.error("--runs, --reps and --bwd-reps must be at least 1")
+        if a.fp8 and a.pss != "fwd":
+            p.error("--fp8 times the forward only: add --pass fwd")
     return a
 
 
@@ -395,12 +400,31 @@ def autograd_impl(torch, name, fwd):
     return Impl(name, fwd, bwd)
 
 
-def flash3_impl(torch, name, mod):
+_DESCALES = {}
+
+
+def unit_descale(torch, q, k):
+    """Unit (batch, kv head) descales, made once per shape (no fill kernel in a timed call)."""
+    key = (q.shape[0], k.shape[2])
+    if key not in _DESCALES:
+        _DESCALES[key] = torch.ones(*key, device=q.device, dtype=torch.float32)
+    return _DESCALES[key]
+
+
+def flash3_impl(torch, name, mod, fp8=False):
+    if fp8:
+        def fwd8(q, k, v, causal):
+            d = unit_descale(torch, q, k)
+            return first(mod.flash_attn_func(q, k, v, causal=causal, q_descale=d, k_descale=d, v_descale=d))
+        return Impl(name, fwd8, None)
     return autograd_impl(torch, name, lambda q, k, v, causal: first(mod.flash_attn_func(q, k, v, causal=causal)))
 
 
-def fa3_impl(fa3):
+def fa3_impl(torch, fa3, fp8=False):
     def fwd(q, k, v, causal):
+        if fp8:
+            d = unit_descale(torch, q, k)
+            return fa3.fwd(q, k, v, q_descale=d, k_descale=d, v_descale=d, is_causal=causal)[0]
         return fa3.fwd(q, k, v, is_causal=causal)[0]
 
     def bwd(q, k, v, dout, causal):
@@ -421,7 +445,10 @@ def point_seed(hdim, causal, seqlen):
     return 1_000_003 * hdim + 1009 * seqlen + int(causal)
 
 
-def check_point(torch, pss, results, builds, ref):
+MISMATCH_FP8 = 5e-2
+
+
+def check_point(torch, pss, results, builds, ref, limit=MISMATCH):
     """{impl: {vs, rel_err[, grads], nan}} for each result against ref's, and each build against
     the baseline's; results[impl] = out (fwd) or (dq, dk, dv) (bwd)."""
     def diff(got, want):
@@ -446,22 +473,22 @@ def check_point(torch, pss, results, builds, ref):
                 c["grad_rel_err"] = grads
         if name in builds[1:] and builds[0] in results and ref != builds[0]:
             c["vs_baseline_rel_err"], _ = diff(x, results[builds[0]])
-        if c["nan"] or (c.get("rel_err") or 0) > MISMATCH:
+        if c["nan"] or (c.get("rel_err") or 0) > limit:
             mismatch.append(name)
         check[name] = c
     return check, mismatch
 
 
-def setup_point(torch, dev, pss, impls, d, causal, s, b, h, want_results):
+def setup_point(torch, dev, pss, impls, d, causal, s, b, h, want_results, fp8=False):
     """Inputs of one point, a call per implementation (already run once) and, when want_results,
-    each one's result of that call (out, or dq, dk, dv)."""
+    each one's result of that call (out, or dq, dk, dv). fp8: q, k, v cast to e4m3."""
     g = torch.Generator(device=dev)
     g.manual_seed(point_seed(d, causal, s))
     n = 3 if pss == "fwd" else 4
     ts = [torch.randn(b, s, h, d, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(n)]
     calls, results, errors = {}, {}, {}
     if pss == "fwd":
-        q, k, v = ts
+        q, k, v = (t.to(torch.float8_e4m3fn) for t in ts) if fp8 else ts
 
         def make(impl):
             return lambda: impl.fwd(q, k, v, causal)
@@ -510,9 +537,10 @@ def run_sweep(a, torch, dev, impls, builds, have_fa3, have_cudnn, data, save):
                     "errors": {}, "check": None, "mismatch": []})
                 errors = {}
                 try:
-                    calls, results, errors = setup_point(torch, dev, pss, impls, d, causal, s, b, h, run == 0)
+                    calls, results, errors = setup_point(torch, dev, pss, impls, d, causal, s, b, h, run == 0, a.fp8)
                     if run == 0:
-                        rec["check"], rec["mismatch"] = check_point(torch, pss, results, builds, ref)
+                        rec["check"], rec["mismatch"] = check_point(torch, pss, results, builds, ref,
+                                                                     MISMATCH_FP8 if a.fp8 else MISMATCH)
                     del results
                     times = round_robin(torch, calls, a.warmup, reps, spin, errors)
                 except torch.cuda.OutOfMemoryError as e:
@@ -567,7 +595,7 @@ def main(argv=None):
     impls, infos = {}, []
     for name, pkg, lib in a.build:
         mod, info = load_build(name, pkg, lib, tmp)
-        impls[name] = flash3_impl(torch, name, mod)
+        impls[name] = flash3_impl(torch, name, mod, a.fp8)
         infos.append(info)
         log(f"build {name}: version {info['version']}, {info['package']}, {info['lib']} "
             f"(sha256 {info['lib_sha256'][:12]}), loaded from {info['lib_copy']}")
@@ -575,9 +603,9 @@ def main(argv=None):
     fa3_info = None
     if a.fa3:
         fa3, fa3_info = load_fa3(torch, a.fa3, tmp)
-        impls[FA3] = fa3_impl(fa3)
+        impls[FA3] = fa3_impl(torch, fa3, a.fp8)
         log(f"FA3: {fa3_info['path']} (sha256 {fa3_info['sha256'][:12]})")
-    if a.cudnn:
+    if a.cudnn and not a.fp8:
         import torch.nn.functional as F
         from torch.nn.attention import SDPBackend, sdpa_kernel
         impls[CUDNN] = autograd_impl(torch, CUDNN, sdpa(F, sdpa_kernel, SDPBackend.CUDNN_ATTENTION))
@@ -586,7 +614,7 @@ def main(argv=None):
     gemm = gemm_tflops(torch, dev)
     data = {
         "what": "flash3 builds side by side in one process (round robin), with FlashAttention-3"
-                + (" and cuDNN" if have_cudnn else "") + ", bf16, TFLOP/s by the paper's formula",
+                + (" and cuDNN" if have_cudnn else "") + (", e4m3" if a.fp8 else ", bf16") + ", TFLOP/s by the paper's formula",
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(dev), "capability": list(torch.cuda.get_device_capability(dev)),
         "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn_version": torch.backends.cudnn.version(),
@@ -604,7 +632,8 @@ def main(argv=None):
             "ratio X/Y": "per-run ratios X_r / Y_r: median over runs, min, max (of_medians: median X / median Y)",
             "rule": f"B/base median >= 1 - max({FLOOR}, max(spread(base), spread(B)))",
             "check": f"relative norm difference to {FA3 if have_fa3 else builds[0]}'s output (forward) or the "
-                     f"largest of dq, dk, dv's (backward); mismatch above {MISMATCH} or on NaN",
+                     f"largest of dq, dk, dv's (backward); mismatch above "
+                     f"{MISMATCH_FP8 if a.fp8 else MISMATCH} or on NaN",
         },
         "series": plot_series(builds, have_fa3, have_cudnn),
         "geomean_labels": [[k, k] for k, _, _ in ratio_keys(builds, have_fa3, have_cudnn)],

@@ -91,17 +91,20 @@ struct FwdTileConfig;
 //   head dim | kBlockM (WGs) | kBlockN | k/v scale block | smem: Q + (K, V, Vt) x 2 stages
 //        64  |   192 (3)     |   128   |       128       | 12 + 3 x 16 = 60 KB
 //       128  |   128 (2)     |   192   |       192       | 16 + 3 x 48 = 160 KB (+ 16 O staging)
-//       256  |   128 (2)     |    64   |       128       | 32 + 3 x 32 = 128 KB
-// NOTES: measured against FlashAttention-3's FP8 forward in one process (docs/perf-log.md F10-F12):
+//       256  |   128 (2)     |   128   |       128       | 32 + 3 x 64 = 224 KB
+// NOTES: measured against FlashAttention-3's FP8 forward in one process (docs/perf-log.md F10-F13):
 // three consumer warpgroups at head dim 64 (+9-29%, but 7% slower causal at 1k), and 192-key tiles
 // at head dim 128 (+1-14% non-causal) over 128; 224 keys (FA3's tile) was within 2% of 192, and
-// 3-4% slower non-causal at 4k-16k. At head dim 256, 128-key tiles serialize the WGMMAs (C7512: O
-// alone is 128 registers) or spill.
+// 3-4% slower non-causal at 4k-16k. At head dim 256, O alone is 128 registers: with S (64) and P
+// (16) live together 128-key tiles serialize the WGMMAs (C7512) or spill, so each warpgroup there
+// finishes P V before it issues Q K^T (kSerialPvQk): +17-25% over 64-key tiles with the overlap.
 template <int kHeadDim>
 struct FwdFp8TileConfig {
   static constexpr int kBlockM = kHeadDim == 64 ? 192 : 128;
-  static constexpr int kBlockN = kHeadDim == 128 ? 192 : kHeadDim == 256 ? 64 : 128, kStages = 2;
+  static constexpr int kBlockN = kHeadDim == 128 ? 192 : 128, kStages = 2;
   static constexpr bool kOStageWarp = kHeadDim == 128;
+  // P V, then Q K^T once P V is done: S and P are never live together.
+  static constexpr bool kSerialPvQk = kHeadDim == 256;
 };
 
 template <bool kCausal> struct FwdTileConfig<64, kCausal> {

@@ -205,19 +205,35 @@ struct FwdFp8Mainloop {
         const float unit = v_unit(n_block);
         pipeline_k.consumer_wait(read_k);
         turns.before_gemms();
-        gemm_qk();
-        pipeline_v.consumer_wait(read_v);
-        gemm_pv();
-        turns.after_gemms();
-        warpgroup_wait<1>();  // S_j is ready; O += P_{j+1} V_{j+1} may still be running
-        pipeline_k.consumer_release(read_k);
-        ++read_k;
-        if (n_block == n_lo) release_q();
-        const bool moved = softmax_step(n_block, coef, rescale);
-        pin_before_wait(&shared.mainloop.softmax_pin[tidx], softmax.row_sum);
-        warpgroup_wait<0>();
-        pipeline_v.consumer_release(read_v);
-        ++read_v;
+        bool moved;
+        if constexpr (Traits::Config::kSerialPvQk) {
+          pipeline_v.consumer_wait(read_v);
+          gemm_pv();
+          warpgroup_wait<0>();  // P_{j+1}'s registers are free for S_j
+          pipeline_v.consumer_release(read_v);
+          ++read_v;
+          gemm_qk();
+          turns.after_gemms();
+          warpgroup_wait<0>();
+          pipeline_k.consumer_release(read_k);
+          ++read_k;
+          if (n_block == n_lo) release_q();
+          moved = softmax_step(n_block, coef, rescale);
+        } else {
+          gemm_qk();
+          pipeline_v.consumer_wait(read_v);
+          gemm_pv();
+          turns.after_gemms();
+          warpgroup_wait<1>();  // S_j is ready; O += P_{j+1} V_{j+1} may still be running
+          pipeline_k.consumer_release(read_k);
+          ++read_k;
+          if (n_block == n_lo) release_q();
+          moved = softmax_step(n_block, coef, rescale);
+          pin_before_wait(&shared.mainloop.softmax_pin[tidx], softmax.row_sum);
+          warpgroup_wait<0>();
+          pipeline_v.consumer_release(read_v);
+          ++read_v;
+        }
         // O to the units of block j's v scale, with the softmax's rescale.
         if (moved || unit != o_unit) {
           const float ratio = o_unit / unit;

@@ -117,7 +117,7 @@ struct FwdFp8Transpose {
   // bits 7.. of the offset (W / 16 - 1 of them). The XOR depends only on the lane (key mod 8,
   // or Vt row mod 16), so each thread keeps one source address per chunk of an atom row and
   // one destination address per key group, and every unit is an immediate offset from one of
-  // them. tools/check_fp8_transpose_layout.cu checks these addresses against SmemLayoutV and
+  // them. tests/check_fp8_transpose_layout.cu checks these addresses against SmemLayoutV and
   // SmemLayoutVt for every unit, lane, warp and stage.
   static constexpr int atom_width(int bytes) { return bytes % 128 == 0 ? 128 : bytes % 64 == 0 ? 64 : 32; }
   static constexpr int kRowV = atom_width(kHeadDim), kChunksV = kRowV / 16, kMaskV = kChunksV - 1;
@@ -133,11 +133,17 @@ struct FwdFp8Transpose {
     uint32_t dst[kGroups];    // Vt row 16 warp + st_row, keys 32 g + st_col
   };
 
+  // The Vt row (within the warp's 16) and key column that lane `lane` addresses in stmatrix.x4:
+  // lanes 8m..8m+7 give the rows i = 0..7 of matrix m; matrices 0 and 1 (keys 0-15, 16-31) hold
+  // Vt rows 2i + (i >= 4), matrices 2 and 3 rows 2i + (i < 4). A matrix's eight rows then differ
+  // mod 8 and fall in eight distinct 16-byte bank groups of the swizzled Vt atom; rows 2i alone
+  // (0, 2, .., 14) took four, two wavefronts per matrix.
+  FLASH3_HD static constexpr int st_row(int lane) { return 2 * (lane % 8) + ((lane / 16) ^ ((lane % 8) / 4)); }
+  FLASH3_HD static constexpr int st_col(int lane) { return 16 * ((lane / 8) % 2); }
+
   // v, vt: the rings' shared addresses (0 on the host check).
   FLASH3_HD static Addresses addresses(uint32_t v, uint32_t vt, int warp, int lane) {
-    // stmatrix.x4: lanes 0-7 address matrix 0 (Vt rows 2r, k 0-15), 8-15 matrix 1 (k 16-31),
-    // 16-23 matrix 2 (rows 2r + 1, k 0-15), 24-31 matrix 3.
-    const int st_row = 2 * (lane % 8) + lane / 16, st_col = 16 * ((lane / 8) % 2);
+    const int st_row = FwdFp8Transpose::st_row(lane), st_col = FwdFp8Transpose::st_col(lane);
     const int x_src = (((lane * kRowV) >> 7) & kMaskV) << 4;
     const int x_dst = (((st_row * kRowVt) >> 7) & kMaskVt) << 4;
     Addresses a;
@@ -160,13 +166,14 @@ struct FwdFp8Transpose {
   // ldmatrix.trans of 8 keys x 8 b16 columns (16 head-dim bytes) gives lane 4r + q the bytes
   // (V[2q][2r], V[2q][2r+1], V[2q+1][2r], V[2q+1][2r+1]) of its matrix; the four matrices are
   // keys 0-7, 8-15, 16-23, 24-31 of a 32-key group (lane l addresses key l). Byte permutes
-  // then give Vt row 2r (and 2r + 1) at k = 4q..4q+3 the keys 2q, 2q+1, 2q+8, 2q+9, which is
-  // fp8_key_of_k's order (and at k = 16 + 4q.. the keys 16 more), and one stmatrix.x4 writes
-  // the four words: its matrices are Vt rows 2r at k 0-15, at k 16-31, rows 2r + 1 likewise.
-  // kBatch units' ldmatrix go out before their stmatrix: their latencies overlap.
+  // (selectors sel_a, sel_b) then give Vt row 2r (and 2r + 1) at k = 4q..4q+3 the keys 2q,
+  // 2q+1, 2q+8, 2q+9, which is fp8_key_of_k's order (and at k = 16 + 4q.. the keys 16 more),
+  // and one stmatrix.x4 writes the four words: lane 4r + q supplies row r of each matrix, which
+  // is Vt row 2r in matrices 0, 1 and 2r + 1 in 2, 3 for r < 4, the other way round for r >= 4
+  // (st_row). kBatch units' ldmatrix go out before their stmatrix: their latencies overlap.
   static constexpr int kBatch = 2;
   template <int kStage>
-  __device__ __forceinline__ static void tile(const Addresses& ad) {
+  __device__ __forceinline__ static void tile(const Addresses& ad, uint32_t sel_a, uint32_t sel_b) {
 #pragma unroll
     for (int j = 0; j < kChunksPerWarp; ++j) {
 #pragma unroll
@@ -181,19 +188,19 @@ struct FwdFp8Transpose {
 #pragma unroll
         for (int b = 0; b < kBatch && g0 + b < kGroups; ++b)
           asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(dst(ad, j, g0 + b, kStage)),
-                       "r"(__byte_perm(r[b][0], r[b][1], 0x6420)), "r"(__byte_perm(r[b][2], r[b][3], 0x6420)),
-                       "r"(__byte_perm(r[b][0], r[b][1], 0x7531)), "r"(__byte_perm(r[b][2], r[b][3], 0x7531))
+                       "r"(__byte_perm(r[b][0], r[b][1], sel_a)), "r"(__byte_perm(r[b][2], r[b][3], sel_a)),
+                       "r"(__byte_perm(r[b][0], r[b][1], sel_b)), "r"(__byte_perm(r[b][2], r[b][3], sel_b))
                        : "memory");
       }
     }
   }
   // The stage as a template argument: every unit's offset is an immediate.
   template <int kStage = 0>
-  __device__ __forceinline__ static void tile_at(const Addresses& ad, int stage) {
+  __device__ __forceinline__ static void tile_at(const Addresses& ad, uint32_t sel_a, uint32_t sel_b, int stage) {
     if constexpr (kStage + 1 < kStages) {
-      if (stage != kStage) return tile_at<kStage + 1>(ad, stage);
+      if (stage != kStage) return tile_at<kStage + 1>(ad, sel_a, sel_b, stage);
     }
-    tile<kStage>(ad);
+    tile<kStage>(ad, sel_a, sel_b);
   }
 
   // The transposer warps' loop over V stages, in the order the TMA thread fills them, until its
@@ -201,9 +208,12 @@ struct FwdFp8Transpose {
   __device__ static void run(typename Traits::SharedStorage& shared, typename Traits::PipelineV& pipeline_v, int t) {
     const Addresses ad = addresses(cute::cast_smem_ptr_to_uint(shared.smem_v.data()),
                                    cute::cast_smem_ptr_to_uint(shared.smem_vt.data()), t / 32, t % 32);
+    // Even Vt rows (bytes 0, 2, 4, 6 of the two words) in matrices 0, 1 for lanes 0-15, odd ones
+    // for lanes 16-31 (st_row).
+    const uint32_t sel_a = t % 32 < 16 ? 0x6420 : 0x7531, sel_b = sel_a ^ (0x6420 ^ 0x7531);
     typename Traits::PipelineStateV st;
     while (pipeline_v.transpose_wait(st)) {
-      tile_at(ad, st.index());
+      tile_at(ad, sel_a, sel_b, st.index());
       cutlass::arch::fence_view_async_shared();  // st.shared -> WGMMA (async proxy)
       __syncwarp();
       pipeline_v.transpose_done(st, t % 32 == 0);
