@@ -201,8 +201,9 @@ struct FwdFp8Mainloop {
       softmax_step(n_block_max - 1, coef, rescale);  // O is 0: no rescale needed
       fp8_pack_p(tSrS, tOrP);
       for (int n_block = n_block_max - 2; n_block >= n_lo; --n_block) {
-        coef = k_coef(n_block);
-        const float unit = v_unit(n_block);
+        // Scales per (batch, kv head) (block stride 0) are read once, at the first block.
+        if (p.k.block_stride != 0) coef = k_coef(n_block);
+        const float unit = p.v.block_stride != 0 ? v_unit(n_block) : o_unit;
         pipeline_k.consumer_wait(read_k);
         turns.before_gemms();
         bool moved;
