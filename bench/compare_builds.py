@@ -4,7 +4,8 @@
     python3 bench/compare_builds.py --build old=.old/python:.old/libflash3.so \\
         --build new=python:build/libflash3.so [--fa3 /tmp/fa3_anchor.so] [--cudnn] \\
         [--pass fwd|bwd|both] [--hdims 64,128,256] [--seqlens 512,...] [--causal 0|1|both] \\
-        [--reps 10] [--runs 3] [--warmup 3] [--quick] [--fp8] [--json out.json]
+        [--reps 10] [--runs 3] [--warmup 3] [--quick] [--fp8] [--gqa [--heads 32:4,64:8]
+        [--batches 8,4,1]] [--json out.json]
     python3 bench/compare_builds.py --report out.json      # the table and summary again, no GPU
 
 Builds: each --build NAME=PKG_DIR:LIB gives a folder holding the `flash3` package (or the package
@@ -22,7 +23,10 @@ is_causal=...) into preallocated dq, dk, dv. --cudnn: torch SDPA's cuDNN backend
 
 Sweep (bench/timing.py): bf16, head dims 64/128/256, causal and not, seqlens 512..16k, batch x
 seqlen = 16k tokens, hidden 2048 (nheads = 2048 / hdim). FLOPs = 4 b h s^2 d, halved for causal;
-the backward counts 2.5x that. Every implementation gets the same inputs (one seed per point, the
+the backward counts 2.5x that.
+--gqa: the shapes users run most instead: GQA 8:1 (--heads Q:KV pairs, default 32:4 and 64:8),
+head dim 128 (--hdims), seqlens 2k, 8k, 32k (--seqlens), batch min(8, 32k / seqlen) (or each of
+--batches); h in the FLOPs is the query heads. cuDNN runs with SDPA's enable_gqa. Every implementation gets the same inputs (one seed per point, the
 same in every run).
   Forward: one forward call is timed (inputs without requires_grad).
   Backward: the backward only, as bench_torch.py --pass bwd: one forward per implementation
@@ -96,6 +100,32 @@ def parse_build(spec):
     return name, pkg, lib
 
 
+GQA_HDIMS, GQA_SEQLENS, GQA_TOKENS = (128,), (2048, 8192, 32768), 32768
+
+
+def parse_heads(spec):
+    """'32:4,64:8' -> [(32, 4), (64, 8)]: query heads a multiple of the kv heads."""
+    out = []
+    for item in spec.split(","):
+        h, colon, hkv = item.partition(":")
+        if not colon or not h.isdigit() or not hkv.isdigit() or int(hkv) < 1 or int(h) % int(hkv):
+            raise ValueError(f"expected Q:KV pairs with Q a multiple of KV >= 1, got {item!r}")
+        out.append((int(h), int(hkv)))
+    return out
+
+
+def gqa_points(hdims, causals, seqlens, heads, batches, factor=1):
+    """(hdim, causal, seqlen, batch, nheads, nheads_kv, FLOPs) of each GQA point: every head pair,
+    batch min(8, GQA_TOKENS / seqlen) or each of batches; FLOPs = factor x 4 b h s^2 d (h the
+    query heads), halved for causal."""
+    for d in hdims:
+        for causal in causals:
+            for s in seqlens:
+                for b in batches or [max(1, min(8, GQA_TOKENS // s))]:
+                    for h, hkv in heads:
+                        yield d, causal, s, b, h, hkv, factor * 4 * b * h * s * s * d / (2 if causal else 1)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -105,8 +135,8 @@ def parse_args(argv=None):
     p.add_argument("--fa3", metavar="PATH", help="FlashAttention-3's fa3_anchor.so (or .so.xz)")
     p.add_argument("--cudnn", action="store_true", help="also time cuDNN (torch SDPA)")
     p.add_argument("--pass", dest="pss", choices=["fwd", "bwd", "both"], default="both")
-    p.add_argument("--hdims", type=ints, default=list(DEFAULT_HDIMS))
-    p.add_argument("--seqlens", type=ints, default=list(DEFAULT_SEQLENS))
+    p.add_argument("--hdims", type=ints, default=None, help="default 64,128,256 (--gqa: 128)")
+    p.add_argument("--seqlens", type=ints, default=None, help="default 512..16k (--gqa: 2k,8k,32k)")
     p.add_argument("--causal", choices=["0", "1", "both"], default="both")
     p.add_argument("--reps", type=int, default=10, help="timed repetitions per point per run (default 10)")
     p.add_argument("--bwd-reps", type=int, default=None, help="the same for the backward (default --reps)")
@@ -115,13 +145,24 @@ def parse_args(argv=None):
     p.add_argument("--spin", type=int, default=None, metavar="CYCLES",
                    help="spin kernel before each timed call (default 200k fwd, 1M bwd)")
     p.add_argument("--quick", action="store_true", help="seqlens 1k,4k only")
+    p.add_argument("--gqa", action="store_true", help="GQA shapes (see the docstring) instead of the paper's sweep")
+    p.add_argument("--heads", default="32:4,64:8", help="--gqa: query:kv head pairs")
+    p.add_argument("--batches", type=ints, default=None, help="--gqa: batch sizes (default min(8, 32k / seqlen))")
     p.add_argument("--fp8", action="store_true",
                    help="forward in e4m3 (inputs cast from the bf16 ones) with unit (batch, kv head) descales")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--report", metavar="JSON", help="print the table and summary of a written JSON and exit")
     a = p.parse_args(argv)
+    if a.hdims is None:
+        a.hdims = list(GQA_HDIMS if a.gqa else DEFAULT_HDIMS)
+    if a.seqlens is None:
+        a.seqlens = list(GQA_SEQLENS if a.gqa else DEFAULT_SEQLENS)
     if a.quick:
         a.seqlens = [1024, 4096]
+    try:
+        a.heads = parse_heads(a.heads)
+    except ValueError as e:
+        p.error(f"--heads {a.heads!r}: {e}")
     if a.bwd_reps is None:
         a.bwd_reps = a.reps
     if not a.report:
@@ -227,7 +268,8 @@ def pass_summary(rows, builds, have_fa3, have_cudnn):
 
 
 def point_label(r):
-    return f"{r['pass']} d{r['hdim']} {'causal' if r['causal'] else 'noncausal'} s{r['seqlen']}"
+    gqa = f" b{r['batch']} h{r['nheads']}:{r['nheads_kv']}" if r.get("nheads_kv", r["nheads"]) != r["nheads"] else ""
+    return f"{r['pass']} d{r['hdim']} {'causal' if r['causal'] else 'noncausal'} s{r['seqlen']}{gqa}"
 
 
 # ---- report (no torch) -------------------------------------------------------------------------
@@ -243,7 +285,10 @@ def table_lines(rows, builds, have_fa3, have_cudnn):
         cols += [(f"{b}/{FA3}", W if b != base else 7) for b in builds[1:] + [base]]
     if have_cudnn:
         cols += [(f"{b}/{CUDNN}", 7) for b in builds]
-    hdr = (f"{'pass':4} {'hdim':>4} {'causal':>6} {'seqlen':>6} | " + " ".join(f"{n:>7}" for n in impls)
+    gqa = any(r.get("nheads_kv", r["nheads"]) != r["nheads"] for r in rows)
+    shape = (lambda r: f" {r['batch']:>5} {str(r['nheads']) + ':' + str(r['nheads_kv']):>5}") if gqa else (lambda r: "")
+    hdr = (f"{'pass':4} {'hdim':>4} {'causal':>6} {'seqlen':>6}" + (f" {'batch':>5} {'heads':>5}" if gqa else "")
+           + " | " + " ".join(f"{n:>7}" for n in impls)
            + " | " + " ".join(f"{k:>{w}}" for k, w in cols) + f" | {'spread':>6} | verdict")
     out = [hdr, "-" * len(hdr)]
     for r in rows:
@@ -259,7 +304,7 @@ def table_lines(rows, builds, have_fa3, have_cudnn):
         spreads = present([r["rule"][b]["spread"] for b in builds[1:]])
         flags = [f"MISMATCH({','.join(r['mismatch'])})"] if r.get("mismatch") else []
         flags += [f"ERROR({','.join(sorted(r['errors']))})"] if r.get("errors") else []
-        out.append(f"{r['pass']:4} {r['hdim']:>4} {int(bool(r['causal'])):>6} {r['seqlen']:>6} | "
+        out.append(f"{r['pass']:4} {r['hdim']:>4} {int(bool(r['causal'])):>6} {r['seqlen']:>6}{shape(r)} | "
                    + " ".join(fmt(r["tflops"].get(n, {}).get("median"), "7.1f") for n in impls) + " | "
                    + " ".join(cells) + f" | {fmt(max(spreads) if spreads else None, '6.3f')} | "
                    + " ".join(verdicts + flags))
@@ -441,8 +486,8 @@ def fa3_impl(torch, fa3, fp8=False):
 
 # ---- the sweep ---------------------------------------------------------------------------------
 
-def point_seed(hdim, causal, seqlen):
-    return 1_000_003 * hdim + 1009 * seqlen + int(causal)
+def point_seed(hdim, causal, seqlen, batch=0, nheads=0):
+    return 1_000_003 * hdim + 1009 * seqlen + int(causal) + 7919 * batch + 104_729 * nheads
 
 
 MISMATCH_FP8 = 5e-2
@@ -479,13 +524,15 @@ def check_point(torch, pss, results, builds, ref, limit=MISMATCH):
     return check, mismatch
 
 
-def setup_point(torch, dev, pss, impls, d, causal, s, b, h, want_results, fp8=False):
-    """Inputs of one point, a call per implementation (already run once) and, when want_results,
-    each one's result of that call (out, or dq, dk, dv). fp8: q, k, v cast to e4m3."""
+def setup_point(torch, dev, pss, impls, d, causal, s, b, h, hkv, want_results, fp8=False):
+    """Inputs of one point (k, v with hkv heads), a call per implementation (already run once)
+    and, when want_results, each one's result of that call (out, or dq, dk, dv). fp8: q, k, v
+    cast to e4m3."""
     g = torch.Generator(device=dev)
-    g.manual_seed(point_seed(d, causal, s))
+    g.manual_seed(point_seed(d, causal, s) if hkv == h else point_seed(d, causal, s, b, h))
     n = 3 if pss == "fwd" else 4
-    ts = [torch.randn(b, s, h, d, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(n)]
+    ts = [torch.randn(b, s, hkv if i in (1, 2) else h, d, device=dev, dtype=torch.bfloat16, generator=g)
+          for i in range(n)]
     calls, results, errors = {}, {}, {}
     if pss == "fwd":
         q, k, v = (t.to(torch.float8_e4m3fn) for t in ts) if fp8 else ts
@@ -521,23 +568,26 @@ def run_sweep(a, torch, dev, impls, builds, have_fa3, have_cudnn, data, save):
         factor = 1 if pss == "fwd" else BWD_FLOPS_FACTOR
         reps = a.reps if pss == "fwd" else a.bwd_reps
         spin = a.spin if a.spin is not None else SPIN_CYCLES[pss]
-        points = list(sweep_points(a.hdims, causals, a.seqlens, factor))
+        if a.gqa:
+            points = list(gqa_points(a.hdims, causals, a.seqlens, a.heads, a.batches, factor))
+        else:
+            points = [(d, c, s, b, h, h, f) for d, c, s, b, h, f in sweep_points(a.hdims, causals, a.seqlens, factor)]
         raw = {}
         log(f"\n== {pss}: {len(points)} points x {a.runs} runs x {len(impls)} implementations "
             f"({', '.join(impls)}), {a.warmup} warm-ups + {reps} round-robin reps each, spin {spin} cycles")
         for run in range(a.runs):
             t_run = time.time()
-            for i, (d, causal, s, b, h, flops) in enumerate(points):
-                key = (d, causal, s)
+            for i, (d, causal, s, b, h, hkv, flops) in enumerate(points):
+                key = (d, causal, s, b, h, hkv)
                 rec = raw.setdefault(key, {
                     "meta": {"pass": pss, "hdim": d, "causal": causal, "seqlen": s, "batch": b, "nheads": h,
-                             "flops": flops},
+                             "nheads_kv": hkv, "flops": flops},
                     "ms_runs": {n: [None] * a.runs for n in impls},
                     "times_ms": {n: [None] * a.runs for n in impls},
                     "errors": {}, "check": None, "mismatch": []})
                 errors = {}
                 try:
-                    calls, results, errors = setup_point(torch, dev, pss, impls, d, causal, s, b, h, run == 0, a.fp8)
+                    calls, results, errors = setup_point(torch, dev, pss, impls, d, causal, s, b, h, hkv, run == 0, a.fp8)
                     if run == 0:
                         rec["check"], rec["mismatch"] = check_point(torch, pss, results, builds, ref,
                                                                      MISMATCH_FP8 if a.fp8 else MISMATCH)
@@ -555,7 +605,8 @@ def run_sweep(a, torch, dev, impls, builds, have_fa3, have_cudnn, data, save):
                 tf = " ".join(f"{n} {fmt(tflops(flops, rec['ms_runs'][n][run]) if rec['ms_runs'][n][run] else None, '.1f')}"
                               for n in impls)
                 log(f"[{pss} run {run + 1}/{a.runs} {i + 1:>2}/{len(points)} {time.time() - t_start:5.0f}s] "
-                    f"hdim {d:>3} causal {int(causal)} seqlen {s:>5}: {tf}"
+                    f"hdim {d:>3} causal {int(causal)} seqlen {s:>5}"
+                    + (f" batch {b} heads {h}:{hkv}" if hkv != h else "") + f": {tf}"
                     + (f"  MISMATCH({','.join(rec['mismatch'])})" if run == 0 and rec["mismatch"] else "")
                     + "".join(f"\n      {n} failed: {m[:200]}" for n, m in errors.items()))
             dt = time.time() - t_run
@@ -621,6 +672,7 @@ def main(argv=None):
         "gemm_bf16_tflops": gemm,
         "builds": infos, "baseline": builds[0], "fa3": fa3_info, "cudnn": have_cudnn,
         "options": {"hdims": a.hdims, "seqlens": a.seqlens, "causal": a.causal, "reps": a.reps,
+                    "gqa": a.gqa, "heads": a.heads if a.gqa else None, "batches": a.batches,
                     "bwd_reps": a.bwd_reps, "runs": a.runs, "warmup": a.warmup,
                     "spin_cycles": a.spin if a.spin is not None else SPIN_CYCLES,
                     "spin_available": spin_kernel(torch) is not None},

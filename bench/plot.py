@@ -2,7 +2,8 @@
 """Chart of bench/bench_torch.py's JSON in the style of Figures 5 (forward) and 6 (backward) of the
 FlashAttention-3 paper.
 
-One panel per (causal no/yes) x (head dim), grouped bars per sequence length: FlashAttention-2
+One panel per (causal no/yes) x (head dim), grouped bars per sequence length (per shape,
+"seqlen batch heads:kv_heads", for rows with fewer kv heads, as compare_builds.py --gqa writes): FlashAttention-2
 (torch SDPA), cuDNN (torch SDPA), flash3, flash3 with deterministic=True (backward runs) and,
 where the JSON has FA3's ratio to cuDNN from the anchors, FA3 implied as cuDNN x that ratio
 (hatched). TFLOP/s printed on top of each bar; a series with no value anywhere gets no slot.
@@ -64,6 +65,17 @@ def seqlen_label(s):
     return f"{s // 1024}k" if s >= 1024 and s % 1024 == 0 else str(s)
 
 
+def x_key(r, gqa):
+    return (r["seqlen"], r.get("batch"), r.get("nheads"), r.get("nheads_kv")) if gqa else r["seqlen"]
+
+
+def x_label(key, gqa):
+    if not gqa:
+        return seqlen_label(key)
+    s, b, h, hkv = key
+    return f"{seqlen_label(s)}\nb{b} {h}:{hkv}"
+
+
 def file_pass(data):
     """The pass of a JSON's top-level rows (bench_torch.py writes 'pass'; older files are fwd)."""
     return data.get("pass") or "fwd"
@@ -110,8 +122,9 @@ def main():
 
     hdims = sorted({r["hdim"] for r in rows})
     causals = sorted({bool(r["causal"]) for r in rows})
-    seqlens = sorted({r["seqlen"] for r in rows})
-    by_key = {(r["hdim"], bool(r["causal"]), r["seqlen"]): r for r in rows}
+    gqa = any(r.get("nheads_kv", r.get("nheads")) != r.get("nheads") for r in rows)
+    seqlens = sorted({x_key(r, gqa) for r in rows})
+    by_key = {(r["hdim"], bool(r["causal"]), x_key(r, gqa)): r for r in rows}
     # Only the series with at least one value anywhere get a bar slot (e.g. no anchors: 3 bars).
     series = [s for s in series_of(data) if any(s[1](r, a.pss) for r in rows)]
     nser = len(series)
@@ -138,7 +151,7 @@ def main():
                             fontsize=label_fs, zorder=4)
                     ymax = max(ymax, v)
             ax.set_xticks(range(len(seqlens)))
-            ax.set_xticklabels([seqlen_label(s) for s in seqlens])
+            ax.set_xticklabels([x_label(s, gqa) for s in seqlens])
             ax.set_xlim(-0.55, len(seqlens) - 0.45)
             ax.set_ylim(0, ymax * 1.17 if ymax else 1)
             ax.grid(axis="y", alpha=0.35, zorder=0)
@@ -149,7 +162,7 @@ def main():
             if j == 0:
                 ax.set_ylabel("Speed (TFLOP/s)", fontsize=9)
             if i == len(causals) - 1:
-                ax.set_xlabel("Sequence length", fontsize=9)
+                ax.set_xlabel("Sequence length" + (", batch, query:kv heads" if gqa else ""), fontsize=9)
 
     # Lay the panels out first: tight_layout would otherwise also make room for the suptitle.
     fig.tight_layout(rect=(0, 0, 1, 1 - head_in / fig.get_figheight()), h_pad=1.2, w_pad=1.0)

@@ -128,9 +128,10 @@ def sdpa(F, sdpa_kernel, backend):
     """fn(q, k, v, causal) on flash3's layout (batch, seqlen, nheads, hdim) through torch's
     scaled_dot_product_attention restricted to one backend (e.g. SDPBackend.CUDNN_ATTENTION)."""
     def run(q, k, v, causal):
+        gqa = {"enable_gqa": True} if k.shape[2] != q.shape[2] else {}  # fewer kv heads (GQA/MQA)
         with sdpa_kernel(backend):
             return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                  is_causal=causal).transpose(1, 2)
+                                                  is_causal=causal, **gqa).transpose(1, 2)
     return run
 
 

@@ -4,9 +4,11 @@
 # and the benchmarks. Logs and JSON go to $OUT (default ./out). The CUTLASS headers and the
 # GoogleTest sources must already be in third_party/ (run scripts/setup.sh here, then carry
 # third_party: the GPU machine has no network).
-#   usage: bash scripts/device_run.sh [all|build|bwdcheck|test|sanitize|profile|prof|causal|bench|bwdbench|power|fp8|mask|varlen|decode|quick]...
+#   usage: bash scripts/device_run.sh [all|build|bwdcheck|test|sanitize|profile|prof|causal|bench|bwdbench|power|fp8|mask|varlen|decode|gqa|quick]...
 # fp8: bench/bench_fp8.py (the FP8 forward beside FlashAttention-3's, Table 3, the quantizer);
 # it needs .anchors/fa3_anchor.so.xz carried (../shared/anchors/fa3/), else runs without FA3.
+# gqa: bench/compare_builds.py --gqa (GQA 8:1 shapes, head dim 128, forward and backward, beside
+# FlashAttention-3 and cuDNN; the same anchor): $OUT/gqa.json and its charts.
 # mask: bench/bench_mask.py (sliding window and softcap beside FlashAttention-3; the same anchor).
 # varlen: bench/bench_varlen.py (variable-length batches beside FlashAttention-3; the same anchor).
 # decode: bench/bench_decode.py (KV-cache decoding beside FlashAttention-3's inference build; it
@@ -114,7 +116,7 @@ if has fp8; then
     timeout ${FP8_TIMEOUT:-300} python3 bench/bench_fp8.py --fa3 "$fa3" ${FP8_ARGS:-} --json "$OUT/fp8.json" 2>&1 | tee "$OUT/bench_fp8.log"
   grep -E "^\||geomean|Table 3|quantizer|end to end" "$OUT/bench_fp8.log" >> "$OUT/summary.txt"
 fi
-if has mask || has varlen; then
+if has mask || has varlen || has gqa; then
   if [ -f .anchors/fa3_anchor.so.xz ]; then
     python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" \
       .anchors/fa3_anchor.so.xz /tmp/fa3_anchor.so
@@ -130,6 +132,14 @@ if has varlen; then
     timeout ${VARLEN_TIMEOUT:-300} python3 bench/bench_varlen.py --fa3 /tmp/fa3_anchor.so --json "$OUT/varlen.json" ${VARLEN_ARGS:-} > "$OUT/varlen.log" 2>&1
   log "varlen rc=$?"
   grep -E "^(equal|packed) " "$OUT/varlen.log" >> "$OUT/summary.txt"
+fi
+if has gqa; then
+  FLASH3_LIB="$root/build/libflash3.so" PYTHONPATH="$root/python" PYTHONUNBUFFERED=1 \
+    timeout ${GQA_TIMEOUT:-400} python3 bench/compare_builds.py --build flash3=python:build/libflash3.so \
+    --fa3 /tmp/fa3_anchor.so --cudnn --gqa --runs 3 --reps ${GQA_REPS:-10} --json "$OUT/gqa.json" ${GQA_ARGS:-} > "$OUT/gqa.log" 2>&1
+  log "gqa rc=$?"
+  grep -E "^(fwd|bwd) |^summary|geomean" "$OUT/gqa.log" >> "$OUT/summary.txt"
+  for pss in fwd bwd; do python3 bench/plot.py "$OUT/gqa.json" "$OUT/gqa_$pss.png" --pass $pss || true; done
 fi
 if has decode; then
   FLASH3_LIB="$root/build/libflash3.so" PYTHONPATH="$root/python" PYTHONUNBUFFERED=1 \
