@@ -25,7 +25,8 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 
 t0=$(date +%s)
 # Explicit values: a build/ left by an experiment script (other flags in its cache) is reset.
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASH3_PTXAS_VERBOSE=ON -DFLASH3_BUILD_BENCH=ON -DFLASH3_BUILD_TESTS=ON -DFLASH3_BUILD_ABLATIONS=ON -DCMAKE_CUDA_FLAGS= -DCMAKE_CXX_FLAGS= > "$OUT/build.log" 2>&1
+# FLASH3_KERNELS (environment): only these kernel rows (experiments; the test steps expect all).
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASH3_PTXAS_VERBOSE=ON -DFLASH3_BUILD_BENCH=ON -DFLASH3_BUILD_TESTS=ON -DFLASH3_BUILD_ABLATIONS=ON -DCMAKE_CUDA_FLAGS= -DCMAKE_CXX_FLAGS= "-DFLASH3_KERNELS=${FLASH3_KERNELS:-}" > "$OUT/build.log" 2>&1
 cmake --build build -j"$jobs" >> "$OUT/build.log" 2>&1 || { log "BUILD FAILED"; tail -50 "$OUT/build.log"; exit 1; }
 log "build: $(( $(date +%s) - t0 )) s with $jobs jobs"
 # Register report: any spill, stack frame, ignored setmaxnreg (C7508) or serialized WGMMA (C7510-C7515)?

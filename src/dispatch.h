@@ -1,8 +1,10 @@
-// flash3: dispatch over the kernel table (kernel_table.inc). Plain C++: the entry points, compiled
-// by the C++ compiler, call the kernels' launchers through these declarations; each is defined
-// once per row, in the row's generated translation unit.
+// flash3: dispatch over the kernel table's built rows (kernel_rows.inc, which CMake writes from
+// kernel_table.inc: every row, or those FLASH3_KERNELS names). Plain C++: the entry points,
+// compiled by the C++ compiler, call the kernels' launchers through these declarations; each is
+// defined once per row, in the row's generated translation unit.
 #pragma once
 
+#include <string>
 #include <type_traits>
 
 #include "flash3/flash3.h"
@@ -39,7 +41,7 @@ bool dispatch(DType dtype, int head_dim, Visit&& visit) {
   if constexpr (!kBackward) {                                                               \
     FLASH3_KERNEL(DT, HD)                                                                   \
   }
-#include "kernel_table.inc"
+#include "kernel_rows.inc"
 #undef FLASH3_FWD_KERNEL
 #undef FLASH3_KERNEL
   return false;
@@ -50,5 +52,14 @@ template <bool kBackward = false>
 inline bool kernel_built(DType dtype, int head_dim) {
   return dispatch<kBackward>(dtype, head_dim, [](auto, auto) {});
 }
+
+// The built rows as "bfloat16 x 64, ..."; the head dims built for one dtype as "64, 128, 256"
+// (dtype.cpp).
+std::string built_kernels();
+std::string built_head_dims(DType dtype);
+
+// What an entry point throws when the library has no kernel for (dtype, head_dim): validation
+// admits the built rows only, so this is reached where a build left rows out (FLASH3_KERNELS).
+[[noreturn]] void throw_no_kernel(const char* entry, DType dtype, int head_dim);
 
 }  // namespace flash3::detail

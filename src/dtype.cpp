@@ -4,7 +4,9 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <string>
+#include <vector>
 
 namespace flash3 {
 
@@ -54,6 +56,45 @@ TensorRef TensorRef::contiguous(void* data, DType dtype, std::initializer_list<i
 bool is_supported_head_dim(int head_dim) {
   return detail::kernel_built(DType::kBFloat16, head_dim) || detail::kernel_built(DType::kFloat16, head_dim);
 }
+
+namespace detail {
+
+std::string built_kernels() {
+  std::string out;
+  auto add = [&](DType dtype, int head_dim) {
+    out += (out.empty() ? "" : ", ") + std::string(dtype_name(dtype)) + " x " + std::to_string(head_dim);
+  };
+#define FLASH3_KERNEL(DT, HD) add(DType::DT, HD);
+#define FLASH3_FWD_KERNEL(DT, HD) add(DType::DT, HD);
+#include "kernel_rows.inc"
+#undef FLASH3_FWD_KERNEL
+#undef FLASH3_KERNEL
+  return out.empty() ? "none" : out;
+}
+
+std::string built_head_dims(DType dtype) {
+  std::vector<int> dims;
+  auto add = [&](DType row_dtype, int head_dim) {
+    if (row_dtype == dtype && std::find(dims.begin(), dims.end(), head_dim) == dims.end()) dims.push_back(head_dim);
+  };
+#define FLASH3_KERNEL(DT, HD) add(DType::DT, HD);
+#define FLASH3_FWD_KERNEL(DT, HD) add(DType::DT, HD);
+#include "kernel_rows.inc"
+#undef FLASH3_FWD_KERNEL
+#undef FLASH3_KERNEL
+  std::sort(dims.begin(), dims.end());
+  std::string out;
+  for (int d : dims) out += (out.empty() ? "" : ", ") + std::to_string(d);
+  return out.empty() ? "none" : out;
+}
+
+void throw_no_kernel(const char* entry, DType dtype, int head_dim) {
+  throw Error(std::string(entry) + ": this library has no kernel for " + dtype_name(dtype) + " with head_dim " +
+              std::to_string(head_dim) + "; it was built with (dtype x head_dim) " + built_kernels() +
+              " (CMake's FLASH3_KERNELS chooses the rows)");
+}
+
+}  // namespace detail
 
 bool hopper_available(std::string* why_not) {
   auto no = [&](const std::string& why) {

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "common/seqlen.h"
+#include "dispatch.h"
 #include "varlen_check.h"
 
 namespace flash3 {
@@ -294,8 +295,8 @@ class Checker {
   void heads(const Arg& q, const Arg& k) const {
     const int qh = q.rank - 2, kh = k.rank - 2, qd = q.rank - 1;
     const int64_t head_dim = q.t.shape[qd], nheads = q.t.shape[qh], nheads_kv = k.t.shape[kh];
-    if (!is_supported_head_dim(static_cast<int>(head_dim))) {
-      fail(Dim{q, qd}, " is ", head_dim, "; supported head dims are 64, 128, 256");
+    if (!detail::kernel_built(q.t.dtype, static_cast<int>(head_dim))) {
+      fail(Dim{q, qd}, " is ", head_dim, "; supported head dims are ", detail::built_head_dims(q.t.dtype));
     }
     if (nheads_kv < 1) fail(Dim{k, kh}, " is ", nheads_kv, "; k and v need at least one head");
     if (nheads < 1 || nheads % nheads_kv != 0) {

@@ -42,8 +42,8 @@ void bwd(const BwdArgs& args) {
   detail::require_hopper("flash3::bwd");
   detail::check_seqlens_on_device(args, p);
 
-  if (!detail::kernel_built</*kBackward=*/true>(p.dtype, p.head_dim)) {  // validate_bwd admits only the table's rows
-    throw Error("flash3::bwd: no kernel for head_dim " + std::to_string(p.head_dim));
+  if (!detail::kernel_built</*kBackward=*/true>(p.dtype, p.head_dim)) {
+    detail::throw_no_kernel("flash3::bwd", p.dtype, p.head_dim);
   }
 
   char* base = static_cast<char*>(args.workspace);

@@ -158,7 +158,7 @@ void fwd_kvcache(const KvcacheArgs& args) {
     }
     launch_decode<Element, kHeadDim>(dp, unsigned(tiles), unsigned(splits), args.stream);
   });
-  if (!found) throw Error("flash3::fwd_kvcache: no kernel for head_dim " + std::to_string(p.head_dim));
+  if (!found) throw_no_kernel("flash3::fwd_kvcache", p.dtype, p.head_dim);
 }
 
 }  // namespace flash3

@@ -19,8 +19,7 @@ void fwd_ablation(const FwdArgs& args, FwdAblation ablation) {
   const bool found = dispatch(p.dtype, p.head_dim, [&](auto dtype, auto head_dim) {
     run_fwd<decltype(dtype)::value, decltype(head_dim)::value>(p, args, ablation);
   });
-  // validate_fwd admits only the table's rows; keep the guard anyway.
-  if (!found) throw Error("flash3::fwd: no kernel for head_dim " + std::to_string(p.head_dim));
+  if (!found) throw_no_kernel("flash3::fwd", p.dtype, p.head_dim);
 }
 }  // namespace detail
 
