@@ -58,30 +58,34 @@ bool is_supported_head_dim(int head_dim) {
 }
 
 namespace detail {
+namespace {
 
-std::string built_kernels() {
-  std::string out;
-  auto add = [&](DType dtype, int head_dim) {
-    out += (out.empty() ? "" : ", ") + std::string(dtype_name(dtype)) + " x " + std::to_string(head_dim);
-  };
-#define FLASH3_KERNEL(DT, HD) add(DType::DT, HD);
-#define FLASH3_FWD_KERNEL(DT, HD) add(DType::DT, HD);
+// Calls f(dtype, head_dim) for every row built into this library (kernel_rows.inc), the
+// forward-only ones included.
+template <class F>
+void for_each_built_row(F&& f) {
+#define FLASH3_KERNEL(DT, HD) f(DType::DT, HD);
+#define FLASH3_FWD_KERNEL(DT, HD) f(DType::DT, HD);
 #include "kernel_rows.inc"
 #undef FLASH3_FWD_KERNEL
 #undef FLASH3_KERNEL
+}
+
+}  // namespace
+
+std::string built_kernels() {
+  std::string out;
+  for_each_built_row([&](DType dtype, int head_dim) {
+    out += (out.empty() ? "" : ", ") + std::string(dtype_name(dtype)) + " x " + std::to_string(head_dim);
+  });
   return out.empty() ? "none" : out;
 }
 
 std::string built_head_dims(DType dtype) {
-  std::vector<int> dims;
-  auto add = [&](DType row_dtype, int head_dim) {
-    if (row_dtype == dtype && std::find(dims.begin(), dims.end(), head_dim) == dims.end()) dims.push_back(head_dim);
-  };
-#define FLASH3_KERNEL(DT, HD) add(DType::DT, HD);
-#define FLASH3_FWD_KERNEL(DT, HD) add(DType::DT, HD);
-#include "kernel_rows.inc"
-#undef FLASH3_FWD_KERNEL
-#undef FLASH3_KERNEL
+  std::vector<int> dims;  // the table has one row per (dtype, head dim)
+  for_each_built_row([&](DType row_dtype, int head_dim) {
+    if (row_dtype == dtype) dims.push_back(head_dim);
+  });
   std::sort(dims.begin(), dims.end());
   std::string out;
   for (int d : dims) out += (out.empty() ? "" : ", ") + std::to_string(d);
