@@ -282,7 +282,7 @@ def table_lines(rows, builds, have_fa3, have_cudnn):
     W = 19  # 'm.mmm [l.lll-h.hhh]'
     cols = [(f"{b}/{base}", W) for b in builds[1:]]
     if have_fa3:
-        cols += [(f"{b}/{FA3}", W if b != base else 7) for b in builds[1:] + [base]]
+        cols += [(f"{b}/{FA3}", W if b != base or len(builds) == 1 else 7) for b in builds[1:] + [base]]
     if have_cudnn:
         cols += [(f"{b}/{CUDNN}", 7) for b in builds]
     gqa = any(r.get("nheads_kv", r["nheads"]) != r["nheads"] for r in rows)
@@ -302,6 +302,9 @@ def table_lines(rows, builds, have_fa3, have_cudnn):
             v = "ok" if ok else ("SLOWER" if ok is False else "n/a")
             verdicts.append(v if len(builds) == 2 else f"{b}:{v}")
         spreads = present([r["rule"][b]["spread"] for b in builds[1:]])
+        if len(builds) == 1 and have_fa3:  # one build: the run-to-run spread of its ratio to FA3
+            st = r["ratios"].get(f"{base}/{FA3}") or {}
+            spreads = present([(st["max"] - st["min"]) / st["median"] if st.get("median") else None])
         flags = [f"MISMATCH({','.join(r['mismatch'])})"] if r.get("mismatch") else []
         flags += [f"ERROR({','.join(sorted(r['errors']))})"] if r.get("errors") else []
         out.append(f"{r['pass']:4} {r['hdim']:>4} {int(bool(r['causal'])):>6} {r['seqlen']:>6}{shape(r)} | "

@@ -381,6 +381,20 @@ TEST(FwdGpuVariants, Causal64TileSwitch) {
   }
 }
 
+// Causal head dim 128 runs 176-key tiles where a row sees kFwdCausal128LongMin keys or more on
+// average (seqlen_k - seqlen_q / 2, fwd_config.h) and 128-key tiles below: both sides of the
+// switch, ragged lengths, seqlen_q shorter than seqlen_k, GQA.
+TEST(FwdGpuVariants, Causal128TileSwitch) {
+  FLASH3_REQUIRE_HOPPER();
+  uint64_t seed = 5252;
+  for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
+    for (auto [sq, sk] : {std::pair<int, int>{128, 4160}, {1000, 4600}, {1000, 4590}, {2500, 5400}}) {
+      run_case(Case{dtype, 128, true, 1, sq, sk, 4, 2}, seed++);
+      if (HasFatalFailure()) return;
+    }
+  }
+}
+
 // One bf16 forward call on its own contiguous (b, s, heads, d) tensors, q, k, v fresh N(0,1), and
 // the output it is expected to give (`want`, filled by the test).
 struct BF16Call {

@@ -77,6 +77,9 @@ TEST(CausalOrder, SectionFitsTheBudget) {
   EXPECT_EQ(flash3::causal_section(2048, 64, 2, 32ll << 20), 64);   // 0.5 MB per pair
   EXPECT_EQ(flash3::causal_section(1 << 20, 256, 2, 32ll << 20), 1);  // 1 GB per pair: at least 1
   EXPECT_EQ(flash3::causal_section(0, 128, 2, 32ll << 20), 1);
+  // GQA: the query heads of one kv head read one K and V.
+  EXPECT_EQ(flash3::causal_section(8192, 128, 2, 32ll << 20, 8), 64);  // 4 MB per group of 8
+  EXPECT_EQ(flash3::causal_section(1 << 20, 256, 2, 32ll << 20, 8), 8);  // at least one group
 }
 
 TEST(CausalOrder, SmallLastSectionJoinsThePreviousOnes) {

@@ -1,13 +1,15 @@
 """Runs one attention call of flash3 and of cuDNN (PyTorch SDPA) inside a CUDA profiler range,
 for Nsight Compute: `ncu --profile-from-start off ... python3 tools/prof.py --pass bwd ...` profiles
 exactly the kernels of one flash3 call and one cuDNN call on the same inputs (warm-ups outside).
---pass fp8: flash3's FP8 forward and FlashAttention-3's (--fa3, the prebuilt comparator) instead,
-e4m3 inputs with per-(batch, kv head) descales.
+With --fa3, FlashAttention-3's call (the prebuilt comparator) on the same inputs too.
+--pass fp8: flash3's FP8 forward and FlashAttention-3's instead, e4m3 inputs with per-(batch,
+kv head) descales.
 
 usage: FLASH3_LIB=build/libflash3.so PYTHONPATH=python python3 tools/prof.py
-           [--pass fwd|bwd|fp8] [--hdim 128] [--seqlen 2048] [--causal 0|1] [--only flash3|cudnn]
-           [--fa3 /tmp/fa3_anchor.so]
-Shapes follow the paper's sweep: batch = 16384 / seqlen, heads = 2048 / hdim.
+           [--pass fwd|bwd|fp8] [--hdim 128] [--seqlen 2048] [--causal 0|1]
+           [--only flash3|cudnn|fa3] [--fa3 /tmp/fa3_anchor.so] [--batch B --heads H:HKV]
+Shapes follow the paper's sweep (batch = 16384 / seqlen, heads = 2048 / hdim) unless --batch and
+--heads are given (GQA when HKV < H).
 """
 import argparse
 
@@ -18,23 +20,37 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import flash3
 
 
-def paper_problem(d, s, causal):
-    """The paper's sweep shape at head dim d, seqlen s (batch 16384 / s, heads 2048 / d), bf16,
-    seed 0: (q, k, v, dout) with q, k, v requiring grad, and {name: attention(q, k, v)} for
-    flash3 and cuDNN (PyTorch SDPA's cuDNN backend), both in flash3's (b, s, h, d) layout."""
-    b, h = max(1, 16384 // s), max(1, 2048 // d)
+def paper_problem(d, s, causal, batch=0, heads="", fa3_path=None):
+    """The paper's sweep shape at head dim d, seqlen s (batch 16384 / s, heads 2048 / d; or the
+    given batch and "H:HKV" heads), bf16, seed 0: (q, k, v, dout) with q, k, v requiring grad,
+    and {name: attention(q, k, v)} for flash3, cuDNN (PyTorch SDPA's cuDNN backend) and, with
+    fa3_path, FlashAttention-3 (its forward; its backward through fa3_bwd), all in flash3's
+    (b, s, h, d) layout."""
+    b = batch or max(1, 16384 // s)
+    h, hkv = (int(x) for x in heads.split(":")) if heads else (max(1, 2048 // d),) * 2
     torch.manual_seed(0)
-    q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    q, dout = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(b, s, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     for t in (q, k, v):
         t.requires_grad_()
 
     def cudnn(q, k, v):
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                  is_causal=causal).transpose(1, 2)
+                                                  is_causal=causal, enable_gqa=hkv != h).transpose(1, 2)
 
     impls = {"flash3": lambda q, k, v: flash3.flash_attn_func(q, k, v, causal=causal), "cudnn": cudnn}
+    if fa3_path:
+        torch.ops.load_library(fa3_path)
+        impls["fa3"] = lambda q, k, v: torch.ops.flash_attn_3.fwd(q, k, v, is_causal=causal)
     return (q, k, v, dout), impls
+
+
+def fa3_bwd(q, k, v, dout, causal):
+    """FlashAttention-3's backward call on the forward's outputs (it has no autograd here)."""
+    out, lse = torch.ops.flash_attn_3.fwd(q, k, v, is_causal=causal)[:2]
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    return lambda: torch.ops.flash_attn_3.bwd(dout, q, k, v, out, lse, *grads, is_causal=causal)
 
 
 def fp8_impls(q, k, v, causal, fa3_path):
@@ -56,14 +72,16 @@ def main():
     p.add_argument("--seqlen", type=int, default=2048)
     p.add_argument("--causal", type=int, default=0)
     p.add_argument("--only", choices=("flash3", "cudnn", "fa3"), default=None)
-    p.add_argument("--fa3", default="/tmp/fa3_anchor.so")
+    p.add_argument("--fa3", default=None, help="FlashAttention-3's fa3_anchor.so (--pass fp8: default /tmp/fa3_anchor.so)")
+    p.add_argument("--batch", type=int, default=0)
+    p.add_argument("--heads", default="", help="H:HKV query and kv heads")
     a = p.parse_args()
     s, d = a.seqlen, a.hdim
     causal = bool(a.causal)
-    (q, k, v, dout), impls = paper_problem(d, s, causal)
+    (q, k, v, dout), impls = paper_problem(d, s, causal, a.batch, a.heads, a.fa3 if a.pss != "fp8" else None)
     b, h = q.shape[0], q.shape[2]
     if a.pss == "fp8":
-        impls = fp8_impls(q, k, v, causal, a.fa3)
+        impls = fp8_impls(q, k, v, causal, a.fa3 or "/tmp/fa3_anchor.so")
     if a.only:
         impls = {a.only: impls[a.only]}
     calls = {}
@@ -72,6 +90,8 @@ def main():
             calls[name] = fn
         elif a.pss == "fwd":
             calls[name] = lambda fn=fn: fn(q, k, v)
+        elif name == "fa3":
+            calls[name] = fa3_bwd(q.detach(), k.detach(), v.detach(), dout, causal)
         else:
             out = fn(q, k, v)
             calls[name] = lambda out=out: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)

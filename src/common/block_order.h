@@ -23,11 +23,13 @@ namespace flash3 {
 constexpr long long kCausalL2Budget = 32ll << 20;
 
 // (head, batch) pairs per section: as many as have their K and V (seqlen_k x head_dim x 2
-// tensors x elem_bytes) within `budget` bytes, at least 1.
-inline int causal_section(int seqlen_k, int head_dim, int elem_bytes, long long budget) {
-  const long long per_pair = (long long)seqlen_k * head_dim * 2 * elem_bytes;
-  const long long n = per_pair > 0 ? budget / per_pair : 1;
-  return n < 1 ? 1 : (n > (1 << 30) ? (1 << 30) : int(n));
+// tensors x elem_bytes) within `budget` bytes, at least 1; with GQA/MQA the heads_per_kv query
+// heads of one kv head (adjacent pairs) read one K and V, so a section holds whole groups of them.
+inline int causal_section(int seqlen_k, int head_dim, int elem_bytes, long long budget, int heads_per_kv = 1) {
+  const long long per_group = (long long)seqlen_k * head_dim * 2 * elem_bytes;
+  long long n = per_group > 0 ? budget / per_group : 1;
+  n = (n < 1 ? 1 : n) * (heads_per_kv < 1 ? 1 : heads_per_kv);
+  return n > (1 << 30) ? (1 << 30) : int(n);
 }
 
 // The backward's causal section size in (head, batch) pairs: as many as have their Q and dO

@@ -25,7 +25,8 @@
 //        64  |   192 (3)     | 128                |   2    |   yes    |   yes   | 24 + 2x32 = 88 KB
 //            | (causal, seqlen_q <= 1024: 128 (2), FwdBlockM128, O staged per warp)
 //       128  |   128 (2)     | 176 (causal: 128)  |   2    |   yes    |   yes   | 32 + 2x88 + 16 = 224 KB
-//            | (causal: K 2 stages, V 3 stages: 32 + 2x32 + 3x32 + 16 = 208 KB)
+//            | (causal: K 2 stages, V 3 stages: 32 + 2x32 + 3x32 + 16 = 208 KB;
+//            |  long causal key ranges: 176, FwdBlockN176)
 //       256  |   128 (2)     |  80                |   2    |   yes    |   yes   | 64 + 2x80 = 224 KB
 //
 // NOTES: pingpong at head dim 256 measured +2-17% against none on the
@@ -72,6 +73,15 @@ struct FwdTwoStageBlockN96 : FwdDefaultVariant { static constexpr int kBlockN = 
 // picks the 128-row kernel for seqlen_q <= kFwdCausal64ShortMax.
 struct FwdBlockM128 : FwdDefaultVariant { static constexpr int kBlockM = 128; };
 constexpr int kFwdCausal64ShortMax = 1024;
+
+// Causal head dim 128 over long key ranges: the non-causal tile (176 keys, V in two stages)
+// instead of 128 keys, where a query row sees kFwdCausal128LongMin keys or more on average
+// (seqlen_k - seqlen_q / 2).
+// NOTES: measured side by side on an H200 (docs/perf-log.md, step 35), 176 against 128 keys at
+// equal lengths: +1.8-2.6% at 8k, +3.6% at 16k, +4.6-5.8% at 32k, but 0.9% slower at 4k, 4-5% at
+// 2k and 11% at 1k, where the diagonal's masked work weighs more (step 13).
+struct FwdBlockN176 : FwdDefaultVariant { static constexpr int kBlockN = 176; };
+constexpr int kFwdCausal128LongMin = 4096;
 
 // Non-causal: the last partial wave of tiles cut along the keys over all SMs, by a kernel of its
 // own launched behind the main one (tail_split.h; docs/perf-log.md step 25). Head dims 128 and

@@ -33,7 +33,7 @@ typename Traits::Params make_fwd_params(const FwdProblem& p, const FwdArgs& args
   const auto layout_q = qkv_layout(args.q);
   const auto layout_k = qkv_layout(args.k);
   const long long l2_budget = std::min(kCausalL2Budget, l2_bytes());
-  const int section = causal_section(p.seqlen_k, Traits::kHeadDim, int(sizeof(Element)), l2_budget);
+  const int section = causal_section(p.seqlen_k, Traits::kHeadDim, int(sizeof(Element)), l2_budget, p.nheads / p.nheads_kv);
   const int m_blocks = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
   typename Traits::Params params{};
   params.load.tma_q = Traits::make_tma_q(static_cast<const Element*>(args.q.data), layout_q);
@@ -241,6 +241,11 @@ void run_fwd(const FwdProblem& p, const FwdArgs& args, FwdAblation ablation) {
       if constexpr (kHeadDim == 64) {
         if (p.seqlen_q <= kFwdCausal64ShortMax) {
           return launch_fwd<FwdTraits<Element, kHeadDim, true, FwdBlockM128>>(p, args, persistent, counter);
+        }
+      }
+      if constexpr (kHeadDim == 128) {
+        if (p.seqlen_k - p.seqlen_q / 2 >= kFwdCausal128LongMin) {
+          return launch_fwd<FwdTraits<Element, kHeadDim, true, FwdBlockN176>>(p, args, persistent, counter);
         }
       }
       launch_fwd<FwdTraits<Element, kHeadDim, true>>(p, args, persistent, counter);

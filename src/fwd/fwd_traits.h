@@ -44,7 +44,8 @@ struct FwdTraits {
   static constexpr int kBlockM = Variant::kBlockM > 0 ? Variant::kBlockM : Config::kBlockM;
   static constexpr int kBlockN = Variant::kBlockN > 0 ? Variant::kBlockN : Config::kBlockN;
   static constexpr int kStages = Config::kStages;
-  static constexpr int kStagesV = Config::kStagesV;  // V's ring may be deeper than K's
+  // V's ring may be deeper than K's (not with a variant's wider tiles: shared memory)
+  static constexpr int kStagesV = Variant::kBlockN > Config::kBlockN ? kStages : Config::kStagesV;
   static constexpr bool kCausal = kCausal_;
   // Causal tiles, and those of sequences of different lengths, differ in length: they are
   // handed out by the dynamic scheduler (fwd_scheduler.h).
