@@ -68,17 +68,26 @@ if has profile; then
   done
 fi
 if has prof; then
-  # Nsight Compute over one flash3 call and one cuDNN call on the same inputs (tools/prof.py):
-  # every kernel's duration, throughput and warp stall reasons, side by side.
-  # PROF_CFGS: "pass hdim seqlen causal" entries separated by ';'
+  # Nsight Compute over one flash3 call, one cuDNN call and (with the anchor carried) one
+  # FlashAttention-3 call on the same inputs (tools/prof.py): every kernel's duration,
+  # throughput and warp stall reasons, side by side; PROF_SOURCE=1 adds the stall samples per
+  # source line (SourceCounters).
+  # PROF_CFGS: "pass hdim seqlen causal [batch heads]" entries separated by ';' (heads H:HKV)
   IFS=';' read -ra cfgs <<< "${PROF_CFGS:-bwd 128 512 0;bwd 128 8192 0;fwd 128 2048 1}"
+  prof_fa3=()
+  if [ -f .anchors/fa3_anchor.so.xz ]; then
+    python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" \
+      .anchors/fa3_anchor.so.xz /tmp/fa3_anchor.so && prof_fa3=(--fa3 /tmp/fa3_anchor.so)
+  fi
+  prof_src=(); [ "${PROF_SOURCE:-0}" = 1 ] && prof_src=(--section SourceCounters --import-source yes)
   for cfg in "${cfgs[@]}"; do
     set -- $cfg
-    name="ncu_$1_d$2_s$3_c$4"
+    name="ncu_$1_d$2_s$3_c$4${6:+_h${6/:/-}}"
+    shape=(); [ -n "${6:-}" ] && shape=(--batch "$5" --heads "$6")
     FLASH3_LIB="$root/build/libflash3.so" PYTHONPATH="$root/python" timeout 300 ncu --profile-from-start off \
       --clock-control none --cache-control none --section SpeedOfLight --section WarpStateStats \
-      --section LaunchStats --section Occupancy --section ComputeWorkloadAnalysis \
-      python3 tools/prof.py --pass $1 --hdim $2 --seqlen $3 --causal $4 > "$OUT/$name.txt" 2>&1
+      --section LaunchStats --section Occupancy --section ComputeWorkloadAnalysis "${prof_src[@]}" \
+      python3 tools/prof.py --pass $1 --hdim $2 --seqlen $3 --causal $4 "${shape[@]}" "${prof_fa3[@]}" > "$OUT/$name.txt" 2>&1
     log "ncu $cfg: rc=$?"
     grep -E "^  [^ ].*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|Issue Slots Busy|Warp Cycles Per Issued|Registers Per|Grid Size|Dynamic Shared" \
       "$OUT/$name.txt" | head -80 | tee -a "$OUT/summary.txt"
