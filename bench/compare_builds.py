@@ -303,8 +303,7 @@ def table_lines(rows, builds, have_fa3, have_cudnn):
             verdicts.append(v if len(builds) == 2 else f"{b}:{v}")
         spreads = present([r["rule"][b]["spread"] for b in builds[1:]])
         if len(builds) == 1 and have_fa3:  # one build: the run-to-run spread of its ratio to FA3
-            st = r["ratios"].get(f"{base}/{FA3}") or {}
-            spreads = present([(st["max"] - st["min"]) / st["median"] if st.get("median") else None])
+            spreads = present([value_stats((r["ratios"].get(f"{base}/{FA3}") or {}).get("runs", []))["spread"]])
         flags = [f"MISMATCH({','.join(r['mismatch'])})"] if r.get("mismatch") else []
         flags += [f"ERROR({','.join(sorted(r['errors']))})"] if r.get("errors") else []
         out.append(f"{r['pass']:4} {r['hdim']:>4} {int(bool(r['causal'])):>6} {r['seqlen']:>6}{shape(r)} | "

@@ -21,6 +21,14 @@ steps="${*:-all}"
 has() { [[ " $steps " == *" all "* || " $steps " == *" $1 "* ]]; }
 log() { echo "== $*" | tee -a "$OUT/summary.txt"; }
 jobs=$(nproc)
+# FlashAttention-3's prebuilt comparator, unpacked once to /tmp/fa3_anchor.so where carried:
+# prints that path, or nothing (and fails) where the anchor is not there.
+fa3_anchor() {
+  [ -f .anchors/fa3_anchor.so.xz ] || return 1
+  [ -f /tmp/fa3_anchor.so ] || python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" \
+    .anchors/fa3_anchor.so.xz /tmp/fa3_anchor.so || return 1
+  echo /tmp/fa3_anchor.so
+}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee -a "$OUT/summary.txt"
 
 t0=$(date +%s)
@@ -74,11 +82,7 @@ if has prof; then
   # source line (SourceCounters).
   # PROF_CFGS: "pass hdim seqlen causal [batch heads]" entries separated by ';' (heads H:HKV)
   IFS=';' read -ra cfgs <<< "${PROF_CFGS:-bwd 128 512 0;bwd 128 8192 0;fwd 128 2048 1}"
-  prof_fa3=()
-  if [ -f .anchors/fa3_anchor.so.xz ]; then
-    python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" \
-      .anchors/fa3_anchor.so.xz /tmp/fa3_anchor.so && prof_fa3=(--fa3 /tmp/fa3_anchor.so)
-  fi
+  prof_fa3=(); fa3_anchor > /dev/null && prof_fa3=(--fa3 /tmp/fa3_anchor.so)
   prof_src=(); [ "${PROF_SOURCE:-0}" = 1 ] && prof_src=(--section SourceCounters --import-source yes)
   for cfg in "${cfgs[@]}"; do
     set -- $cfg
@@ -117,21 +121,12 @@ if has bwdbench; then
   python3 bench/table.py "$OUT/bench_torch_bwd.json" | tee -a "$OUT/summary.txt" || true
 fi
 if has fp8; then
-  fa3=none
-  if [ -f .anchors/fa3_anchor.so.xz ]; then
-    python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" \
-      .anchors/fa3_anchor.so.xz /tmp/fa3_anchor.so && fa3=/tmp/fa3_anchor.so
-  fi
+  fa3=$(fa3_anchor) || fa3=none
   FLASH3_LIB="$root/build/libflash3.so" PYTHONPATH="$root/python" PYTHONUNBUFFERED=1 \
     timeout ${FP8_TIMEOUT:-300} python3 bench/bench_fp8.py --fa3 "$fa3" ${FP8_ARGS:-} --json "$OUT/fp8.json" 2>&1 | tee "$OUT/bench_fp8.log"
   grep -E "^\||geomean|Table 3|quantizer|end to end" "$OUT/bench_fp8.log" >> "$OUT/summary.txt"
 fi
-if has mask || has varlen || has gqa; then
-  if [ -f .anchors/fa3_anchor.so.xz ]; then
-    python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" \
-      .anchors/fa3_anchor.so.xz /tmp/fa3_anchor.so
-  fi
-fi
+if has mask || has varlen || has gqa; then fa3_anchor > /dev/null; fi
 if has mask; then
   FLASH3_LIB="$root/build/libflash3.so" PYTHONPATH="$root/python" PYTHONUNBUFFERED=1 \
     timeout ${MASK_TIMEOUT:-300} python3 bench/bench_mask.py --fa3 /tmp/fa3_anchor.so --json "$OUT/mask.json" ${MASK_ARGS:-} > "$OUT/mask.log" 2>&1
