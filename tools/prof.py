@@ -3,7 +3,7 @@ for Nsight Compute: `ncu --profile-from-start off ... python3 tools/prof.py --pa
 exactly the kernels of one flash3 call and one cuDNN call on the same inputs (warm-ups outside).
 With --fa3, FlashAttention-3's call (the prebuilt comparator) on the same inputs too.
 --pass fp8: flash3's FP8 forward and FlashAttention-3's instead, e4m3 inputs with per-(batch,
-kv head) descales.
+kv head) descales, and flash3's with block scales.
 
 usage: FLASH3_LIB=build/libflash3.so PYTHONPATH=python python3 tools/prof.py
            [--pass fwd|bwd|fp8] [--hdim 128] [--seqlen 2048] [--causal 0|1]
@@ -54,13 +54,22 @@ def fa3_bwd(q, k, v, dout, causal):
 
 
 def fp8_impls(q, k, v, causal, fa3_path):
-    """flash3's and FlashAttention-3's FP8 forward on e4m3 copies of q, k, v (unit descales)."""
+    """flash3's and FlashAttention-3's FP8 forward on e4m3 copies of q, k, v (unit descales), and
+    flash3's with block scales (flash3_blk: random in [0.5, 1.5), so that O is rescaled wherever
+    the v scale changes)."""
     q8, k8, v8 = (t.detach().to(torch.float8_e4m3fn) for t in (q, k, v))
-    d = torch.ones(q.shape[0], k.shape[2], device="cuda", dtype=torch.float32)
+    b, s, h, dim = q.shape
+    d = torch.ones(b, k.shape[2], device="cuda", dtype=torch.float32)
+    bkv = flash3.fp8.block_kv(dim)
+    qs, ks, vs = (torch.rand(b, heads, -(-s // blk), device="cuda") + 0.5
+                  for heads, blk in ((h, flash3.fp8.BLOCK_Q), (k.shape[2], bkv), (k.shape[2], bkv)))
+    out = torch.empty(b, s, h, dim, device="cuda", dtype=torch.bfloat16)
     torch.ops.load_library(fa3_path)
     fa3 = torch.ops.flash_attn_3
     return {
         "flash3": lambda: flash3.flash_attn_func(q8, k8, v8, causal=causal, q_descale=d, k_descale=d, v_descale=d),
+        "flash3_blk": lambda: flash3.forward_into(q8, k8, v8, out, None, causal=causal, q_scale=qs, k_scale=ks,
+                                                  v_scale=vs),
         "fa3": lambda: fa3.fwd(q8, k8, v8, q_descale=d, k_descale=d, v_descale=d, is_causal=causal),
     }
 
@@ -71,7 +80,7 @@ def main():
     p.add_argument("--hdim", type=int, default=128)
     p.add_argument("--seqlen", type=int, default=2048)
     p.add_argument("--causal", type=int, default=0)
-    p.add_argument("--only", choices=("flash3", "cudnn", "fa3"), default=None)
+    p.add_argument("--only", choices=("flash3", "flash3_blk", "cudnn", "fa3"), default=None)
     p.add_argument("--fa3", default=None, help="FlashAttention-3's fa3_anchor.so (--pass fp8: default /tmp/fa3_anchor.so)")
     p.add_argument("--batch", type=int, default=0)
     p.add_argument("--heads", default="", help="H:HKV query and kv heads")
