@@ -225,7 +225,7 @@ TEST(BwdWorkspace, DeterministicCopiesWhereTheChainIsLong) {
   EXPECT_EQ(flash3::bwd_dq_groups(true, true, 128, 256, 256 * mb + 1), 2);
   // The paper's sweep at head dim 256, causal 16k: 8 heads x 16384 rows x 256 x 4 bytes a copy.
   EXPECT_EQ(flash3::bwd_dq_copy_bytes(8, 16384, 256), 134217728);
-  const flash3::detail::BwdWorkspaceLayout ws(1, 8, 16384, 16384, 256, true, true, false);
+  const flash3::detail::BwdWorkspaceLayout ws(1, 8, 16384, 16384, 256, true, true, 8);
   EXPECT_EQ(ws.dq_groups, 4);
 }
 
@@ -258,8 +258,8 @@ TEST(BwdWorkspace, PartsAreAlignedDisjointAndLargeEnough) {
       for (bool causal : {false, true}) {
         for (bool det : {false, true}) {
           for (bool gqa : {false, true}) {
-            const int batch = 3, nheads = 5, seqlen_q = 1000;
-            const flash3::detail::BwdWorkspaceLayout ws(batch, nheads, seqlen_q, seqlen_k, d, causal, det, gqa);
+            const int batch = 3, nheads = 6, nheads_kv = gqa ? 2 : nheads, seqlen_q = 1000;
+            const flash3::detail::BwdWorkspaceLayout ws(batch, nheads, seqlen_q, seqlen_k, d, causal, det, nheads_kv);
             SCOPED_TRACE(::testing::Message() << "d " << d << " seqlen_k " << seqlen_k << " causal " << causal
                                               << " det " << det << " gqa " << gqa);
             const size_t bh = size_t(batch) * nheads;
@@ -278,8 +278,14 @@ TEST(BwdWorkspace, PartsAreAlignedDisjointAndLargeEnough) {
             if (ws.dq_store_first) parts.emplace_back(ws.dq_sem, 4 * bh * ws.m_blocks * groups);
             parts.emplace_back(ws.dq_done, 4 * bh);
             if (gqa) {
-              parts.emplace_back(ws.dk_accum, 4 * bh * ws.seqlen_k_pad * d);
-              parts.emplace_back(ws.dv_accum, 4 * bh * ws.seqlen_k_pad * d);
+              // The default mode adds into one FP32 dK, dV per kv head; the deterministic mode
+              // keeps one per query head.
+              const size_t heads = det ? nheads : nheads_kv;
+              EXPECT_EQ(ws.dkv_heads, int(heads));
+              const size_t bytes = 4 * batch * heads * ws.seqlen_k_pad * d;
+              parts.emplace_back(ws.dk_accum, bytes);
+              parts.emplace_back(ws.dv_accum, bytes);
+              EXPECT_GE(ws.dk_accum + ws.dkv_bytes, ws.dv_accum + bytes);  // the zeroed range covers both
             }
             std::sort(parts.begin(), parts.end());
             for (size_t i = 0; i < parts.size(); ++i) {

@@ -166,7 +166,10 @@ inline int bwd_persistent_grid(int sms, int64_t items, bool causal, int seqlen_q
 //   dq_done  int   [batch][nheads]   the key blocks' dQ writers that have finished with the pair
 //            (each of the kDQWriters writers of each key block adds 1 once its adds are complete),
 //            so that the postprocess converts a pair's dQ while the main kernel still runs
-//   dk_accum, dv_accum float [batch][nheads][seqlen_k_pad][d]   GQA/MQA only: per-query-head dK, dV
+//   dk_accum, dv_accum float [batch][heads][seqlen_k_pad][d]   GQA/MQA only: dK, dV in FP32; the
+//            default mode adds every query head's into its kv head's (heads = nheads_kv, zeroed
+//            before the main kernel), the deterministic mode keeps one per query head (heads =
+//            nheads) and sums them in head order (bwd_postprocess_dkv)
 //   items    variable lengths: the list of key blocks (runtime/varlen_tiles.h)
 // seqlen_q_pad = m_blocks * kBlockM, seqlen_k_pad = n_blocks * kBlockN. A packed side (cu_seqlens)
 // replaces [batch][nheads][seqlen_pad] by [nheads][head_rows], each sequence in a slot of whole
@@ -179,6 +182,8 @@ struct BwdWorkspaceLayout {
   int64_t seqlen_q_pad = 0, seqlen_k_pad = 0;
   size_t lse_log2 = 0, dpsum = 0, dq_accum = 0, dq_sem = 0, dq_done = 0, dk_accum = 0, dv_accum = 0;  // offsets
   size_t bytes = 0;
+  int dkv_heads = 0;       // GQA: heads of dk_accum, dv_accum (nheads_kv: atomic adds; nheads)
+  size_t dkv_bytes = 0;    // from dk_accum to the end of dv_accum (zeroed where the adds are atomic)
 
   // Packed sides (variable lengths): rows per head of the FP32 workspaces (0: not packed).
   int64_t q_head_rows = 0, k_head_rows = 0;
@@ -188,8 +193,9 @@ struct BwdWorkspaceLayout {
   // packed_q / packed_k: that side has cu_seqlens, total_q / total_k rows; varlen: the key
   // blocks come from a list built on the device.
   BwdWorkspaceLayout(int batch, int nheads, int seqlen_q, int seqlen_k, int head_dim, bool causal, bool deterministic,
-                     bool gqa, bool varlen = false, bool packed_q = false, bool packed_k = false, int64_t total_q = 0,
-                     int64_t total_k = 0) {
+                     int nheads_kv, bool varlen = false, bool packed_q = false, bool packed_k = false,
+                     int64_t total_q = 0, int64_t total_k = 0) {
+    const bool gqa = nheads_kv != nheads;
     block_m = bwd_block_m(head_dim);
     block_n = bwd_block_n(head_dim);
     m_blocks = (seqlen_q + block_m - 1) / block_m;
@@ -215,8 +221,11 @@ struct BwdWorkspaceLayout {
     if (dq_store_first) dq_sem = take(sizeof(int) * (q_rows / block_m) * dq_groups);
     dq_done = take(sizeof(int) * bh);
     if (gqa) {
-      dk_accum = take(sizeof(float) * k_rows * head_dim);
-      dv_accum = take(sizeof(float) * k_rows * head_dim);
+      dkv_heads = deterministic ? nheads : nheads_kv;
+      const int64_t dkv_rows = k_rows / nheads * dkv_heads;
+      dk_accum = take(sizeof(float) * dkv_rows * head_dim);
+      dv_accum = take(sizeof(float) * dkv_rows * head_dim);
+      dkv_bytes = at - dk_accum;
     }
     if (varlen) {
       const int64_t rows_k = packed_k ? total_k : int64_t(batch) * seqlen_k;

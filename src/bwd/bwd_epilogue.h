@@ -10,7 +10,8 @@
 namespace flash3::detail {
 
 // dK (scaled) and dV of one block of work (keys col0.., pair bh) out of the registers: to the
-// outputs, or (GQA, dk_accum) to the FP32 per-query-head buffers. The 16-bit tiles go through
+// outputs, or (GQA, dk_accum) into the FP32 buffers: added into the kv head's (dkv_add), or
+// stored in the query head's (the deterministic mode). The 16-bit tiles go through
 // shared memory at sdk and sdv (each kBlockN x kHeadDim, free once every consumer thread is here).
 // NOTES: so that each warp then writes whole row segments (32 lanes x 4 bytes contiguous) instead
 // of 16 bytes in each of 8 rows per store; 16-byte chunks XOR-swizzled by row (chunk ^ row % 8):
@@ -63,15 +64,22 @@ __device__ __forceinline__ void bwd_store_dkdv(typename Traits::Params const& pa
       }
     }
   } else {
-    const int64_t row0 = bwd_row0<Traits, false>(params, batch, int(bh % params.nheads), bh);
+    const int64_t row0 = params.dkv_add ? bwd_kv_row0<Traits>(params, batch, head_kv)
+                                        : bwd_row0<Traits, false>(params, batch, int(bh % params.nheads), bh);
     float* dk = params.dk_accum + row0 * kHeadDim;
     float* dv = params.dv_accum + row0 * kHeadDim;
     CUTLASS_PRAGMA_UNROLL
     for (int j = 0; j < size(tdKrdK) / 2; ++j) {
       const int r = get<0>(tdKcdK(2 * j)), c = get<1>(tdKcdK(2 * j));
       const int64_t at = int64_t(col0 + r) * kHeadDim + c;
-      *reinterpret_cast<float2*>(dk + at) = make_float2(tdKrdK(2 * j), tdKrdK(2 * j + 1));
-      *reinterpret_cast<float2*>(dv + at) = make_float2(tdVrdV(2 * j), tdVrdV(2 * j + 1));
+      const float2 k2 = make_float2(tdKrdK(2 * j), tdKrdK(2 * j + 1)), v2 = make_float2(tdVrdV(2 * j), tdVrdV(2 * j + 1));
+      if (params.dkv_add) {
+        atomicAdd(reinterpret_cast<float2*>(dk + at), k2);
+        atomicAdd(reinterpret_cast<float2*>(dv + at), v2);
+      } else {
+        *reinterpret_cast<float2*>(dk + at) = k2;
+        *reinterpret_cast<float2*>(dv + at) = v2;
+      }
     }
   }
 }

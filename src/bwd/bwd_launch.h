@@ -50,6 +50,7 @@ void launch_bwd_main(const BwdProblem& p, const BwdArgs& args_in, const BwdWorks
   params.dq_ordered = int(p.deterministic);
   params.dk_accum = gqa ? reinterpret_cast<float*>(base + ws.dk_accum) : nullptr;
   params.dv_accum = gqa ? reinterpret_cast<float*>(base + ws.dv_accum) : nullptr;
+  params.dkv_add = gqa && ws.dkv_heads == p.nheads_kv;
   params.dk = static_cast<Element*>(args.dk.data);
   params.dv = static_cast<Element*>(args.dv.data);
   params.dk_row_stride = args.dk.stride[1];
@@ -165,6 +166,10 @@ void run_bwd(const BwdProblem& p, const BwdArgs& args_given, const BwdWorkspaceL
     aux.dq_done_target = ws.n_blocks * Traits::kDQWriters;
   }
   const int64_t aux_blocks = int64_t(ws.m_blocks) * p.nheads * p.batch;
+  // GQA, default mode: the main kernel adds every query head's dK, dV into its kv head's.
+  if (p.nheads != p.nheads_kv && ws.dkv_heads == p.nheads_kv && p.seqlen_k > 0) {
+    check_cuda(cudaMemsetAsync(base + ws.dk_accum, 0, ws.dkv_bytes, args.stream), "backward dK, dV clear");
+  }
   bwd_preprocess<Element, kBlockM, kHeadDim><<<dim3(unsigned(aux_blocks)), 256, 0, args.stream>>>(aux);
   check_cuda(cudaGetLastError(), "backward preprocess launch");
   if (p.seqlen_k > 0) {
@@ -208,7 +213,7 @@ void run_bwd(const BwdProblem& p, const BwdArgs& args_given, const BwdWorkspaceL
     dkv.k_head_rows = ws.k_head_rows;
     dkv.block_n = Traits::kBlockN;
     dkv.nheads_kv = p.nheads_kv;
-    dkv.group = p.nheads / p.nheads_kv;
+    dkv.group = ws.dkv_heads / p.nheads_kv;  // 1 where the main kernel added them already
     dkv.head_dim = p.head_dim;
     dkv.seqlen_k_pad = ws.seqlen_k_pad;
     dkv.softmax_scale = p.softmax_scale;

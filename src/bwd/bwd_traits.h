@@ -204,8 +204,9 @@ struct BwdTraits {
     int* dq_sem;                   // the first add into a tile is a store (bwd_dq_store_first), else null
     int dq_groups;                 // copies of each dQ tile (bwd_dq_groups); 1 without dq_sem
     int dq_ordered;                // deterministic: the adds into a tile in key-block order
-    float* dk_accum;               // GQA/MQA: per-query-head FP32 dK, dV; else null
+    float* dk_accum;               // GQA/MQA: FP32 dK, dV (bwd_config.h); else null
     float* dv_accum;
+    bool dkv_add;                  // dk_accum, dv_accum per kv head: atomic adds (else per query head)
     Element* dk;                   // MHA: written directly
     Element* dv;
     int64_t dk_row_stride, dk_head_stride, dk_batch_stride;
@@ -269,6 +270,18 @@ __device__ __forceinline__ int64_t bwd_row0(typename Traits::Params const& p, in
                       p.nheads, pad, kQ ? p.q_head_rows : p.k_head_rows, kQ ? Traits::kBlockM : Traits::kBlockN);
   }
   return bh * pad;
+}
+
+// The first workspace row of kv head head_kv of batch entry b in dk_accum, dv_accum laid out per
+// kv head (dkv_add).
+template <class Traits>
+__device__ __forceinline__ int64_t bwd_kv_row0(typename Traits::Params const& p, int b, int head_kv) {
+  const int nheads_kv = p.nheads / p.nheads_per_kv;
+  if constexpr (Traits::kGeneral) {
+    return bwd_ws_row(p.seqlens.cu_k, p.seqlens.total_k, b, head_kv, nheads_kv, p.seqlen_k_pad, p.k_head_rows,
+                      Traits::kBlockN);
+  }
+  return (int64_t(b) * nheads_kv + head_kv) * p.seqlen_k_pad;
 }
 
 }  // namespace flash3::detail
