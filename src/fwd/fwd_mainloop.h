@@ -119,7 +119,13 @@ struct FwdMainloop {
     const auto unmasked = mask.template unmasked_n_blocks<kBlockM, kBlockN>(row0);
     auto softmax_step_on = [&](decltype(tSrS_rc)& s_rc, int n_block, float (&rescale)[kRows]) -> bool {
       if constexpr (Traits::kGeneral) {
-        if (p.softcap_coef != 0.f) apply_softcap(s_rc, p.softcap_coef);
+        if (p.softcap_coef != 0.f) {
+          apply_softcap(s_rc, p.softcap_coef);
+          if constexpr (Traits::Config::kSoftcapOwnStep) {
+            if (unmasked.masks(n_block)) mask.apply(s_rc, tScS_rc, row0, n_block * kBlockN);
+            return softmax.step(s_rc, rescale);
+          }
+        }
       }
       if (unmasked.masks(n_block)) mask.apply(s_rc, tScS_rc, row0, n_block * kBlockN);
       return softmax.step(s_rc, rescale);
