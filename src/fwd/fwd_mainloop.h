@@ -118,17 +118,18 @@ struct FwdMainloop {
     // and whether any row of the warp needs them (softmax.h).
     const auto unmasked = mask.template unmasked_n_blocks<kBlockM, kBlockN>(row0);
     auto softmax_step_on = [&](decltype(tSrS_rc)& s_rc, int n_block, float (&rescale)[kRows]) -> bool {
+      auto mask_and_step = [&]() -> bool {
+        if (unmasked.masks(n_block)) mask.apply(s_rc, tScS_rc, row0, n_block * kBlockN);
+        return softmax.step(s_rc, rescale);
+      };
       if constexpr (Traits::kGeneral) {
         if (p.softcap_coef != 0.f) {
           apply_softcap(s_rc, p.softcap_coef);
-          if constexpr (Traits::Config::kSoftcapOwnStep) {
-            if (unmasked.masks(n_block)) mask.apply(s_rc, tScS_rc, row0, n_block * kBlockN);
-            return softmax.step(s_rc, rescale);
-          }
+          // kSoftcapOwnStep (fwd_config.h): a copy of the step of its own for the softcap path.
+          if constexpr (Traits::Config::kSoftcapOwnStep) return mask_and_step();
         }
       }
-      if (unmasked.masks(n_block)) mask.apply(s_rc, tScS_rc, row0, n_block * kBlockN);
-      return softmax.step(s_rc, rescale);
+      return mask_and_step();
     };
     auto softmax_step = [&](int n_block, float (&rescale)[kRows]) -> bool {
       return softmax_step_on(tSrS_rc, n_block, rescale);
