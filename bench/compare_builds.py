@@ -5,7 +5,7 @@
         --build new=python:build/libflash3.so [--fa3 /tmp/fa3_anchor.so] [--cudnn] \\
         [--pass fwd|bwd|both] [--hdims 64,128,256] [--seqlens 512,...] [--causal 0|1|both] \\
         [--reps 10] [--runs 3] [--warmup 3] [--quick] [--fp8] [--gqa [--heads 32:4,64:8]
-        [--batches 8,4,1]] [--json out.json]
+        [--batches 8,4,1]] [--window LEFT] [--softcap C] [--json out.json]
     python3 bench/compare_builds.py --report out.json      # the table and summary again, no GPU
 
 Builds: each --build NAME=PKG_DIR:LIB gives a folder holding the `flash3` package (or the package
@@ -28,6 +28,9 @@ the backward counts 2.5x that.
 head dim 128 (--hdims), seqlens 2k, 8k, 32k (--seqlens), batch min(8, 32k / seqlen) (or each of
 --batches); h in the FLOPs is the query heads. cuDNN runs with SDPA's enable_gqa. Every implementation gets the same inputs (one seed per point, the
 same in every run).
+--window LEFT, --softcap C: every call with the sliding window (LEFT, 0) (causal; non-causal (LEFT,
+-1)) and / or softcap C (flash_attn_func's window_size, softcap; FA3's window_size_left/right,
+softcap); the FLOPs stay the unwindowed formula's, so the ratios are what compare.
   Forward: one forward call is timed (inputs without requires_grad).
   Backward: the backward only, as bench_torch.py --pass bwd: one forward per implementation
   outside the timed region, then torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
@@ -150,6 +153,8 @@ def parse_args(argv=None):
     p.add_argument("--batches", type=ints, default=None, help="--gqa: batch sizes (default min(8, 32k / seqlen))")
     p.add_argument("--fp8", action="store_true",
                    help="forward in e4m3 (inputs cast from the bf16 ones) with unit (batch, kv head) descales")
+    p.add_argument("--window", type=int, default=-1, metavar="LEFT", help="sliding window (LEFT, 0); -1: none")
+    p.add_argument("--softcap", type=float, default=0.0, metavar="C", help="softcap C (0: none)")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--report", metavar="JSON", help="print the table and summary of a written JSON and exit")
     a = p.parse_args(argv)
@@ -175,6 +180,8 @@ def parse_args(argv=None):
             p.error("--runs, --reps and --bwd-reps must be at least 1")
         if a.fp8 and a.pss != "fwd":
             p.error("--fp8 times the forward only: add --pass fwd")
+        if a.fp8 and (a.window >= 0 or a.softcap):
+            p.error("--window and --softcap are for bf16 (not --fp8)")
     return a
 
 
@@ -458,29 +465,42 @@ def unit_descale(torch, q, k):
     return _DESCALES[key]
 
 
-def flash3_impl(torch, name, mod, fp8=False):
+def mask_kwargs(window, softcap, causal, fa3):
+    """The keyword arguments of --window and --softcap for flash3's flash_attn_func or FA3's fwd/bwd."""
+    kw = {}
+    if window >= 0:
+        right = 0 if causal else -1
+        kw.update({"window_size_left": window, "window_size_right": right} if fa3 else {"window_size": (window, right)})
+    if softcap:
+        kw["softcap"] = softcap
+    return kw
+
+
+def flash3_impl(torch, name, mod, fp8=False, window=-1, softcap=0.0):
     if fp8:
         def fwd8(q, k, v, causal):
             d = unit_descale(torch, q, k)
             return first(mod.flash_attn_func(q, k, v, causal=causal, q_descale=d, k_descale=d, v_descale=d))
         return Impl(name, fwd8, None)
-    return autograd_impl(torch, name, lambda q, k, v, causal: first(mod.flash_attn_func(q, k, v, causal=causal)))
+    return autograd_impl(torch, name, lambda q, k, v, causal: first(
+        mod.flash_attn_func(q, k, v, causal=causal, **mask_kwargs(window, softcap, causal, False))))
 
 
-def fa3_impl(torch, fa3, fp8=False):
+def fa3_impl(torch, fa3, fp8=False, window=-1, softcap=0.0):
     def fwd(q, k, v, causal):
         if fp8:
             d = unit_descale(torch, q, k)
             return fa3.fwd(q, k, v, q_descale=d, k_descale=d, v_descale=d, is_causal=causal)[0]
-        return fa3.fwd(q, k, v, is_causal=causal)[0]
+        return fa3.fwd(q, k, v, is_causal=causal, **mask_kwargs(window, softcap, causal, True))[0]
 
     def bwd(q, k, v, dout, causal):
         q, k, v = q.detach(), k.detach(), v.detach()
-        out, lse = fa3.fwd(q, k, v, is_causal=causal)[:2]
+        kw = mask_kwargs(window, softcap, causal, True)
+        out, lse = fa3.fwd(q, k, v, is_causal=causal, **kw)[:2]
         dq, dk, dv = (t.new_empty(t.shape) for t in (q, k, v))
 
         def call():
-            fa3.bwd(dout, q, k, v, out, lse, dq, dk, dv, is_causal=causal)
+            fa3.bwd(dout, q, k, v, out, lse, dq, dk, dv, is_causal=causal, **kw)
             return dq, dk, dv
         return call
     return Impl(FA3, fwd, bwd)
@@ -648,7 +668,7 @@ def main(argv=None):
     impls, infos = {}, []
     for name, pkg, lib in a.build:
         mod, info = load_build(name, pkg, lib, tmp)
-        impls[name] = flash3_impl(torch, name, mod, a.fp8)
+        impls[name] = flash3_impl(torch, name, mod, a.fp8, a.window, a.softcap)
         infos.append(info)
         log(f"build {name}: version {info['version']}, {info['package']}, {info['lib']} "
             f"(sha256 {info['lib_sha256'][:12]}), loaded from {info['lib_copy']}")
@@ -656,9 +676,9 @@ def main(argv=None):
     fa3_info = None
     if a.fa3:
         fa3, fa3_info = load_fa3(torch, a.fa3, tmp)
-        impls[FA3] = fa3_impl(torch, fa3, a.fp8)
+        impls[FA3] = fa3_impl(torch, fa3, a.fp8, a.window, a.softcap)
         log(f"FA3: {fa3_info['path']} (sha256 {fa3_info['sha256'][:12]})")
-    if a.cudnn and not a.fp8:
+    if a.cudnn and not a.fp8 and a.window < 0 and not a.softcap:
         import torch.nn.functional as F
         from torch.nn.attention import SDPBackend, sdpa_kernel
         impls[CUDNN] = autograd_impl(torch, CUDNN, sdpa(F, sdpa_kernel, SDPBackend.CUDNN_ATTENTION))
@@ -674,7 +694,7 @@ def main(argv=None):
         "gemm_bf16_tflops": gemm,
         "builds": infos, "baseline": builds[0], "fa3": fa3_info, "cudnn": have_cudnn,
         "options": {"hdims": a.hdims, "seqlens": a.seqlens, "causal": a.causal, "reps": a.reps,
-                    "gqa": a.gqa, "heads": a.heads if a.gqa else None, "batches": a.batches,
+                    "window": a.window, "softcap": a.softcap, "gqa": a.gqa, "heads": a.heads if a.gqa else None, "batches": a.batches,
                     "bwd_reps": a.bwd_reps, "runs": a.runs, "warmup": a.warmup,
                     "spin_cycles": a.spin if a.spin is not None else SPIN_CYCLES,
                     "spin_available": spin_kernel(torch) is not None},

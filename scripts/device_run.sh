@@ -80,14 +80,16 @@ if has prof; then
   # FlashAttention-3 call on the same inputs (tools/prof.py): every kernel's duration,
   # throughput and warp stall reasons, side by side; PROF_SOURCE=1 adds the stall samples per
   # source line (SourceCounters).
-  # PROF_CFGS: "pass hdim seqlen causal [batch heads]" entries separated by ';' (heads H:HKV)
+  # PROF_CFGS: "pass hdim seqlen causal [batch heads [window]]" entries separated by ';' (heads
+  # H:HKV; window: the left window, (window, 0))
   IFS=';' read -ra cfgs <<< "${PROF_CFGS:-bwd 128 512 0;bwd 128 8192 0;fwd 128 2048 1}"
   prof_fa3=(); fa3_anchor > /dev/null && prof_fa3=(--fa3 /tmp/fa3_anchor.so)
   prof_src=(); [ "${PROF_SOURCE:-0}" = 1 ] && prof_src=(--section SourceCounters --import-source yes)
   for cfg in "${cfgs[@]}"; do
     set -- $cfg
-    name="ncu_$1_d$2_s$3_c$4${6:+_h${6/:/-}}"
+    name="ncu_$1_d$2_s$3_c$4${6:+_h${6/:/-}}${7:+_w$7}"
     shape=(); [ -n "${6:-}" ] && shape=(--batch "$5" --heads "$6")
+    [ -n "${7:-}" ] && shape+=(--window "$7")
     FLASH3_LIB="$root/build/libflash3.so" PYTHONPATH="$root/python" timeout 300 ncu --profile-from-start off \
       --clock-control none --cache-control none --section SpeedOfLight --section WarpStateStats \
       --section LaunchStats --section Occupancy --section ComputeWorkloadAnalysis "${prof_src[@]}" \

@@ -29,6 +29,13 @@
 // of their own, +2-12% over one block per item at causal 512-4k, +2-5% non-causal. At head dim
 // 128 the causal one measured 1-3% slower from 2k (its main loop ran 2-7% longer, B54; why is
 // not known yet; no room there for the second K buffer); at 256 (not swapped) it does not exist.
+// kSoftcapOwnLoop (swapped loop; general kernel): the consumers' loop in two copies, one with
+// softcap and one without, chosen once per item, instead of softcap tested inside the loop.
+// The test's branches between the exponentials and dS^T kept ptxas from interleaving the
+// exponentials with dS^T's loads and stmatrix addresses: at head dim 64 the general kernel
+// without softcap ran 10% more instructions per visit than the default kernel at a lower issue
+// rate; with the two copies the window backward gained 8% and varlen 4-7% (docs/perf-log.md
+// W10). At head dim 128 the two copies spilled 480 bytes and ran 22% slower, so off there.
 // kTmaEpilogue: dK, dV (MHA) leave through two TMA stores from shared memory instead of
 // row-by-row stores (bwd_store_dkdv_tma, docs/perf-log.md B56, B57): head dim 64 +1-4%, 128
 // non-causal +0-4%, causal even; at 256 2-3% slower at non-causal 512-4k, so off there.
@@ -58,18 +65,21 @@ template <> struct BwdTileConfig<64> {
   static constexpr int kBlockM = 64, kBlockN = 128, kStages = 3, kDQStages = 4;
   static constexpr bool kSdPSwapAB = true, kKVInRegs = true, kDQAlternate = true, kSpreadVisits = false;
   static constexpr bool kPersistentCausal = true, kPersistentNonCausal = true, kTmaEpilogue = true;
+  static constexpr bool kSoftcapOwnLoop = true;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
 };
 template <> struct BwdTileConfig<128> {
   static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2, kDQStages = 2;
   static constexpr bool kSdPSwapAB = true, kKVInRegs = false, kDQAlternate = false, kSpreadVisits = false;
   static constexpr bool kPersistentCausal = false, kPersistentNonCausal = false, kTmaEpilogue = true;
+  static constexpr bool kSoftcapOwnLoop = false;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
 };
 template <> struct BwdTileConfig<256> {
   static constexpr int kBlockM = 64, kBlockN = 64, kStages = 1, kDQStages = 1;
   static constexpr bool kSdPSwapAB = false, kKVInRegs = false, kDQAlternate = false, kSpreadVisits = true;
   static constexpr bool kPersistentCausal = false, kPersistentNonCausal = false, kTmaEpilogue = false;
+  static constexpr bool kSoftcapOwnLoop = false;  // not swapped (bwd_mainloop_ss.h)
   static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
 };
 

@@ -103,16 +103,19 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
     gemm(cute::true_type{}, mma_sdp, tdPrV, tdPrdO(_, _, _, rdo.index()), tdPrdP);
   };
   const auto unmasked = mask.template unmasked_m_blocks<kBlockM, kBlockN>(col0);
-  auto compute_p = [&](int m, int stage) __attribute__((always_inline)) {
+  // softcap: Int<0> none, Int<1> softcap, Int<2> whichever params say (tested at each use).
+  auto softcap_on = [&](auto softcap) __attribute__((always_inline)) {
+    if constexpr (decltype(softcap)::value == 2) return params.softcap_coef != 0.f;
+    return decltype(softcap)::value == 1;
+  };
+  auto compute_p = [&](int m, int stage, auto softcap) __attribute__((always_inline)) {
     // P^T = exp2(S^T * scale_log2 - lse) in place, 0 where masked (keys past seqlen_k, or in the
     // causal future: S = -inf first). Query columns past seqlen_q have lse = +inf (and dO = 0):
     // P = dS = 0. NOTES: with the mask test inside the exponential loop, ptxas kept both
     // versions of every column alive and spilled 120+ registers at head dim 64.
     const int row0 = m * kBlockM;
     const float* lse = shared.smem_lse + stage * kBlockM;
-    if constexpr (Traits::kGeneral) {
-      if (params.softcap_coef != 0.f) apply_softcap(tSrS, params.softcap_coef);  // t = tanh(coef S)
-    }
+    if (softcap_on(softcap)) apply_softcap(tSrS, params.softcap_coef);  // t = tanh(coef S)
     if (unmasked.masks(m)) mask.apply_transposed(tSrS_rc, tScS_rc, row0, col0);
     CUTLASS_PRAGMA_UNROLL
     for (int j = 0; j < kCols; ++j) {
@@ -121,13 +124,13 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
       for (int r = 0; r < kRows; ++r) tSrS_rc(r, j) = fast_exp2(tSrS_rc(r, j) * params.scale_log2 - col_lse);
     }
   };
-  auto compute_ds = [&](int stage) __attribute__((always_inline)) {
+  auto compute_ds = [&](int stage, auto softcap) __attribute__((always_inline)) {
     // dS^T = P^T (dP^T - D) in place of dP^T, and P^T to 16 bits in the same pass (S^T dies
     // as it goes). Columns 2k, 2k+1 of a row are adjacent registers: one packed conversion.
     const float* dpsum = shared.smem_dpsum + stage * kBlockM;
     Tensor tPrP_rc = make_tensor(tPrP.data(), acc_layout_rowcol(tSrS.layout()));
     cutlass::NumericArrayConverter<Element, float, 2> cvt2;
-    if (Traits::kGeneral && params.softcap_coef != 0.f) {
+    if (softcap_on(softcap)) {
       // Softcap: dS^T also times 1 - t^2 (softcap_dtanh), from P and the column's lse.
       const float* lse = shared.smem_lse + stage * kBlockM;
       const float inv_scale_log2 = 1.f / params.scale_log2;
@@ -205,21 +208,36 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
   // head dim 128: ptxas serialized the WGMMAs, C7512, and spilled 80 bytes; B11.)
   // Visits g_begin.. g_end - 1 of this block (static: 0.. m_count - 1; persistent: counted on
   // across the block's items, so that the dS^T and dQ buffers and their barriers go on in turn).
-  for (int i = g_begin; i < g_end; ++i) {
-    issue_sdp(read_q, read_do);
-    warpgroup_wait<1>();  // S^T
-    compute_p(m_at(i), read_q.index());
-    warpgroup_wait<0>();  // dP^T
-    compute_ds(read_do.index());
-    const bool mine = !Traits::kDQAlternate || (i & 1) == tidx / 128;  // this warpgroup computes dQ_m
-    issue_grads(i, mine, read_q.index(), read_do.index());
-    warpgroup_wait<1>();  // dV and (if mine) dQ_m
-    pipeline_do.consumer_release(read_do);
-    if (mine) bwd_store_dq<Traits>(shared, tdQrdQ, i, tidx);
-    warpgroup_wait<0>();  // dK
-    pipeline_q.consumer_release(read_q);
-    ++read_q;
-    ++read_do;
+  // kSoftcapOwnLoop (bwd_config.h): the general kernel runs one of two copies of the loop, with
+  // softcap or without; else it tests softcap at each use.
+  auto visits = [&](auto softcap) __attribute__((always_inline)) {
+    for (int i = g_begin; i < g_end; ++i) {
+      issue_sdp(read_q, read_do);
+      warpgroup_wait<1>();  // S^T
+      compute_p(m_at(i), read_q.index(), softcap);
+      warpgroup_wait<0>();  // dP^T
+      compute_ds(read_do.index(), softcap);
+      const bool mine = !Traits::kDQAlternate || (i & 1) == tidx / 128;  // this warpgroup computes dQ_m
+      issue_grads(i, mine, read_q.index(), read_do.index());
+      warpgroup_wait<1>();  // dV and (if mine) dQ_m
+      pipeline_do.consumer_release(read_do);
+      if (mine) bwd_store_dq<Traits>(shared, tdQrdQ, i, tidx);
+      warpgroup_wait<0>();  // dK
+      pipeline_q.consumer_release(read_q);
+      ++read_q;
+      ++read_do;
+    }
+  };
+  if constexpr (!Traits::kGeneral) {
+    visits(cute::Int<0>{});
+  } else if constexpr (Traits::Config::kSoftcapOwnLoop) {
+    if (params.softcap_coef != 0.f) {
+      visits(cute::Int<1>{});
+    } else {
+      visits(cute::Int<0>{});
+    }
+  } else {
+    visits(cute::Int<2>{});
   }
 }
 
