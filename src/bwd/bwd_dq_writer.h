@@ -103,10 +103,11 @@ __device__ __forceinline__ void bwd_dq_writer(typename Traits::Params const& par
     const int m = m_at(i), buf = i % Traits::kDQStages;
     // The turn of the group's first key block to visit tile m (0 unless a window skips the
     // first key blocks): it stores, and the others count their turns from it.
+    // (Only where the adds are counted (sem); one group's turn is the key block itself.)
     int turn0 = 0;
-    if (Traits::kGeneral && left_bound) {
+    if (Traits::kGeneral && left_bound && sem != nullptr) {
       const int n_first = Traits::MaskT::template first_reaching<Traits::kBlockN>(m * Traits::kBlockM + lo_off);
-      turn0 = (n_first + ((group - n_first % groups) % groups + groups) % groups) / groups;
+      turn0 = groups == 1 ? n_first : (n_first + ((group - n_first % groups) % groups + groups) % groups) / groups;
     }
     named_barrier_sync(Traits::kDQBarThreads, kBwdBarDQFull + i % Traits::kDQFullBars);
     if (lane == 0) {
