@@ -87,11 +87,22 @@ __device__ __forceinline__ void bwd_store_dkdv(typename Traits::Params const& pa
 // dK (scaled) and dV of one block of work (MHA, Traits::kTmaEpilogue): into the SmemLayoutK
 // tiles at sdk_stage and sdv_stage (stmatrix; free once every consumer thread is here), then out
 // by two TMA stores that thread 0 issues and commits as one group; the stores clip the rows past
-// seqlen_k. Thread 0 waits for the group's shared-memory reads (tma_store_wait) before anything
+// seqlen_k (variable lengths: past the packed end only, so there a sequence's last, partial key
+// block goes out by bwd_store_dkdv instead: bwd_dkdv_tma_fits). Thread 0 waits for the group's shared-memory reads (tma_store_wait) before anything
 // writes the tiles again, or before the block exits.
 // NOTES: the row-by-row stores of bwd_store_dkdv kept the consumers ~1.5 us per block with the
 // tensor pipe idle (docs/perf-log.md B54); here they go on as soon as the tiles are in shared
 // memory (B56, B57).
+// Whether key block n_block of batch entry `batch` may leave by TMA stores (dkv_tma): always with
+// fixed lengths; with variable lengths where its kBlockN rows all lie in the sequence.
+template <class Traits>
+__device__ __forceinline__ bool bwd_dkdv_tma_fits(typename Traits::Params const& params, int n_block, int batch) {
+  if constexpr (Traits::kGeneral) {
+    if (params.varlen_items != nullptr) return (n_block + 1) * Traits::kBlockN <= params.seqlens.template of<true>(batch).k;
+  }
+  return true;
+}
+
 template <class Traits, class AccKV>
 __device__ __forceinline__ void bwd_store_dkdv_tma(typename Traits::Params const& params, AccKV& tdKrdK,
                                                    AccKV& tdVrdV, int tidx, int n_block, int head_kv, int batch,
@@ -123,8 +134,8 @@ __device__ __forceinline__ void bwd_store_dkdv_tma(typename Traits::Params const
   if (tidx == 0) {
     Tensor mdK = params.tma_dk.get_tma_tensor(params.layout_k.shape());
     Tensor mdV = params.tma_dv.get_tma_tensor(params.layout_k.shape());
-    Tensor gdK = local_tile(mdK(_, _, head_kv, batch), TileKV{}, make_coord(n_block, _0{}));
-    Tensor gdV = local_tile(mdV(_, _, head_kv, batch), TileKV{}, make_coord(n_block, _0{}));
+    Tensor gdK = local_tile(bwd_seq_rows<Traits, false>(mdK, params, batch, head_kv), TileKV{}, make_coord(n_block, _0{}));
+    Tensor gdV = local_tile(bwd_seq_rows<Traits, false>(mdV, params, batch, head_kv), TileKV{}, make_coord(n_block, _0{}));
     auto dk_parts = tma_partition(params.tma_dk, group_modes<0, 2>(sdK), group_modes<0, 2>(gdK));
     auto dv_parts = tma_partition(params.tma_dv, group_modes<0, 2>(sdV), group_modes<0, 2>(gdV));
     copy(params.tma_dk, get<1>(dk_parts), get<0>(dk_parts));

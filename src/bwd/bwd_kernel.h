@@ -94,7 +94,7 @@ __device__ __forceinline__ void bwd_consume(typename Traits::Params const& param
     // dO buffers, free once both warpgroups' last GEMMs are done.
     static_assert(cosize_v<typename Traits::SmemLayoutQ> >= cosize_v<typename Traits::SmemLayoutK>);
     if constexpr (Traits::kTmaEpilogue) {
-      if (params.dkv_tma) {
+      if (params.dkv_tma && bwd_dkdv_tma_fits<Traits>(params, it.n_block, it.batch)) {
         // MHA: by TMA stores; the block's shared memory stays until they have read it.
         bwd_store_dkdv_tma<Traits>(params, tdKrdK, tdVrdV, tidx, it.n_block, it.head_kv, it.batch,
                                    shared.smem_q.data(), shared.smem_do.data());
@@ -163,14 +163,16 @@ __device__ __forceinline__ void bwd_consume(typename Traits::Params const& param
       asm volatile("mov.b32 %0, %1;" : "=r"(t_after) : "r"(t));
       asm volatile("mov.b32 %0, %1;" : "=r"(tidx_after) : "r"(tidx));
       const BwdItem ie = Sched::item(params, t_after);
-      if (params.dkv_tma) {
+      if (params.dkv_tma && bwd_dkdv_tma_fits<Traits>(params, ie.n_block, ie.batch)) {
         typename Traits::Element* stage = shared.smem_pds.data();
         if constexpr (Traits::kEarlyKV) stage = shared.smem_dkv_stage.data();
         bwd_store_dkdv_tma<Traits>(params, tdKrdK, tdVrdV, tidx_after, ie.n_block, ie.head_kv,
                                    ie.batch, stage, stage + cosize_v<typename Traits::SmemLayoutK>);
       } else {
         // (kEarlyKV: in its own buffer, as the TMA epilogue's: the next item's dS^T may be written
-        // before every consumer has read its rows out of the dS^T buffers.)
+        // before every consumer has read its rows out of the dS^T buffers. Variable lengths: an
+        // earlier item's TMA stores have read it before bwd_store_dkdv's first barrier.)
+        if (params.dkv_tma && tidx_after == 0) tma_store_wait<0>();
         typename Traits::Element* stage = shared.smem_pds.data();
         if constexpr (Traits::kEarlyKV) stage = shared.smem_dkv_stage.data();
         bwd_store_dkdv<Traits>(params, tdKrdK, tdVrdV, tidx_after, ie.n_block * kBlockN, ie.head_kv, ie.batch, ie.bh,

@@ -84,9 +84,9 @@ void launch_bwd_main(const BwdProblem& p, const BwdArgs& args_in, const BwdWorks
   // The postprocess waits per pair (dq_done) rather than for the whole main kernel.
   params.dq_done = reinterpret_cast<int*>(base + ws.dq_done);
   // MHA: dK, dV leave through TMA stores (bwd_store_dkdv_tma) where kTmaEpilogue; GQA adds FP32
-  // per query head.
-  // (Not with variable lengths: a sequence's last key block would clip only at the packed end.)
-  if (Traits::kTmaEpilogue && !gqa && !p.varlen) {
+  // per query head. (Variable lengths: the packed tensors' maps, for the key blocks that lie
+  // whole in their sequence, bwd_dkdv_tma_fits.)
+  if (Traits::kTmaEpilogue && !gqa) {
     params.tma_dk = Traits::make_tma_dkv_store(static_cast<Element*>(args.dk.data), qkv_layout(args.dk));
     params.tma_dv = Traits::make_tma_dkv_store(static_cast<Element*>(args.dv.data), qkv_layout(args.dv));
     params.dkv_tma = 1;

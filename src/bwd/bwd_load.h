@@ -19,21 +19,6 @@ __device__ __forceinline__ void bwd_pdl_wait_then_launch() {
   pdl_launch_dependents();
 }
 
-// The rows of batch entry b, head `head`, of a (seqlen, d, heads, batch) TMA tensor of the query
-// side (kQ) or the key side: its batch entry, or (packed: variable lengths) entry 0 from the
-// sequence's first row.
-template <class Traits, bool kQ, class MTensor>
-__device__ __forceinline__ auto bwd_seq_rows(MTensor const& m, typename Traits::Params const& params, int b, int head) {
-  if constexpr (Traits::kGeneral) {
-    const SeqLen len = params.seqlens.template of<true>(b);
-    const int row0 = kQ ? len.q_start : len.k_start;
-    return domain_offset(make_coord(row0, _0{}),
-                         m(_, _, head, kQ ? params.seqlens.q_batch(b) : params.seqlens.k_batch(b)));
-  } else {
-    return m(_, _, head, b);
-  }
-}
-
 // The loads for one visit, query block m: Q with its log-sum-exps and dO with its D (lse,
 // dpsum: the pair's rows), each into the next stage of its pipeline.
 template <class Traits, class Pipeline, class State, class QParts, class DOParts>

@@ -272,6 +272,21 @@ __device__ __forceinline__ int64_t bwd_row0(typename Traits::Params const& p, in
   return bh * pad;
 }
 
+// The rows of batch entry b, head `head`, of a (seqlen, d, heads, batch) TMA tensor of the query
+// side (kQ) or the key side: its batch entry, or (packed: variable lengths) entry 0 from the
+// sequence's first row.
+template <class Traits, bool kQ, class MTensor>
+__device__ __forceinline__ auto bwd_seq_rows(MTensor const& m, typename Traits::Params const& params, int b, int head) {
+  if constexpr (Traits::kGeneral) {
+    const SeqLen len = params.seqlens.template of<true>(b);
+    const int row0 = kQ ? len.q_start : len.k_start;
+    return domain_offset(make_coord(row0, _0{}),
+                         m(_, _, head, kQ ? params.seqlens.q_batch(b) : params.seqlens.k_batch(b)));
+  } else {
+    return m(_, _, head, b);
+  }
+}
+
 // The first workspace row of kv head head_kv of batch entry b in dk_accum, dv_accum laid out per
 // kv head (dkv_add).
 template <class Traits>
