@@ -40,16 +40,19 @@ __device__ __forceinline__ void bwd_mainloop_ss(typename Traits::Params const& p
   Tensor sPt = make_tensor(make_smem_ptr(p_ptr), typename Traits::SmemLayoutPt{});
   Tensor sdSt = make_tensor(make_smem_ptr(ds_ptr), typename Traits::SmemLayoutdSt{});
   typename Traits::TiledMmadKV mma_dkv;
-  auto thr_dkv = mma_dkv.get_thread_slice(tidx);
   typename Traits::TiledMmaSdP mma_sdp;
   typename Traits::TiledMmadQ mma_dq;
   auto thr_sdp = mma_sdp.get_thread_slice(tidx);
-  auto thr_dq = mma_dq.get_thread_slice(tidx);
+  // The shared-memory operands' descriptors from the warpgroup's first thread (common/wgmma.h).
+  const int tidx_wg = warpgroup_first_thread(tidx);
+  auto thr_dkv = mma_dkv.get_thread_slice(tidx_wg);
+  auto thr_dq = mma_dq.get_thread_slice(tidx_wg);
+  auto thr_sdp_wg = mma_sdp.get_thread_slice(tidx_wg);
 
-  Tensor tSrQ = thr_sdp.partition_fragment_A(sQ);     // (MMA, M, K, stage)
-  Tensor tSrK = thr_sdp.partition_fragment_B(sK);     // (MMA, N, K)
-  Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO);  // (MMA, M, K, stage)
-  Tensor tdPrV = thr_sdp.partition_fragment_B(sV);
+  Tensor tSrQ = thr_sdp_wg.partition_fragment_A(sQ);     // (MMA, M, K, stage)
+  Tensor tSrK = thr_sdp_wg.partition_fragment_B(sK);     // (MMA, N, K)
+  Tensor tdPrdO = thr_sdp_wg.partition_fragment_A(sdO);  // (MMA, M, K, stage)
+  Tensor tdPrV = thr_sdp_wg.partition_fragment_B(sV);
   Tensor tdVrPt = thr_dkv.partition_fragment_A(sPt);
   Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOt);  // (MMA, N, K, stage)
   Tensor tdKrdSt = thr_dkv.partition_fragment_A(sdSt);

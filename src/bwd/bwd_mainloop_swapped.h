@@ -51,11 +51,14 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
   typename Traits::TiledMmadKV mma_dkv;
   typename Traits::TiledMmadQ mma_dq;
   auto thr_sdp = mma_sdp.get_thread_slice(tidx);
-  auto thr_dkv = mma_dkv.get_thread_slice(tidx);
-  auto thr_dq = mma_dq.get_thread_slice(bwd_dq_frag_thread<Traits>(tidx));
-  Tensor tSrK = thr_sdp.partition_fragment_A(sK);       // (MMA, M, K): descriptors, or registers
-  Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);       // (MMA, N, K, stage)
-  Tensor tdPrV = thr_sdp.partition_fragment_A(sV);
+  // The shared-memory operands' descriptors from the warpgroup's first thread (common/wgmma.h).
+  const int tidx_wg = warpgroup_first_thread(tidx);
+  auto thr_sdp_wg = mma_sdp.get_thread_slice(tidx_wg);
+  auto thr_dkv_wg = mma_dkv.get_thread_slice(tidx_wg);
+  auto thr_dq_wg = mma_dq.get_thread_slice(bwd_dq_frag_thread<Traits>(tidx_wg));
+  Tensor tSrK = thr_sdp_wg.partition_fragment_A(sK);       // (MMA, M, K): descriptors, or registers
+  Tensor tSrQ = thr_sdp_wg.partition_fragment_B(sQ);       // (MMA, N, K, stage)
+  Tensor tdPrV = thr_sdp_wg.partition_fragment_A(sV);
   if constexpr (Traits::kKVInRegs) {
     // This warpgroup's 64 keys of K and V into registers once (ldmatrix), for all query blocks.
     auto smem_copy_kv = make_tiled_copy_A(Copy_Atom<SM75_U32x4_LDSM_N, Element>{}, mma_sdp);
@@ -64,11 +67,11 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
     copy(smem_copy_kv, thr_copy_kv.partition_S(sV), thr_copy_kv.retile_D(tdPrV));
     on_kv_in_regs();
   }
-  Tensor tdPrdO = thr_sdp.partition_fragment_B(sdO);    // (MMA, N, K, stage)
-  Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOt);  // (MMA, N, K, stage)
-  Tensor tdKrQt = thr_dkv.partition_fragment_B(sQt);    // (MMA, N, K, stage)
-  Tensor tdQrdS = thr_dq.partition_fragment_A(sdSView);  // (MMA, M, K, dS stage)
-  Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
+  Tensor tdPrdO = thr_sdp_wg.partition_fragment_B(sdO);    // (MMA, N, K, stage)
+  Tensor tdVrdOt = thr_dkv_wg.partition_fragment_B(sdOt);  // (MMA, N, K, stage)
+  Tensor tdKrQt = thr_dkv_wg.partition_fragment_B(sQt);    // (MMA, N, K, stage)
+  Tensor tdQrdS = thr_dq_wg.partition_fragment_A(sdSView);  // (MMA, M, K, dS stage)
+  Tensor tdQrKt = thr_dq_wg.partition_fragment_B(sKt);
 
   Tensor tSrS = partition_fragment_C(mma_sdp, TileSt{});
   Tensor tdPrdP = partition_fragment_C(mma_sdp, TileSt{});

@@ -16,6 +16,15 @@ template <class T>
 constexpr bool kOperandInRegisters =
     !is_same_v<typename remove_cvref_t<T>::engine_type::iterator, GMMA::DescriptorIterator>;
 
+// The first thread index of tidx's warpgroup (tidx: the thread's index among the consumer
+// warpgroups), made warp-uniform by a shuffle. Shared-memory operand fragments (descriptors)
+// depend only on the warpgroup: partitioned with this index instead of tidx, ptxas keeps them in
+// uniform registers instead of rebuilding them per thread and moving them (R2UR) before every
+// WGMMA (docs/perf-log.md B98).
+__device__ __forceinline__ int warpgroup_first_thread(int tidx) {
+  return __shfl_sync(0xffffffffu, tidx / 128, 0) * 128;
+}
+
 // Issues one tile GEMM C (+)= A * B as a batch of WGMMAs for the calling warpgroup and commits
 // it, without waiting and without operand fences after the commit: the caller fences C after
 // the wait that completes it. NOTES: in the backward kernel's overlapped schedule of then
