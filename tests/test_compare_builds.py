@@ -1,5 +1,6 @@
 """CPU tests of bench/compare_builds.py's shape rules (no GPU, no torch): the GQA sweep's points and
-FLOPs, the --heads parser, the defaults per sweep, and the table and labels of GQA rows."""
+FLOPs, the --heads parser, the defaults per sweep, the table and labels of GQA rows, and the
+--window / --softcap arguments."""
 import os
 import sys
 
@@ -49,3 +50,18 @@ def test_gqa_rows_in_labels_and_table():
     assert row["ratios"]["x/fa3"]["median"] == pytest.approx(2.2 / 2.1)
     paper = dict(meta, nheads=16, nheads_kv=16)
     assert cb.point_label(paper) == "fwd d128 causal s8192"
+
+
+def test_window_and_softcap_arguments():
+    """--window / --softcap: flash3's window_size and FA3's window_size_left/right (right 0 when
+    causal, -1 otherwise), softcap under the same name; none without them; not with --fp8."""
+    assert cb.mask_kwargs(-1, 0.0, True, False) == {}
+    assert cb.mask_kwargs(-1, 0.0, True, True) == {}
+    assert cb.mask_kwargs(4096, 0.0, True, False) == {"window_size": (4096, 0)}
+    assert cb.mask_kwargs(4096, 0.0, False, False) == {"window_size": (4096, -1)}
+    assert cb.mask_kwargs(1024, 30.0, True, True) == {"window_size_left": 1024, "window_size_right": 0, "softcap": 30.0}
+    assert cb.mask_kwargs(-1, 30.0, False, True) == {"softcap": 30.0}
+    a = cb.parse_args(["--build", "x=python:lib.so", "--window", "4096", "--softcap", "30"])
+    assert (a.window, a.softcap) == (4096, 30.0)
+    with pytest.raises(SystemExit):
+        cb.parse_args(["--build", "x=python:lib.so", "--fp8", "--pass", "fwd", "--window", "128"])
