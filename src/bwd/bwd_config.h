@@ -193,6 +193,7 @@ struct BwdWorkspaceLayout {
   size_t lse_log2 = 0, dpsum = 0, dq_accum = 0, dq_sem = 0, dq_done = 0, dk_accum = 0, dv_accum = 0;  // offsets
   size_t bytes = 0;
   int dkv_heads = 0;       // GQA: heads of dk_accum, dv_accum (nheads_kv: atomic adds; nheads)
+  bool dkv_add = false;    // GQA, default mode: query heads add into their kv head's (dkv_heads = nheads_kv)
   size_t dkv_bytes = 0;    // from dk_accum to the end of dv_accum (zeroed where the adds are atomic)
 
   // Packed sides (variable lengths): rows per head of the FP32 workspaces (0: not packed).
@@ -232,6 +233,7 @@ struct BwdWorkspaceLayout {
     dq_done = take(sizeof(int) * bh);
     if (gqa) {
       dkv_heads = deterministic ? nheads : nheads_kv;
+      dkv_add = !deterministic;
       const int64_t dkv_rows = k_rows / nheads * dkv_heads;
       dk_accum = take(sizeof(float) * dkv_rows * head_dim);
       dv_accum = take(sizeof(float) * dkv_rows * head_dim);

@@ -84,15 +84,6 @@ __device__ __forceinline__ void bwd_store_dkdv(typename Traits::Params const& pa
   }
 }
 
-// dK (scaled) and dV of one block of work (MHA, Traits::kTmaEpilogue): into the SmemLayoutK
-// tiles at sdk_stage and sdv_stage (stmatrix; free once every consumer thread is here), then out
-// by two TMA stores that thread 0 issues and commits as one group; the stores clip the rows past
-// seqlen_k (variable lengths: past the packed end only, so there a sequence's last, partial key
-// block goes out by bwd_store_dkdv instead: bwd_dkdv_tma_fits). Thread 0 waits for the group's shared-memory reads (tma_store_wait) before anything
-// writes the tiles again, or before the block exits.
-// NOTES: the row-by-row stores of bwd_store_dkdv kept the consumers ~1.5 us per block with the
-// tensor pipe idle (docs/perf-log.md B54); here they go on as soon as the tiles are in shared
-// memory (B56, B57).
 // Whether key block n_block of batch entry `batch` may leave by TMA stores (dkv_tma): always with
 // fixed lengths; with variable lengths where its kBlockN rows all lie in the sequence.
 template <class Traits>
@@ -103,6 +94,16 @@ __device__ __forceinline__ bool bwd_dkdv_tma_fits(typename Traits::Params const&
   return true;
 }
 
+// dK (scaled) and dV of one block of work (MHA, Traits::kTmaEpilogue): into the SmemLayoutK
+// tiles at sdk_stage and sdv_stage (stmatrix; free once every consumer thread is here), then out
+// by two TMA stores that thread 0 issues and commits as one group; the stores clip the rows past
+// seqlen_k (variable lengths: past the packed end only, so there a sequence's last, partial key
+// block goes out by bwd_store_dkdv instead: bwd_dkdv_tma_fits). Thread 0 waits for the group's
+// shared-memory reads (tma_store_wait) before anything writes the tiles again, or before the
+// block exits.
+// NOTES: the row-by-row stores of bwd_store_dkdv kept the consumers ~1.5 us per block with the
+// tensor pipe idle (docs/perf-log.md B54); here they go on as soon as the tiles are in shared
+// memory (B56, B57).
 template <class Traits, class AccKV>
 __device__ __forceinline__ void bwd_store_dkdv_tma(typename Traits::Params const& params, AccKV& tdKrdK,
                                                    AccKV& tdVrdV, int tidx, int n_block, int head_kv, int batch,

@@ -50,7 +50,7 @@ void launch_bwd_main(const BwdProblem& p, const BwdArgs& args_in, const BwdWorks
   params.dq_ordered = int(p.deterministic);
   params.dk_accum = gqa ? reinterpret_cast<float*>(base + ws.dk_accum) : nullptr;
   params.dv_accum = gqa ? reinterpret_cast<float*>(base + ws.dv_accum) : nullptr;
-  params.dkv_add = gqa && ws.dkv_heads == p.nheads_kv;
+  params.dkv_add = ws.dkv_add;
   params.dk = static_cast<Element*>(args.dk.data);
   params.dv = static_cast<Element*>(args.dv.data);
   params.dk_row_stride = args.dk.stride[1];
@@ -167,7 +167,7 @@ void run_bwd(const BwdProblem& p, const BwdArgs& args_given, const BwdWorkspaceL
   }
   const int64_t aux_blocks = int64_t(ws.m_blocks) * p.nheads * p.batch;
   // GQA, default mode: the main kernel adds every query head's dK, dV into its kv head's.
-  if (p.nheads != p.nheads_kv && ws.dkv_heads == p.nheads_kv && p.seqlen_k > 0) {
+  if (ws.dkv_add && p.seqlen_k > 0) {
     check_cuda(cudaMemsetAsync(base + ws.dk_accum, 0, ws.dkv_bytes, args.stream), "backward dK, dV clear");
   }
   bwd_preprocess<Element, kBlockM, kHeadDim><<<dim3(unsigned(aux_blocks)), 256, 0, args.stream>>>(aux);

@@ -45,20 +45,20 @@ __device__ __forceinline__ void bwd_mainloop_ss(typename Traits::Params const& p
   auto thr_sdp = mma_sdp.get_thread_slice(tidx);
   // The shared-memory operands' descriptors from the warpgroup's first thread (common/wgmma.h).
   const int tidx_wg = warpgroup_first_thread(tidx);
-  auto thr_dkv = mma_dkv.get_thread_slice(tidx_wg);
-  auto thr_dq = mma_dq.get_thread_slice(tidx_wg);
+  auto thr_dkv_wg = mma_dkv.get_thread_slice(tidx_wg);
+  auto thr_dq_wg = mma_dq.get_thread_slice(tidx_wg);
   auto thr_sdp_wg = mma_sdp.get_thread_slice(tidx_wg);
 
   Tensor tSrQ = thr_sdp_wg.partition_fragment_A(sQ);     // (MMA, M, K, stage)
   Tensor tSrK = thr_sdp_wg.partition_fragment_B(sK);     // (MMA, N, K)
   Tensor tdPrdO = thr_sdp_wg.partition_fragment_A(sdO);  // (MMA, M, K, stage)
   Tensor tdPrV = thr_sdp_wg.partition_fragment_B(sV);
-  Tensor tdVrPt = thr_dkv.partition_fragment_A(sPt);
-  Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOt);  // (MMA, N, K, stage)
-  Tensor tdKrdSt = thr_dkv.partition_fragment_A(sdSt);
-  Tensor tdKrQt = thr_dkv.partition_fragment_B(sQt);    // (MMA, N, K, stage)
-  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
-  Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
+  Tensor tdVrPt = thr_dkv_wg.partition_fragment_A(sPt);
+  Tensor tdVrdOt = thr_dkv_wg.partition_fragment_B(sdOt);  // (MMA, N, K, stage)
+  Tensor tdKrdSt = thr_dkv_wg.partition_fragment_A(sdSt);
+  Tensor tdKrQt = thr_dkv_wg.partition_fragment_B(sQt);    // (MMA, N, K, stage)
+  Tensor tdQrdS = thr_dq_wg.partition_fragment_A(sdS);
+  Tensor tdQrKt = thr_dq_wg.partition_fragment_B(sKt);
 
   Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
   Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
