@@ -5,7 +5,7 @@
         --build new=python:build/libflash3.so [--fa3 /tmp/fa3_anchor.so] [--cudnn] \\
         [--pass fwd|bwd|both] [--hdims 64,128,256] [--seqlens 512,...] [--causal 0|1|both] \\
         [--reps 10] [--runs 3] [--warmup 3] [--quick] [--fp8] [--gqa [--heads 32:4,64:8]
-        [--batches 8,4,1]] [--window LEFT] [--softcap C] [--json out.json]
+        [--batches 8,4,1]] [--window LEFT] [--softcap C] [--varlen] [--json out.json]
     python3 bench/compare_builds.py --report out.json      # the table and summary again, no GPU
 
 Builds: each --build NAME=PKG_DIR:LIB gives a folder holding the `flash3` package (or the package
@@ -31,6 +31,9 @@ same in every run).
 --window LEFT, --softcap C: every call with the sliding window (LEFT, 0) (causal; non-causal (LEFT,
 -1)) and / or softcap C (flash_attn_func's window_size, softcap; FA3's window_size_left/right,
 softcap); the FLOPs stay the unwindowed formula's, so the ratios are what compare.
+--varlen: every call as a variable-length call on the same tokens: the batch's b sequences of
+seqlen tokens packed (total, h, d) with cu_seqlens of equal steps (flash_attn_varlen_func; FA3's
+fwd / bwd with cu_seqlens_q/k, max_seqlen_q/k), so that builds compare on the varlen kernels.
   Forward: one forward call is timed (inputs without requires_grad).
   Backward: the backward only, as bench_torch.py --pass bwd: one forward per implementation
   outside the timed region, then torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
@@ -155,6 +158,7 @@ def parse_args(argv=None):
                    help="forward in e4m3 (inputs cast from the bf16 ones) with unit (batch, kv head) descales")
     p.add_argument("--window", type=int, default=-1, metavar="LEFT", help="sliding window (LEFT, 0); -1: none")
     p.add_argument("--softcap", type=float, default=0.0, metavar="C", help="softcap C (0: none)")
+    p.add_argument("--varlen", action="store_true", help="variable-length calls on the same tokens (equal lengths)")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--report", metavar="JSON", help="print the table and summary of a written JSON and exit")
     a = p.parse_args(argv)
@@ -180,8 +184,8 @@ def parse_args(argv=None):
             p.error("--runs, --reps and --bwd-reps must be at least 1")
         if a.fp8 and a.pss != "fwd":
             p.error("--fp8 times the forward only: add --pass fwd")
-        if a.fp8 and (a.window >= 0 or a.softcap):
-            p.error("--window and --softcap are for bf16 (not --fp8)")
+        if a.fp8 and (a.window >= 0 or a.softcap or a.varlen):
+            p.error("--window, --softcap and --varlen are for bf16 (not --fp8)")
     return a
 
 
@@ -476,32 +480,65 @@ def mask_kwargs(window, softcap, causal, fa3):
     return kw
 
 
-def flash3_impl(torch, name, mod, fp8=False, window=-1, softcap=0.0):
+_CU_SEQLENS = {}
+
+
+def packed(torch, q, k, v):
+    """--varlen: q, k, v (b, s, h, d) as packed (b s, h, d) views and the keyword arguments of the
+    varlen call (equal lengths s; cu_seqlens made once per shape)."""
+    b, s = q.shape[:2]
+    key = (b, s, q.device)
+    if key not in _CU_SEQLENS:
+        _CU_SEQLENS[key] = torch.arange(0, b * s + 1, s, device=q.device, dtype=torch.int32)
+    cu = _CU_SEQLENS[key]
+    names = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+    kw = dict(zip(names, (cu, cu, s, s)))
+    return [t.reshape(b * s, *t.shape[2:]) for t in (q, k, v)], kw
+
+
+def flash3_impl(torch, name, mod, fp8=False, window=-1, softcap=0.0, varlen=False):
     if fp8:
         def fwd8(q, k, v, causal):
             d = unit_descale(torch, q, k)
             return first(mod.flash_attn_func(q, k, v, causal=causal, q_descale=d, k_descale=d, v_descale=d))
         return Impl(name, fwd8, None)
-    return autograd_impl(torch, name, lambda q, k, v, causal: first(
-        mod.flash_attn_func(q, k, v, causal=causal, **mask_kwargs(window, softcap, causal, False))))
+
+    def fwd(q, k, v, causal):
+        mask = mask_kwargs(window, softcap, causal, False)
+        if not varlen:
+            return first(mod.flash_attn_func(q, k, v, causal=causal, **mask))
+        qkv, kw = packed(torch, q, k, v)
+        return first(mod.flash_attn_varlen_func(*qkv, **kw, causal=causal, **mask)).view(q.shape)
+    return autograd_impl(torch, name, fwd)
 
 
-def fa3_impl(torch, fa3, fp8=False, window=-1, softcap=0.0):
+def fa3_impl(torch, fa3, fp8=False, window=-1, softcap=0.0, varlen=False):
+    def args(q, k, v, causal):
+        """The q, k, v and keyword arguments of FA3's fwd / bwd."""
+        kw = mask_kwargs(window, softcap, causal, True)
+        if not varlen:
+            return (q, k, v), kw
+        qkv, vkw = packed(torch, q, k, v)
+        return qkv, {**kw, **vkw}
+
     def fwd(q, k, v, causal):
         if fp8:
             d = unit_descale(torch, q, k)
             return fa3.fwd(q, k, v, q_descale=d, k_descale=d, v_descale=d, is_causal=causal)[0]
-        return fa3.fwd(q, k, v, is_causal=causal, **mask_kwargs(window, softcap, causal, True))[0]
+        qkv, kw = args(q, k, v, causal)
+        return fa3.fwd(*qkv, is_causal=causal, **kw)[0].view(q.shape)
 
     def bwd(q, k, v, dout, causal):
-        q, k, v = q.detach(), k.detach(), v.detach()
-        kw = mask_kwargs(window, softcap, causal, True)
+        shapes = [t.shape for t in (q, k, v)]
+        (q, k, v), kw = args(q.detach(), k.detach(), v.detach(), causal)
+        dout = dout.reshape(q.shape)
         out, lse = fa3.fwd(q, k, v, is_causal=causal, **kw)[:2]
         dq, dk, dv = (t.new_empty(t.shape) for t in (q, k, v))
+        grads = tuple(g.view(shape) for g, shape in zip((dq, dk, dv), shapes))  # the callers' shapes
 
         def call():
             fa3.bwd(dout, q, k, v, out, lse, dq, dk, dv, is_causal=causal, **kw)
-            return dq, dk, dv
+            return grads
         return call
     return Impl(FA3, fwd, bwd)
 
@@ -668,7 +705,7 @@ def main(argv=None):
     impls, infos = {}, []
     for name, pkg, lib in a.build:
         mod, info = load_build(name, pkg, lib, tmp)
-        impls[name] = flash3_impl(torch, name, mod, a.fp8, a.window, a.softcap)
+        impls[name] = flash3_impl(torch, name, mod, a.fp8, a.window, a.softcap, a.varlen)
         infos.append(info)
         log(f"build {name}: version {info['version']}, {info['package']}, {info['lib']} "
             f"(sha256 {info['lib_sha256'][:12]}), loaded from {info['lib_copy']}")
@@ -676,9 +713,9 @@ def main(argv=None):
     fa3_info = None
     if a.fa3:
         fa3, fa3_info = load_fa3(torch, a.fa3, tmp)
-        impls[FA3] = fa3_impl(torch, fa3, a.fp8, a.window, a.softcap)
+        impls[FA3] = fa3_impl(torch, fa3, a.fp8, a.window, a.softcap, a.varlen)
         log(f"FA3: {fa3_info['path']} (sha256 {fa3_info['sha256'][:12]})")
-    if a.cudnn and not a.fp8 and a.window < 0 and not a.softcap:
+    if a.cudnn and not a.fp8 and a.window < 0 and not a.softcap and not a.varlen:
         import torch.nn.functional as F
         from torch.nn.attention import SDPBackend, sdpa_kernel
         impls[CUDNN] = autograd_impl(torch, CUDNN, sdpa(F, sdpa_kernel, SDPBackend.CUDNN_ATTENTION))
@@ -694,7 +731,7 @@ def main(argv=None):
         "gemm_bf16_tflops": gemm,
         "builds": infos, "baseline": builds[0], "fa3": fa3_info, "cudnn": have_cudnn,
         "options": {"hdims": a.hdims, "seqlens": a.seqlens, "causal": a.causal, "reps": a.reps,
-                    "window": a.window, "softcap": a.softcap, "gqa": a.gqa, "heads": a.heads if a.gqa else None, "batches": a.batches,
+                    "window": a.window, "softcap": a.softcap, "varlen": a.varlen, "gqa": a.gqa, "heads": a.heads if a.gqa else None, "batches": a.batches,
                     "bwd_reps": a.bwd_reps, "runs": a.runs, "warmup": a.warmup,
                     "spin_cycles": a.spin if a.spin is not None else SPIN_CYCLES,
                     "spin_available": spin_kernel(torch) is not None},

@@ -1,6 +1,6 @@
 """CPU tests of bench/compare_builds.py's shape rules (no GPU, no torch): the GQA sweep's points and
 FLOPs, the --heads parser, the defaults per sweep, the table and labels of GQA rows, and the
---window / --softcap arguments."""
+--window / --softcap / --varlen arguments."""
 import os
 import sys
 
@@ -65,3 +65,11 @@ def test_window_and_softcap_arguments():
     assert (a.window, a.softcap) == (4096, 30.0)
     with pytest.raises(SystemExit):
         cb.parse_args(["--build", "x=python:lib.so", "--fp8", "--pass", "fwd", "--window", "128"])
+
+
+def test_varlen_argument():
+    """--varlen: off by default, on with the flag, and not with --fp8."""
+    assert not cb.parse_args(["--build", "x=python:lib.so"]).varlen
+    assert cb.parse_args(["--build", "x=python:lib.so", "--varlen", "--pass", "bwd"]).varlen
+    with pytest.raises(SystemExit):
+        cb.parse_args(["--build", "x=python:lib.so", "--fp8", "--pass", "fwd", "--varlen"])

@@ -22,18 +22,20 @@ __device__ __forceinline__ int bwd_dq_frag_thread(int thread) {
 }
 
 // dQ of the i-th visited query block to shared memory for the dQ writer, in register order:
-// value pair j of the dQ GEMM's thread t at float2 index j * kDQFragThreads + t (256 threads, or
-// the 128 of one warpgroup with kDQAlternate; conflict-free; bwd_postprocess_dq undoes the
-// order).
+// values 4q .. 4q + 3 of the dQ GEMM's thread t at float4 index q * kDQFragThreads + t (256
+// threads, or the 128 of one warpgroup with kDQAlternate; 16-byte stores, conflict-free;
+// bwd_postprocess_dq undoes the order).
 template <class Traits, class AccQ>
 __device__ __forceinline__ void bwd_store_dq(typename Traits::SharedStorage& shared, AccQ const& tdQrdQ, int i,
                                              int tidx) {
   const int buf = i % Traits::kDQStages;
   if (i >= Traits::kDQStages) named_barrier_sync(Traits::kDQBarThreads, kBwdBarDQEmpty + buf);
-  float2* dq_tile = reinterpret_cast<float2*>(shared.smem_dq + buf * Traits::kDQElems);
+  float4* dq_tile = reinterpret_cast<float4*>(shared.smem_dq + buf * Traits::kDQElems);
+  static_assert(decltype(size(tdQrdQ))::value % 4 == 0);
   CUTLASS_PRAGMA_UNROLL
-  for (int j = 0; j < size(tdQrdQ) / 2; ++j) {
-    dq_tile[j * Traits::kDQFragThreads + bwd_dq_frag_thread<Traits>(tidx)] = make_float2(tdQrdQ(2 * j), tdQrdQ(2 * j + 1));
+  for (int q = 0; q < size(tdQrdQ) / 4; ++q) {
+    dq_tile[q * Traits::kDQFragThreads + bwd_dq_frag_thread<Traits>(tidx)] =
+        make_float4(tdQrdQ(4 * q), tdQrdQ(4 * q + 1), tdQrdQ(4 * q + 2), tdQrdQ(4 * q + 3));
   }
   cutlass::arch::fence_view_async_shared();  // st.shared -> bulk reduce (async proxy)
   named_barrier_arrive(Traits::kDQBarThreads, kBwdBarDQFull + i % Traits::kDQFullBars);

@@ -63,26 +63,26 @@ __global__ void __launch_bounds__(256) bwd_postprocess_dq(const BwdAuxParams p) 
   auto thr = mma.get_thread_slice(t);
   Tensor coords = thr.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   const int64_t tile_at = (aux_q_row0<kBlockM>(p, batch, head) / kBlockM + m) * p.dq_groups;
-  const float2* tile = reinterpret_cast<const float2*>(p.dq_accum + tile_at * kBlockM * kHeadDim);
+  // (bwd_store_dq's order: the thread's values 4q .. 4q + 3 at float4 index q * kFrag + t.)
+  const float4* tile = reinterpret_cast<const float4*>(p.dq_accum + tile_at * kBlockM * kHeadDim);
   constexpr int kPairs = decltype(size(coords))::value / 2 * kFrag / 256;
+  static_assert(kPairs % 2 == 0);
   const int j0 = kFrag == 256 ? 0 : int(threadIdx.x) / kFrag * kPairs;
   float2 v[kPairs];
-  if (p.dq_sem == nullptr) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int j = 0; j < kPairs; ++j) v[j] = make_float2(0.f, 0.f);
+  // The sum of the copies that were written, in order (bwd_config.h); 0 where none was. Without
+  // dq_sem there is one copy, always written.
+  for (int g = 0; g < p.dq_groups; ++g) {
+    if (p.dq_sem != nullptr && p.dq_sem[tile_at + g] == 0) continue;
+    const float4* copy = tile + g * (kBlockM * kHeadDim / 4);
     CUTLASS_PRAGMA_UNROLL
-    for (int j = 0; j < kPairs; ++j) v[j] = tile[(j0 + j) * kFrag + t];
-  } else {
-    // The sum of the copies that were written, in order (bwd_config.h); 0 where none was.
-    CUTLASS_PRAGMA_UNROLL
-    for (int j = 0; j < kPairs; ++j) v[j] = make_float2(0.f, 0.f);
-    for (int g = 0; g < p.dq_groups; ++g) {
-      if (p.dq_sem[tile_at + g] == 0) continue;
-      const float2* copy = tile + g * (kBlockM * kHeadDim / 2);
-      CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < kPairs; ++j) {
-        const float2 x = copy[(j0 + j) * kFrag + t];
-        v[j].x += x.x;
-        v[j].y += x.y;
-      }
+    for (int j = 0; j < kPairs; j += 2) {
+      const float4 x = copy[(j0 + j) / 2 * kFrag + t];
+      v[j].x += x.x;
+      v[j].y += x.y;
+      v[j + 1].x += x.z;
+      v[j + 1].y += x.w;
     }
   }
   // With j0 known at compile time (the coordinates are then constants plus the thread's offset).

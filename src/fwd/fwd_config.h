@@ -126,6 +126,7 @@ template <bool kCausal> struct FwdTileConfig<64, kCausal> {
   // kOStageWarp applies to the 128-row causal kernel (FwdBlockM128) only (fwd_traits.h).
   static constexpr bool kStageOInQ = false, kOStageWarp = true;
   static constexpr bool kSoftcapOwnStep = false;
+  static constexpr bool kGeneralUniformDescriptors = false;
 };
 template <bool kCausal> struct FwdTileConfig<128, kCausal> {
   // NOTES: causal, V has a third stage (the 128-wide tiles leave room: 208 KB): the consumers had
@@ -141,12 +142,20 @@ template <bool kCausal> struct FwdTileConfig<128, kCausal> {
   // before; non-causal it spilled 256 bytes and softcap cost 1.66x instead of 1.39x; at head dims
   // 64 and 256 the window forward lost 1.5% or nothing.
   static constexpr bool kSoftcapOwnStep = kCausal;
+  // The general kernels' WGMMA descriptors partitioned with a warp-uniform warpgroup index
+  // (warpgroup_first_thread, common/wgmma.h) instead of the thread's: ptxas then keeps them in
+  // uniform registers (R2UR 758 -> 559 at head dim 128, spills 60 -> 20 bytes non-causal).
+  // NOTES: measured side by side (docs/perf-log.md V8): varlen non-causal +5-7%, causal and the
+  // window within 1%; at head dims 64 (-1 to -4%) and 256 (-2 to +2%) it is off. In the default
+  // kernels it cost 1.5-4% non-causal at every head dim.
+  static constexpr bool kGeneralUniformDescriptors = !kCausal;
 };
 template <bool kCausal> struct FwdTileConfig<256, kCausal> {
   static constexpr int kBlockM = 128, kBlockN = 80, kStages = 2, kStagesV = kStages;
   static constexpr bool kPingpong = true, kIntraWGOverlap = true;
   static constexpr bool kStageOInQ = true, kOStageWarp = false;
   static constexpr bool kSoftcapOwnStep = false;
+  static constexpr bool kGeneralUniformDescriptors = false;
 };
 
 }  // namespace flash3

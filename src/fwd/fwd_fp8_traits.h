@@ -36,6 +36,7 @@ struct FwdFp8Traits {
   static constexpr int kStagesV = Config::kStages;
   static constexpr bool kCausal = kCausal_;
   static constexpr bool kGeneral = false;  // neither is built for FP8
+  static constexpr bool kUniformDescriptors = false;
   using MaskT = Mask<kCausal, false>;
   static constexpr bool kDynamicTiles = kCausal;
   static constexpr bool kPingpong = true;

@@ -61,12 +61,14 @@ __device__ __forceinline__ auto fwd_mainloop_views(typename Traits::SharedStorag
   Tensor sVt = make_tensor(make_smem_ptr(vt), typename Traits::SmemLayoutVt{});
   typename Traits::TiledMmaQK mma_qk;
   typename Traits::TiledMmaPV mma_pv;
-  auto thr_qk = mma_qk.get_thread_slice(tidx);
-  auto thr_pv = mma_pv.get_thread_slice(tidx);
-  Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // descriptors into shared memory
-  Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stage)
-  Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stage)
-  Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  // kUniformDescriptors: the descriptors from the warpgroup's first thread (common/wgmma.h).
+  const int tidx_wg = Traits::kUniformDescriptors ? warpgroup_first_thread(tidx) : tidx;
+  auto thr_qk_wg = mma_qk.get_thread_slice(tidx_wg);
+  auto thr_pv_wg = mma_pv.get_thread_slice(tidx_wg);
+  Tensor tSrQ = thr_qk_wg.partition_fragment_A(sQ);   // descriptors into shared memory
+  Tensor tSrK = thr_qk_wg.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stage)
+  Tensor tOrV = thr_pv_wg.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stage)
+  Tensor tScS = mma_qk.get_thread_slice(tidx).partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
   Tensor tScS_rc = make_tensor(tScS.data(), acc_layout_rowcol(tScS.layout()));
   return cute::make_tuple(tSrQ, tSrK, tOrV, tScS_rc);
 }

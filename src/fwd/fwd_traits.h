@@ -60,6 +60,8 @@ struct FwdTraits {
   // Variable lengths, sliding windows and softcap (fwd_config.h, FwdGeneral).
   static constexpr bool kGeneral = Variant::kGeneral;
   using MaskT = Mask<kCausal, kGeneral>;
+  // The consumers' WGMMA descriptors from a warp-uniform warpgroup index (fwd_mainloop_views).
+  static constexpr bool kUniformDescriptors = kGeneral && Config::kGeneralUniformDescriptors;
 
   // Warpgroup 0 is the producer (TMA); warpgroups 1.. are consumers, 64 query rows each.
   static constexpr int kNumConsumerWG = kBlockM / 64;
