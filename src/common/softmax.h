@@ -7,7 +7,9 @@
 
 namespace flash3::detail {
 
-template <int kRows>
+// kChains: the row max and the row sum of a block each as kChains interleaved chains (columns
+// n % kChains), combined at the end: shorter dependency chains for the scheduler to interleave.
+template <int kRows, int kChains = 1>
 struct OnlineSoftmax {
   float row_max[kRows];
   float row_sum[kRows];  // per-thread partial sums; reduced across the quad in finalize()
@@ -41,9 +43,16 @@ struct OnlineSoftmax {
     bool moved = false;
     CUTLASS_PRAGMA_UNROLL
     for (int m = 0; m < kRows; ++m) {
-      float mx = row_max[m];
+      constexpr int kCols = decltype(size<1>(s))::value;
+      static_assert(kCols % kChains == 0);
+      float mxc[kChains];
       CUTLASS_PRAGMA_UNROLL
-      for (int n = 0; n < size<1>(s); ++n) mx = fmaxf(mx, s(m, n));
+      for (int c = 0; c < kChains; ++c) mxc[c] = row_max[m];
+      CUTLASS_PRAGMA_UNROLL
+      for (int n = 0; n < kCols; ++n) mxc[n % kChains] = fmaxf(mxc[n % kChains], s(m, n));
+      float mx = mxc[0];
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = 1; c < kChains; ++c) mx = fmaxf(mx, mxc[c]);
       mx = quad_max(mx);
       // -inf to finite: +inf > threshold, moves; -inf to -inf: NaN, stays.
       const bool move = (mx - row_max[m]) * scale_log2 > kMoveThreshold;
@@ -54,12 +63,17 @@ struct OnlineSoftmax {
       rescale[m] = move ? fast_exp2(row_max[m] * scale_log2 - offset) : 1.f;
       row_max[m] = ref;
       moved |= move;
-      float sum = 0.f;
+      float sumc[kChains];
       CUTLASS_PRAGMA_UNROLL
-      for (int n = 0; n < size<1>(s); ++n) {
+      for (int c = 0; c < kChains; ++c) sumc[c] = 0.f;
+      CUTLASS_PRAGMA_UNROLL
+      for (int n = 0; n < kCols; ++n) {
         s(m, n) = fast_exp2(fmaf(s(m, n), scale_log2, -offset));
-        sum += s(m, n);
+        sumc[n % kChains] += s(m, n);
       }
+      float sum = sumc[0];
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = 1; c < kChains; ++c) sum += sumc[c];
       row_sum[m] = row_sum[m] * rescale[m] + sum;
     }
     return __any_sync(0xffffffffu, moved);

@@ -127,6 +127,7 @@ template <bool kCausal> struct FwdTileConfig<64, kCausal> {
   static constexpr bool kStageOInQ = false, kOStageWarp = true;
   static constexpr bool kSoftcapOwnStep = false;
   static constexpr bool kGeneralUniformDescriptors = false;
+  static constexpr int kSoftmaxChains = 1;
 };
 template <bool kCausal> struct FwdTileConfig<128, kCausal> {
   // NOTES: causal, V has a third stage (the 128-wide tiles leave room: 208 KB): the consumers had
@@ -149,6 +150,10 @@ template <bool kCausal> struct FwdTileConfig<128, kCausal> {
   // window within 1%; at head dims 64 (-1 to -4%) and 256 (-2 to +2%) it is off. In the default
   // kernels it cost 1.5-4% non-causal at every head dim.
   static constexpr bool kGeneralUniformDescriptors = !kCausal;
+  // The softmax's row max and row sum each in kSoftmaxChains interleaved chains per row
+  // (OnlineSoftmax, common/softmax.h). NOTES: measured side by side (docs/perf-log.md step 39):
+  // two chains, causal: +1.0-2.3% on the paper's sweep, +1.2-4.4% on the GQA shapes.
+  static constexpr int kSoftmaxChains = kCausal ? 2 : 1;
 };
 template <bool kCausal> struct FwdTileConfig<256, kCausal> {
   static constexpr int kBlockM = 128, kBlockN = 80, kStages = 2, kStagesV = kStages;
@@ -156,6 +161,7 @@ template <bool kCausal> struct FwdTileConfig<256, kCausal> {
   static constexpr bool kStageOInQ = true, kOStageWarp = false;
   static constexpr bool kSoftcapOwnStep = false;
   static constexpr bool kGeneralUniformDescriptors = false;
+  static constexpr int kSoftmaxChains = 1;
 };
 
 }  // namespace flash3
