@@ -151,8 +151,10 @@ template <bool kCausal> struct FwdTileConfig<128, kCausal> {
   // kernels it cost 1.5-4% non-causal at every head dim.
   static constexpr bool kGeneralUniformDescriptors = !kCausal;
   // The softmax's row max and row sum each in kSoftmaxChains interleaved chains per row
-  // (OnlineSoftmax, common/softmax.h). NOTES: measured side by side (docs/perf-log.md step 39):
-  // two chains, causal: +1.0-2.3% on the paper's sweep, +1.2-4.4% on the GQA shapes.
+  // (OnlineSoftmax, common/softmax.h), in the default kernels. NOTES: measured side by side
+  // (docs/perf-log.md steps 39-40): two chains, causal: +1.0-2.3% on the paper's sweep, +1.2-4.4%
+  // on the GQA shapes; in the general kernels 2-3% slower (window, varlen); non-causal, at head
+  // dim 256 and with four chains within 1%.
   static constexpr int kSoftmaxChains = kCausal ? 2 : 1;
 };
 template <bool kCausal> struct FwdTileConfig<256, kCausal> {
