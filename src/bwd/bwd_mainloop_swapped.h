@@ -148,19 +148,19 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
         }
       }
       convert_into<Element>(tSrS, tPrP);
-      return;
-    }
-    CUTLASS_PRAGMA_UNROLL
-    for (int j = 0; j < kCols; j += 2) {
-      const float2 d = *reinterpret_cast<const float2*>(dpsum + get<1>(tScS_rc(0, j)));
+    } else {
       CUTLASS_PRAGMA_UNROLL
-      for (int r = 0; r < kRows; ++r) {
-        cutlass::Array<float, 2> p2;
-        p2[0] = tSrS_rc(r, j);
-        p2[1] = tSrS_rc(r, j + 1);
-        tdPrdP_rc(r, j) = p2[0] * (tdPrdP_rc(r, j) - d.x);
-        tdPrdP_rc(r, j + 1) = p2[1] * (tdPrdP_rc(r, j + 1) - d.y);
-        *reinterpret_cast<cutlass::Array<Element, 2>*>(&tPrP_rc(r, j)) = cvt2(p2);
+      for (int j = 0; j < kCols; j += 2) {
+        const float2 d = *reinterpret_cast<const float2*>(dpsum + get<1>(tScS_rc(0, j)));
+        CUTLASS_PRAGMA_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+          cutlass::Array<float, 2> p2;
+          p2[0] = tSrS_rc(r, j);
+          p2[1] = tSrS_rc(r, j + 1);
+          tdPrdP_rc(r, j) = p2[0] * (tdPrdP_rc(r, j) - d.x);
+          tdPrdP_rc(r, j + 1) = p2[1] * (tdPrdP_rc(r, j + 1) - d.y);
+          *reinterpret_cast<cutlass::Array<Element, 2>*>(&tPrP_rc(r, j)) = cvt2(p2);
+        }
       }
     }
   };
