@@ -112,8 +112,7 @@ struct FwdMainloop {
     Tensor tOrP = make_tensor<Element>(acc_layout_as_a_operand(tSrS.layout()));
     static_assert(decltype(size<0>(tSrS_rc))::value == kRows);
 
-    // (kSoftmaxChains in the default kernels only: the general ones lost 2-3% with two chains.)
-    OnlineSoftmax<kRows, Traits::kGeneral ? 1 : Traits::Config::kSoftmaxChains> softmax(p.scale_log2);  // line 13
+    OnlineSoftmax<kRows, Traits::kSoftmaxChains> softmax(p.scale_log2);  // line 13
     clear(tOrO);
 
     // S = Q K_j^T landed in tSrS: softcap it (if on), mask it where the block crosses the end of

@@ -60,8 +60,11 @@ struct FwdTraits {
   // Variable lengths, sliding windows and softcap (fwd_config.h, FwdGeneral).
   static constexpr bool kGeneral = Variant::kGeneral;
   using MaskT = Mask<kCausal, kGeneral>;
-  // The consumers' WGMMA descriptors from a warp-uniform warpgroup index (fwd_mainloop_views).
+  // The consumers' WGMMA descriptors from a warp-uniform warpgroup index (fwd_mainloop_views),
+  // and the softmax's chains per row (FwdMainloop; the default kernels only: the general ones
+  // lost 2-3% with two chains).
   static constexpr bool kUniformDescriptors = kGeneral && Config::kGeneralUniformDescriptors;
+  static constexpr int kSoftmaxChains = kGeneral ? 1 : Config::kSoftmaxChains;
 
   // Warpgroup 0 is the producer (TMA); warpgroups 1.. are consumers, 64 query rows each.
   static constexpr int kNumConsumerWG = kBlockM / 64;
