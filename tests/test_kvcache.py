@@ -401,6 +401,28 @@ def test_num_splits_agree():
         torch.testing.assert_close(out, outs[1], rtol=2**-6, atol=2**-8, msg=f"num_splits {splits}")
 
 
+@gpu
+@pytest.mark.parametrize("splits", [2, 5, 64])
+def test_split_merge_shared_and_last_block(splits):
+    """Both ways of merging a split (decode_kernel.h): 24 sequences x 2 KV heads, one 16-row tile
+    each, are 96 / 240 blocks at 2 / 5 splits, which fit on an H100 at once (2 blocks per SM):
+    every block merges a share of its tile; at 64 splits 3072 blocks do not, and the last block of
+    each tile merges it. Lengths 0 (no key), 1, shorter than a split's keys (pieces with no key)
+    and up to 3000; NaN-poisoned out and lse against the FP64 reference, twice in a row (the
+    counters are left at zero for the next call)."""
+    more = torch.randint(1, 3000, (16,), generator=torch.Generator().manual_seed(splits))
+    lengths = [0, 1, 63, 64, 65, 200, 700, 3000] + more.tolist()
+    p = kv_problem(lengths, 1, 16, 2, 128, device="cuda", seed=11 + splits, page_size=64, capacity=3000)
+    q = p["q"]
+    for _ in range(2):
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((q.shape[0], 16, 1), float("nan"), device="cuda")
+        flash3.forward_kvcache_into(q, p["k_cache"], p["v_cache"], out, lse, causal=True, num_splits=splits,
+                                    **index_args(p))
+        torch.cuda.synchronize()
+        check_kvcache(p, out, lse, causal=True)
+
+
 # ---- append with rotary ------------------------------------------------------------------------------
 
 def rope_reference(x, cos, sin, positions, interleaved):

@@ -41,13 +41,6 @@ __device__ __forceinline__ void bwd_store_dq(typename Traits::SharedStorage& sha
   named_barrier_arrive(Traits::kDQBarThreads, kBwdBarDQFull + i % Traits::kDQFullBars);
 }
 
-// A gpu-scope acquire load of a counter (the dQ chain's dq_sem, the pairs' dq_done).
-__device__ __forceinline__ int ld_acquire_gpu(const int* counter) {
-  int seen;
-  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
-  return seen;
-}
-
 // One more on `counter` once this thread's bulk adds (async proxy) are complete, released at gpu
 // scope for whoever acquires the counter (ld_acquire_gpu).
 // NOTES: the proxy fence orders the completed bulk adds (async proxy) before this thread's

@@ -1,6 +1,6 @@
 // flash3: PTX wrappers and warp-level helpers shared by the kernels: named barriers,
-// programmatic dependent launch (device side), quad reductions, exp2, the XOR swizzle of staged
-// tiles, and 1-D bulk copies (TMA without a tensor map).
+// programmatic dependent launch (device side), gpu-scope acquire loads, quad reductions, exp2,
+// the XOR swizzle of staged tiles, and 1-D bulk copies (TMA without a tensor map).
 #pragma once
 
 #include <cstdint>
@@ -42,6 +42,14 @@ __device__ __forceinline__ void named_barrier_arrive(int threads, int id) {
 // Both are no-ops in a kernel launched without the attribute.
 __device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
+// A gpu-scope acquire load of a counter (the backward's dq_sem and dq_done, the decoding
+// kernel's split counters).
+__device__ __forceinline__ int ld_acquire_gpu(const int* counter) {
+  int seen;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
+  return seen;
+}
 
 // NOTES: MUFU.EX2 directly; exp(x) is computed as exp2(x * log2(e)) with the softmax scale
 // folded into the same multiply-add.

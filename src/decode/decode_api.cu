@@ -40,13 +40,38 @@ int kvcache_num_splits(const KvcacheProblem& p, int sms) {
 namespace detail {
 namespace {
 
+// With a split, where the whole grid fits on the GPU at once, a cooperative launch (which
+// guarantees that) and the shared merge (decode_kernel.h); else, or if the runtime turns the
+// cooperative launch down (a GPU shared with other processes), the last block merges.
 template <class Element, int kHeadDim, int kHeadDimV = kHeadDim>
-void launch_decode(const DecodeParams& params, unsigned tiles, unsigned splits, cudaStream_t stream) {
+void launch_decode(DecodeParams params, unsigned tiles, unsigned splits, cudaStream_t stream) {
   using T = DecodeTraits<Element, kHeadDim, kHeadDimV>;
   constexpr auto kernel = &decode_kernel<Element, kHeadDim, kHeadDimV>;
   set_max_dynamic_smem<kernel>(T::kSmemBytes);
-  kernel<<<::dim3(tiles, splits), T::kThreads, T::kSmemBytes, stream>>>(params);
-  check_cuda(cudaGetLastError(), "flash3::fwd_kvcache: kernel launch");
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = ::dim3(tiles, splits);
+  cfg.blockDim = ::dim3(unsigned(T::kThreads));
+  cfg.dynamicSmemBytes = size_t(T::kSmemBytes);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
+  const long long resident =
+      (long long)blocks_per_sm<kernel>(T::kThreads, T::kSmemBytes) * current_device_info().sms;
+  params.merge_shared = splits > 1 && (long long)tiles * splits <= resident;
+  if (params.merge_shared) {
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, params);
+    if (e != cudaErrorCooperativeLaunchTooLarge) {
+      check_cuda(e, "flash3::fwd_kvcache: kernel launch");
+      return;
+    }
+    (void)cudaGetLastError();
+    params.merge_shared = false;
+    cfg.numAttrs = 0;
+  }
+  check_cuda(cudaLaunchKernelEx(&cfg, kernel, params), "flash3::fwd_kvcache: kernel launch");
 }
 
 void strides3(int64_t (&dst)[3], const TensorRef& t, int d0, int d1, int d2) {

@@ -12,8 +12,11 @@
 //         keys of a stage: S = Q K^T and O += P V with mma.sync m16n8k16, the online softmax in
 //         registers. The 4 warps' partial results are merged in shared memory.
 //   split more than one split: each block writes its piece's O (FP32) and log-sum-exp to the
-//         scratch, counts itself done, and the last block of the tile merges all pieces by their
-//         log-sum-exps (no second kernel), then sets the counter back to zero.
+//         scratch and counts itself done; the pieces are merged by their log-sum-exps without a
+//         second kernel. Where the whole grid fits on the GPU at once (a cooperative launch),
+//         each block waits for its tile's count and merges a 1 / num_splits share of the tile's
+//         output: one round of loads per block. Otherwise the last block of the tile to finish
+//         merges all of it. Either way the counter ends at zero for the next launch.
 //   MLA   (kHeadDimV = 512 > kHeadDim = 64): a stage row holds a key's latent (v_cache, 512
 //         dims, also its value) then its rotary part (k_cache, 64), and a Q row qv then q, so
 //         S is one product over 576 dims. O (16 x 512) is too wide for one warp's registers:
@@ -30,6 +33,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "common/ptx.h"
 #include "flash3/flash3.h"
 
 namespace flash3::detail {
@@ -77,6 +81,10 @@ struct DecodeParams {
   float* part_o;                           // num_splits > 1: (split, batch, head, token, head_dim_v)
   float* part_lse;                         //                 (split, batch, head, token)
   int* counters;                           //                 one per (batch, KV head, row tile), zero
+  // num_splits > 1: every block of a tile waits until all its pieces are written and merges its
+  // share of the tile (the grid is co-resident: a cooperative launch); else the last block to
+  // finish merges the whole tile.
+  bool merge_shared;
 };
 
 // kHeadDim: q's and k_cache's head dim; kHeadDimV: v_cache's and out's (MLA when they differ).
@@ -94,12 +102,15 @@ struct DecodeTraits {
   // MLA: the warps' row maxima and P, shared every stage.
   static constexpr int kShareBytes = kMla ? kWarps * kRows * 4 + kRows * kBlockN * int(sizeof(Element)) : 0;
   static constexpr int kSmemBytes = kRows * kDimQK * int(sizeof(Element)) + kStages * kStageBytes + kShareBytes;
-  // O's warp slots: MLA's warps hold disjoint dims of one O, the others whole O's to merge.
+  // O's warp slots: MLA's warps hold disjoint dims of one O, the others whole O's to merge. Their
+  // rows are kORowFloats apart: 8 floats of padding put the 8 rows of a warp's float2 stores in
+  // different banks (unpadded, all rows start in bank 0: 8-way conflicts).
   static constexpr int kOSlots = kMla ? 1 : kWarps;
+  static constexpr int kORowFloats = kHeadDimV + 8;
   // The warps' partial results (O, max, sum) reuse the stages once the loop is done.
-  static_assert((kOSlots * kRows * kHeadDimV + 2 * kWarps * kRows) * 4 <= kStages * kStageBytes);
-  // So do the split merge's weights (decode_kernel's end).
-  static_assert((kMaxKvcacheSplits + 1) * kRows * 4 <= kStages * kStageBytes);
+  static_assert((kOSlots * kRows * kORowFloats + 2 * kWarps * kRows) * 4 <= kStages * kStageBytes);
+  // So do the split merge's weights and partial sums (decode_kernel's end).
+  static_assert((kMaxKvcacheSplits + 1) * kRows * 4 + kThreads * 16 <= kStages * kStageBytes);
   static_assert(kHeadDim % 64 == 0 && kHeadDimV % 64 == 0 && (kMla || kThreads % kChunks == 0));
   static_assert(!kMla || kHeadDimV == 4 * 128, "MLA: each of the 4 warps owns 128 dims of O");
 };
@@ -261,6 +272,32 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
   const int head_kv = (blockIdx.x / p.row_tiles) % p.nheads_kv;
   const int b = blockIdx.x / (p.row_tiles * p.nheads_kv);
   const int split = blockIdx.y;
+  const int row0 = tile * kRows;
+
+  // ---- Q: the tile's 16 rows, zero past the last --------------------------------------------
+  // MLA: the latent chunks from qv (never rotated), then q's. Element i of the tile: its row r,
+  // chunk c, token t, and the source row and chunk.
+  const Element* q = static_cast<const Element*>(p.q);
+  const Element* qv = static_cast<const Element*>(p.qv);
+  auto q_source = [&](int i, int& r, int& c, bool& ok, int& t, int& cs) {
+    r = i / kChunks;
+    c = i % kChunks;
+    const int row = row0 + r;
+    ok = row < p.rows;
+    t = ok ? row / p.group : 0;
+    const int h = head_kv * p.group + (ok ? row % p.group : 0);
+    const bool latent = c < kLatentChunks;
+    cs = c - (latent ? 0 : kLatentChunks);
+    return latent ? qv + b * p.qv_stride[0] + t * p.qv_stride[1] + h * p.qv_stride[2]
+                  : q + b * p.q_stride[0] + t * p.q_stride[1] + h * p.q_stride[2];
+  };
+  // The copies first, before any length is read; chunks to rotate wait for the cache's end.
+  for (int i = tid; i < kRows * kChunks; i += T::kThreads) {
+    int r, c, t, cs;
+    bool ok;
+    const Element* src = q_source(i, r, c, ok, t, cs);
+    if (p.rot_half == 0 || c < kLatentChunks) cp_async16(smem_addr(sQ + swizzled<kChunks>(r, c)), src + cs * 8, ok ? 16 : 0);
+  }
 
   // ---- this sequence's keys: positions [leftpad, end) of its cache, len of them -------------
   const int leftpad = p.leftpad != nullptr ? clampi(p.leftpad[b], 0, p.capacity) : 0;
@@ -276,30 +313,20 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
   auto key_hi = [&](int t) {
     return p.window_right < 0 ? len : clampi(len - p.seqlen_q + t + p.window_right + 1, 0, len);
   };
-  const int row0 = tile * kRows;
   const int t_first = row0 / p.group, t_last = min(row0 + kRows, p.rows) - 1;
   const int k_lo = key_lo(t_first), k_hi = max(k_lo, key_hi(t_last / p.group));
   const int n_blocks = (k_hi - k_lo + kBlockN - 1) / kBlockN;
   const int per_split = (n_blocks + p.num_splits - 1) / p.num_splits;
   const int blk_begin = min(n_blocks, split * per_split), blk_end = min(n_blocks, blk_begin + per_split);
 
-  // ---- Q: the tile's 16 rows, zero past the last --------------------------------------------
-  // MLA: the latent chunks from qv (never rotated), then q's.
-  const Element* q = static_cast<const Element*>(p.q);
-  const Element* qv = static_cast<const Element*>(p.qv);
-  for (int i = tid; i < kRows * kChunks; i += T::kThreads) {
-    const int r = i / kChunks, c = i % kChunks, row = row0 + r;
-    const bool ok = row < p.rows, latent = c < kLatentChunks;
-    const int t = ok ? row / p.group : 0, h = head_kv * p.group + (ok ? row % p.group : 0);
-    const Element* src = latent ? qv + b * p.qv_stride[0] + t * p.qv_stride[1] + h * p.qv_stride[2]
-                                : q + b * p.q_stride[0] + t * p.q_stride[1] + h * p.q_stride[2];
-    const int cs = c - (latent ? 0 : kLatentChunks);  // the chunk of src
-    if (p.rot_half > 0 && !latent) {  // rotated in registers, stored before the loop's first barrier
-      const uint4 v = ok ? rotated_chunk<Element>(src, cs, end_old + (p.q_rot_by_token ? t : 0), p) : make_uint4(0, 0, 0, 0);
-      *reinterpret_cast<uint4*>(sQ + swizzled<kChunks>(r, c)) = v;
-    } else {
-      cp_async16(smem_addr(sQ + swizzled<kChunks>(r, c)), src + cs * 8, ok ? 16 : 0);
-    }
+  // Q's rotated chunks: in registers, stored before the loop's first barrier.
+  for (int i = tid; i < kRows * kChunks && p.rot_half > 0; i += T::kThreads) {
+    int r, c, t, cs;
+    bool ok;
+    const Element* src = q_source(i, r, c, ok, t, cs);
+    if (c < kLatentChunks) continue;
+    const uint4 v = ok ? rotated_chunk<Element>(src, cs, end_old + (p.q_rot_by_token ? t : 0), p) : make_uint4(0, 0, 0, 0);
+    *reinterpret_cast<uint4*>(sQ + swizzled<kChunks>(r, c)) = v;
   }
 
   // ---- K and V of key block `blk` into stage `stage` ----------------------------------------
@@ -336,21 +363,67 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
   auto new_row = [&](const void* base, const int64_t (&stride)[3], int i) {  // row i of k_new or v_new
     return static_cast<const Element*>(base) + b * stride[0] + i * stride[1] + head_kv * stride[2];
   };
+  // Each thread copies chunk c0 (MLA: chunks c0, c0 + 8, ...) of rows r0, r0 + kRowStep, ... of
+  // a block; cache_copy issues the copies of row r from the K and V rows at krow, vrow.
+  constexpr int kPerRow = kMla ? 8 : kChunks, kRowStep = T::kThreads / kPerRow;
+  const int c0 = tid % kPerRow, r0 = tid / kPerRow;
+  auto cache_copy = [&](int stage, int r, const Element* krow, const Element* vrow, bool ok) {
+    if constexpr (kMla) {
+      Element* dst_row = sK + stage * kStageElems;
+#pragma unroll
+      for (int c = c0; c < kChunks; c += 8) {
+        const Element* src = c < kLatentChunks ? vrow + 8 * c : krow + 8 * (c - kLatentChunks);
+        cp_async16(smem_addr(dst_row + swizzled<kChunks>(r, c)), src, ok ? 16 : 0);
+      }
+    } else {
+      const int dst = stage * kStageElems + swizzled<kChunks>(r, c0);
+      cp_async16(smem_addr(sK + dst), krow + 8 * c0, ok ? 16 : 0);
+      cp_async16(smem_addr(sV + dst), vrow + 8 * c0, ok ? 16 : 0);
+    }
+  };
+  // Contiguous cache: this sequence's first K and V rows (position leftpad) of this KV head.
+  const Element* k_seq = kbase + entry * p.k_stride[0] + head_kv * p.k_stride[2] + int64_t(leftpad) * p.k_stride[1];
+  const Element* v_seq = vbase + entry * p.v_stride[0] + head_kv * p.v_stride[2] + int64_t(leftpad) * p.v_stride[1];
   auto load_block = [&](int blk, int stage, const int* slots) {
     const int key0 = k_lo + blk * kBlockN;
     const int s0 = pages != nullptr ? page_of(leftpad + key0) : 0;
-    // Each thread: chunk c0 (+ 8 j for MLA's kChunks / 8 chunks) of every kRowStep-th row.
-    constexpr int kPerRow = kMla ? 8 : kChunks, kRowStep = T::kThreads / kPerRow;
-    const int c0 = tid % kPerRow;
-    for (int r = tid / kPerRow; r < kBlockN; r += kRowStep) {
+    // The block's rows in one run of consecutive cache rows (contiguous, or paged with all of
+    // them in one page), nothing appended: a row's pointers are a constant step from the last
+    // (rows past the keys read nothing; their address is the block's first row).
+    const bool one_page = pages == nullptr || page_of(leftpad + min(key0 + kBlockN, k_hi) - 1) == s0;
+    if (one_page && key0 + kBlockN <= new_begin) {
+      const Element* kfirst;
+      const Element* vfirst;
+      if (pages == nullptr) {
+        kfirst = k_seq + int64_t(key0) * p.k_stride[1];
+        vfirst = v_seq + int64_t(key0) * p.v_stride[1];
+      } else {
+        int64_t ko, vo;
+        cache_rows(leftpad + key0, slots != nullptr ? slots[0] : pages[s0], ko, vo);
+        kfirst = kbase + ko;
+        vfirst = vbase + vo;
+      }
+      const Element* krow = kfirst + int64_t(r0) * p.k_stride[1];
+      const Element* vrow = vfirst + int64_t(r0) * p.v_stride[1];
+      const int64_t k_step = int64_t(kRowStep) * p.k_stride[1], v_step = int64_t(kRowStep) * p.v_stride[1];
+#pragma unroll
+      for (int r = r0, j = 0; j < kBlockN / kRowStep; ++j, r += kRowStep) {
+        const bool ok = key0 + r < k_hi;
+        cache_copy(stage, r, ok ? krow : kfirst, ok ? vrow : vfirst, ok);
+        krow += k_step;
+        vrow += v_step;
+      }
+      return;
+    }
+    for (int r = r0; r < kBlockN; r += kRowStep) {
       const int key = key0 + r;
       const bool ok = key < k_hi;
-      Element* dst_row = sK + stage * kStageElems;
       if (ok && key >= new_begin) {  // an appended key: from k_new (rotated), v_new
         const int i = key - new_begin;
         const Element* kr = new_row(p.k_new, p.k_new_stride, i);
         const Element* vr = new_row(p.v_new, p.v_new_stride, i);
         if constexpr (kMla) {
+          Element* dst_row = sK + stage * kStageElems;
 #pragma unroll
           for (int c = c0; c < kChunks; c += 8) {
             *reinterpret_cast<uint4*>(dst_row + swizzled<kChunks>(r, c)) =
@@ -367,17 +440,7 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
       const int pos = leftpad + (ok ? key : key0);
       int64_t ko, vo;
       cache_rows(pos, pages == nullptr ? 0 : slots != nullptr ? slots[page_of(pos) - s0] : pages[page_of(pos)], ko, vo);
-      if constexpr (kMla) {
-#pragma unroll
-        for (int c = c0; c < kChunks; c += 8) {
-          const Element* src = c < kLatentChunks ? vbase + vo + 8 * c : kbase + ko + 8 * (c - kLatentChunks);
-          cp_async16(smem_addr(dst_row + swizzled<kChunks>(r, c)), src, ok ? 16 : 0);
-        }
-      } else {
-        const int dst = stage * kStageElems + swizzled<kChunks>(r, c0);
-        cp_async16(smem_addr(sK + dst), kbase + ko + 8 * c0, ok ? 16 : 0);
-        cp_async16(smem_addr(sV + dst), vbase + vo + 8 * c0, ok ? 16 : 0);
-      }
+      cache_copy(stage, r, kbase + ko, vbase + vo, ok);
     }
   };
 
@@ -542,8 +605,9 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
 
   // ---- merge the 4 warps: O (16 x head_dim FP32), max and sum per row, per warp --------------
   // (MLA: one O whose dims the warps share out, one max, a partial sum per warp.)
-  float* sO = reinterpret_cast<float*>(smem_raw);      // (slot, row, head_dim_v)
-  float* sM = sO + T::kOSlots * kRows * kHeadDimV;     // (warp, row)
+  constexpr int kORow = T::kORowFloats;
+  float* sO = reinterpret_cast<float*>(smem_raw);      // (slot, row, head_dim_v), rows kORow apart
+  float* sM = sO + T::kOSlots * kRows * kORow;         // (warp, row)
   float* sL = sM + T::kWarps * kRows;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -557,7 +621,7 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
     const int slot = kMla ? 0 : warp, col0 = kMla ? warp * kOTiles * 8 : 0;
 #pragma unroll
     for (int d = 0; d < kOTiles; ++d) {
-      *reinterpret_cast<float2*>(sO + (slot * kRows + r) * kHeadDimV + col0 + 8 * d + 2 * (lane % 4)) =
+      *reinterpret_cast<float2*>(sO + (slot * kRows + r) * kORow + col0 + 8 * d + 2 * (lane % 4)) =
           make_float2(o[d][2 * i], o[d][2 * i + 1]);
     }
   }
@@ -589,7 +653,7 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
       const float f = exp2f(sM[w * kRows + r] - bw);
       sum += f * sL[w * kRows + r];
       if (w >= T::kOSlots) continue;
-      const float4 x = *reinterpret_cast<const float4*>(sO + (w * kRows + r) * kHeadDimV + 4 * d4);
+      const float4 x = *reinterpret_cast<const float4*>(sO + (w * kRows + r) * kORow + 4 * d4);
       acc.x += f * x.x;
       acc.y += f * x.y;
       acc.z += f * x.z;
@@ -613,34 +677,67 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
   }
   if (single) return;
 
-  // ---- split: the last block of this tile to finish merges every piece -------------------------
+  // ---- split: merge the tile's pieces ----------------------------------------------------------
   __shared__ int last;
-  __threadfence();
-  __syncthreads();
   int* counter = p.counters + blockIdx.x;
-  if (tid == 0) {
-    last = atomicAdd(counter, 1) == p.num_splits - 1;
-    if (last) *counter = 0;  // zero again for the next launch
+  if (p.merge_shared) {
+    // Every block waits for all num_splits arrivals. The count wraps at 2 x num_splits: each
+    // block adds once on arrival (a release of the block's pieces, ordered after every thread's
+    // stores by the barrier) and once on leaving the wait, so it is back at zero once the last
+    // block has seen it complete.
+    __syncthreads();
+    if (tid == 0) {
+      const unsigned wrap = 2u * unsigned(p.num_splits) - 1u;
+      asm volatile("red.release.gpu.global.inc.u32 [%0], %1;" ::"l"(counter), "r"(wrap) : "memory");
+      while (ld_acquire_gpu(counter) < p.num_splits) __nanosleep(32);
+      asm volatile("red.relaxed.gpu.global.inc.u32 [%0], %1;" ::"l"(counter), "r"(wrap) : "memory");
+    }
+    __syncthreads();
+  } else {
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+      last = atomicAdd(counter, 1) == p.num_splits - 1;
+      if (last) *counter = 0;  // zero again for the next launch
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
   }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  // The pieces' log-sum-exps into shared memory (loaded in parallel), then per row their
-  // weights exp2(lse - max) / sum (one warp per 4 rows), then O as the weighted sum of the
-  // pieces, each thread's groups loaded together.
+  // The pieces' log-sum-exps into shared memory (loaded in parallel), then the weights
+  // exp2(lse - max) / sum of the rows this block merges (a warp per row), then O as the weighted
+  // sum of the pieces.
   const int64_t split_stride = int64_t(p.batch) * nheads * p.seqlen_q;
   float* sW = reinterpret_cast<float*>(smem_raw);  // (split, row): lse, then weight
   float* sLse = sW + kMaxKvcacheSplits * kRows;
+  float4* sPart = reinterpret_cast<float4*>(sLse + kRows);  // (piece lane, group) partial sums
   auto piece_row = [&](int r) {  // the (batch, head, token) index of row r (clamped to a row)
     const int row = min(row0 + r, p.rows - 1);
     return (int64_t(b) * nheads + head_kv * p.group + row % p.group) * p.seqlen_q + row / p.group;
   };
-  for (int i = tid; i < p.num_splits * kRows; i += T::kThreads) {
-    const int sp = i / kRows, r = i % kRows;
-    sW[i] = row0 + r < p.rows ? __ldcg(p.part_lse + sp * split_stride + piece_row(r)) : -INFINITY;
+  {
+    // All loads issued before any store: one round trip.
+    constexpr int kLseLoads = (kMaxKvcacheSplits * kRows + T::kThreads - 1) / T::kThreads;
+    float x[kLseLoads];
+#pragma unroll
+    for (int j = 0; j < kLseLoads; ++j) {
+      const int i = tid + j * T::kThreads, sp = i / kRows, r = i % kRows;
+      x[j] = sp < p.num_splits && row0 + r < p.rows ? __ldcg(p.part_lse + sp * split_stride + piece_row(r)) : -INFINITY;
+    }
+#pragma unroll
+    for (int j = 0; j < kLseLoads; ++j) {
+      if (tid + j * T::kThreads < p.num_splits * kRows) sW[tid + j * T::kThreads] = x[j];
+    }
   }
   __syncthreads();
-  for (int r = warp; r < kRows; r += T::kWarps) {
+  // This block's groups of the tile (float4 groups of O): a 1 / num_splits share of the tile's
+  // rows' groups (shared merge), or all of them; and the rows they lie in, whose weights it needs.
+  const int groups = min(kRows, p.rows - row0) * (kHeadDimV / 4);
+  const int share = p.merge_shared ? (groups + p.num_splits - 1) / p.num_splits : groups;
+  const int g0 = p.merge_shared ? split * share : 0;
+  const int count = max(0, min(groups, g0 + share) - g0);
+  const int r_first = g0 / (kHeadDimV / 4), r_end = count > 0 ? (g0 + count - 1) / (kHeadDimV / 4) + 1 : 0;
+  for (int r = r_first + warp; r < r_end; r += T::kWarps) {
     float mw = -INFINITY;
     for (int sp = lane; sp < p.num_splits; sp += 32) mw = fmaxf(mw, sW[sp * kRows + r]);
 #pragma unroll
@@ -655,50 +752,55 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
     if (lane == 0) sLse[r] = sum > 0.0f ? (bw + log2f(sum)) * kLn2 : INFINITY;
   }
   __syncthreads();
-  // Only the tile's rows (a group of 8 heads fills half of it); the loads of kBatch pieces are
-  // issued before any is summed, so that about 16 float4 per thread are in flight (a latency-bound
-  // read of the pieces, which are in L2).
-  constexpr int kMine = kGroups / T::kThreads;  // groups per thread, at most
-  constexpr int kBatch = kMine >= 16 ? 1 : 16 / kMine;
-  static_assert(kGroups % T::kThreads == 0);
-  const int groups = min(kRows, p.rows - row0) * (kHeadDimV / 4);
-  float4 acc[kMine];
-  int64_t base_at[kMine];
+  // The weighted sum of pieces sp0, sp0 + step, ... of float4 group g of the tile; the loads of
+  // kBatch pieces are issued before any is summed (a latency-bound read of pieces in L2).
+  constexpr int kBatch = 8;
+  auto pieces_sum = [&](int g, int sp0, int step) {
+    const int r = g / (kHeadDimV / 4);
+    const float* src = p.part_o + piece_row(r) * kHeadDimV + 4 * (g % (kHeadDimV / 4));
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int sp = sp0; sp < p.num_splits; sp += kBatch * step) {
+      float4 x[kBatch];
 #pragma unroll
-  for (int i = 0; i < kMine; ++i) {
-    const int g = tid + i * T::kThreads;
-    acc[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    base_at[i] = piece_row(g / (kHeadDimV / 4)) * kHeadDimV + 4 * (g % (kHeadDimV / 4));
-  }
-  for (int sp0 = 0; sp0 < p.num_splits; sp0 += kBatch) {
-    float4 x[kBatch][kMine];
+      for (int j = 0; j < kBatch; ++j) {
+        const int spj = sp + j * step;
+        x[j] = spj < p.num_splits ? __ldcg(reinterpret_cast<const float4*>(src + spj * split_stride * kHeadDimV))
+                                  : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      }
 #pragma unroll
-    for (int j = 0; j < kBatch; ++j) {
-#pragma unroll
-      for (int i = 0; i < kMine; ++i) {
-        const bool ok = sp0 + j < p.num_splits && tid + i * T::kThreads < groups;
-        x[j][i] = ok ? __ldcg(reinterpret_cast<const float4*>(p.part_o + (sp0 + j) * split_stride * kHeadDimV +
-                                                             base_at[i]))
-                     : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      for (int j = 0; j < kBatch; ++j) {
+        const int spj = sp + j * step;
+        const float w = spj < p.num_splits ? sW[spj * kRows + r] : 0.0f;
+        acc.x += w * x[j].x;
+        acc.y += w * x[j].y;
+        acc.z += w * x[j].z;
+        acc.w += w * x[j].w;
       }
     }
-#pragma unroll
-    for (int j = 0; j < kBatch; ++j) {
-#pragma unroll
-      for (int i = 0; i < kMine; ++i) {
-        const int r = (tid + i * T::kThreads) / (kHeadDimV / 4);
-        const float w = sp0 + j < p.num_splits ? sW[(sp0 + j) * kRows + r] : 0.0f;
-        acc[i].x += w * x[j][i].x;
-        acc[i].y += w * x[j][i].y;
-        acc[i].z += w * x[j][i].z;
-        acc[i].w += w * x[j][i].w;
-      }
+    return acc;
+  };
+  // With fewer groups than threads, `lanes` threads share a group's pieces and their sums meet
+  // in shared memory.
+  if (count >= T::kThreads) {
+    for (int g = g0 + tid; g < g0 + count; g += T::kThreads) {
+      store_out(row0 + g / (kHeadDimV / 4), g % (kHeadDimV / 4), pieces_sum(g, 0, 1), sLse[g / (kHeadDimV / 4)]);
     }
-  }
-#pragma unroll
-  for (int i = 0; i < kMine; ++i) {
-    const int g = tid + i * T::kThreads, r = g / (kHeadDimV / 4);
-    if (g < groups) store_out(row0 + r, g % (kHeadDimV / 4), acc[i], sLse[r]);
+  } else if (count > 0) {
+    const int lanes = T::kThreads / count;
+    if (tid < lanes * count) sPart[tid] = pieces_sum(g0 + tid % count, tid / count, lanes);
+    __syncthreads();
+    if (tid < count) {
+      float4 acc = sPart[tid];
+      for (int l = 1; l < lanes; ++l) {
+        const float4 x = sPart[l * count + tid];
+        acc.x += x.x;
+        acc.y += x.y;
+        acc.z += x.z;
+        acc.w += x.w;
+      }
+      const int g = g0 + tid;
+      store_out(row0 + g / (kHeadDimV / 4), g % (kHeadDimV / 4), acc, sLse[g / (kHeadDimV / 4)]);
+    }
   }
 }
 

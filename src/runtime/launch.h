@@ -1,6 +1,6 @@
 // flash3: host-side launch helpers shared by the forward and backward launchers: the CuTe view
-// the TMA descriptors are built from, launches with programmatic dependent launch, and the
-// once-per-device shared-memory attribute.
+// the TMA descriptors are built from, launches with programmatic dependent launch, the
+// once-per-device shared-memory attribute and occupancy.
 #pragma once
 
 #include <atomic>
@@ -73,6 +73,26 @@ void set_max_dynamic_smem(int bytes, const char* what = "cudaFuncSetAttribute(ma
   if (bit != 0 && (done.load(std::memory_order_acquire) & bit) != 0) return;
   check_cuda(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), what);
   done.fetch_or(bit, std::memory_order_release);
+}
+
+// How many blocks of kKernel (threads each, smem bytes of dynamic shared memory) fit on one SM at
+// once, asked of the runtime once per device (after set_max_dynamic_smem). Devices 64 and up
+// are asked on every call.
+template <auto kKernel>
+int blocks_per_sm(int threads, int smem) {
+  static std::atomic<int> known[64] = {};  // per device: the answer + 1, 0 before the first call
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  const bool cached = device >= 0 && device < 64;
+  if (cached) {
+    const int k = known[device].load(std::memory_order_acquire);
+    if (k > 0) return k - 1;
+  }
+  int n = 0;
+  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kKernel, threads, size_t(smem)),
+             "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  if (cached) known[device].store(n + 1, std::memory_order_release);
+  return n;
 }
 
 }  // namespace flash3::detail
