@@ -56,9 +56,9 @@ void launch_decode(DecodeParams params, unsigned tiles, unsigned splits, cudaStr
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeCooperative;
   attr[0].val.cooperative = 1;
-  const long long resident =
-      (long long)blocks_per_sm<kernel>(T::kThreads, T::kSmemBytes) * current_device_info().sms;
-  params.merge_shared = splits > 1 && (long long)tiles * splits <= resident;
+  params.merge_shared = splits > 1 && (long long)tiles * splits <=
+                                          (long long)blocks_per_sm<kernel>(T::kThreads, T::kSmemBytes) *
+                                              current_device_info().sms;
   if (params.merge_shared) {
     cfg.attrs = attr;
     cfg.numAttrs = 1;
