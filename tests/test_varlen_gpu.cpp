@@ -236,6 +236,16 @@ TEST(FwdGpuVarlen, EqualAndManySequences) {
       if (HasFatalFailure()) return;
     }
   }
+  // More sequences than the tile list sorts (kVarlenSortMax, runtime/varlen_tiles.h: its order
+  // and prefix sums in the scratch instead of shared memory), and the sorted path's largest batch.
+  for (int batch : {2048, 2100}) {
+    std::mt19937_64 rng(seed);
+    std::vector<int> len(batch);
+    for (int& x : len) x = int(rng() % 5);
+    len[batch / 2] = 300;
+    run_varlen_case(VarCase{DType::kBFloat16, 64, true, len, len}, seed++);
+    if (HasFatalFailure()) return;
+  }
 }
 
 

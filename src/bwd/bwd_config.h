@@ -36,6 +36,11 @@
 // without softcap ran 10% more instructions per visit than the default kernel at a lower issue
 // rate; with the two copies the window backward gained 8% and varlen 4-7% (docs/perf-log.md
 // W10). At head dim 128 the two copies spilled 480 bytes and ran 22% slower, so off there.
+// kSoftcapOwnKernel (swapped loop; general kernel): softcap in a kernel of its own (BwdTraits'
+// kSoftcap), the general kernel's loop without it. At head dim 128, where the loop's two copies
+// spill, the loop with softcap tested at each use ran 2-3% slower than without it (varlen 8 x 2k
+// +2.2-2.4%, window 4096 of 16k +3.2%, docs/perf-log.md W12); the cost is two more kernels per
+// dtype to build.
 // kTmaEpilogue: dK, dV (MHA) leave through two TMA stores from shared memory instead of
 // row-by-row stores (bwd_store_dkdv_tma, docs/perf-log.md B56, B57): head dim 64 +1-4%, 128
 // non-causal +0-4%, causal even; at 256 2-3% slower at non-causal 512-4k, so off there.
@@ -65,21 +70,21 @@ template <> struct BwdTileConfig<64> {
   static constexpr int kBlockM = 64, kBlockN = 128, kStages = 3, kDQStages = 4;
   static constexpr bool kSdPSwapAB = true, kKVInRegs = true, kDQAlternate = true, kSpreadVisits = false;
   static constexpr bool kPersistentCausal = true, kPersistentNonCausal = true, kTmaEpilogue = true;
-  static constexpr bool kSoftcapOwnLoop = true;
+  static constexpr bool kSoftcapOwnLoop = true, kSoftcapOwnKernel = false;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
 };
 template <> struct BwdTileConfig<128> {
   static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2, kDQStages = 2;
   static constexpr bool kSdPSwapAB = true, kKVInRegs = false, kDQAlternate = false, kSpreadVisits = false;
   static constexpr bool kPersistentCausal = false, kPersistentNonCausal = false, kTmaEpilogue = true;
-  static constexpr bool kSoftcapOwnLoop = false;
+  static constexpr bool kSoftcapOwnLoop = false, kSoftcapOwnKernel = true;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
 };
 template <> struct BwdTileConfig<256> {
   static constexpr int kBlockM = 64, kBlockN = 64, kStages = 1, kDQStages = 1;
   static constexpr bool kSdPSwapAB = false, kKVInRegs = false, kDQAlternate = false, kSpreadVisits = true;
   static constexpr bool kPersistentCausal = false, kPersistentNonCausal = false, kTmaEpilogue = false;
-  static constexpr bool kSoftcapOwnLoop = false;  // not swapped (bwd_mainloop_ss.h)
+  static constexpr bool kSoftcapOwnLoop = false, kSoftcapOwnKernel = false;  // not swapped (bwd_mainloop_ss.h)
   static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
 };
 

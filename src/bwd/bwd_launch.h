@@ -174,11 +174,21 @@ void run_bwd(const BwdProblem& p, const BwdArgs& args_given, const BwdWorkspaceL
   check_cuda(cudaGetLastError(), "backward preprocess launch");
   if (p.seqlen_k > 0) {
     // Variable lengths, sliding windows and softcap: the general kernels (common/mask.h).
+    // Softcap's own general kernels where the config has them (kSoftcapOwnKernel, bwd_config.h).
     const bool general = general_kernels(p);
+    constexpr bool kSoftcapKernels = Traits::Config::kSoftcapOwnKernel;
     if (general && p.causal) {
-      launch_bwd_main<BwdTraits<Element, kHeadDim, true, true>>(p, args_given, ws, base);
+      if (kSoftcapKernels && p.softcap > 0.0f) {
+        launch_bwd_main<BwdTraits<Element, kHeadDim, true, true, kSoftcapKernels>>(p, args_given, ws, base);
+      } else {
+        launch_bwd_main<BwdTraits<Element, kHeadDim, true, true>>(p, args_given, ws, base);
+      }
     } else if (general) {
-      launch_bwd_main<BwdTraits<Element, kHeadDim, false, true>>(p, args_given, ws, base);
+      if (kSoftcapKernels && p.softcap > 0.0f) {
+        launch_bwd_main<BwdTraits<Element, kHeadDim, false, true, kSoftcapKernels>>(p, args_given, ws, base);
+      } else {
+        launch_bwd_main<BwdTraits<Element, kHeadDim, false, true>>(p, args_given, ws, base);
+      }
     } else if (p.causal) {
       launch_bwd_main<BwdTraits<Element, kHeadDim, true>>(p, args_given, ws, base);
     } else {

@@ -106,11 +106,8 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
     gemm(cute::true_type{}, mma_sdp, tdPrV, tdPrdO(_, _, _, rdo.index()), tdPrdP);
   };
   const auto unmasked = mask.template unmasked_m_blocks<kBlockM, kBlockN>(col0);
-  // softcap: Int<0> none, Int<1> softcap, Int<2> whichever params say (tested at each use).
-  auto softcap_on = [&](auto softcap) __attribute__((always_inline)) {
-    if constexpr (decltype(softcap)::value == 2) return params.softcap_coef != 0.f;
-    return decltype(softcap)::value == 1;
-  };
+  // softcap: Int<0> none, Int<1> softcap.
+  auto softcap_on = [&](auto softcap) __attribute__((always_inline)) { return decltype(softcap)::value == 1; };
   auto compute_p = [&](int m, int stage, auto softcap) __attribute__((always_inline)) {
     // P^T = exp2(S^T * scale_log2 - lse) in place, 0 where masked (keys past seqlen_k, or in the
     // causal future: S = -inf first). Query columns past seqlen_q have lse = +inf (and dO = 0):
@@ -211,8 +208,8 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
   // head dim 128: ptxas serialized the WGMMAs, C7512, and spilled 80 bytes; B11.)
   // Visits g_begin.. g_end - 1 of this block (static: 0.. m_count - 1; persistent: counted on
   // across the block's items, so that the dS^T and dQ buffers and their barriers go on in turn).
-  // kSoftcapOwnLoop (bwd_config.h): the general kernel runs one of two copies of the loop, with
-  // softcap or without; else it tests softcap at each use.
+  // The general kernel's loop with softcap or without: one of two copies chosen per call
+  // (kSoftcapOwnLoop, bwd_config.h), or the kernel's own (kSoftcapOwnKernel).
   auto visits = [&](auto softcap) __attribute__((always_inline)) {
     for (int i = g_begin; i < g_end; ++i) {
       issue_sdp(read_q, read_do);
@@ -231,16 +228,14 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
       ++read_do;
     }
   };
-  if constexpr (!Traits::kGeneral) {
-    visits(cute::Int<0>{});
-  } else if constexpr (Traits::Config::kSoftcapOwnLoop) {
-    if (params.softcap_coef != 0.f) {
-      visits(cute::Int<1>{});
-    } else {
-      visits(cute::Int<0>{});
-    }
+  static_assert(!Traits::kGeneral || Traits::Config::kSoftcapOwnLoop || Traits::Config::kSoftcapOwnKernel,
+                "the swapped general loop: softcap by a copy of the loop or a kernel of its own");
+  if constexpr (!Traits::kGeneral || Traits::Config::kSoftcapOwnKernel) {
+    visits(cute::Int<Traits::kSoftcap ? 1 : 0>{});
+  } else if (params.softcap_coef != 0.f) {
+    visits(cute::Int<1>{});
   } else {
-    visits(cute::Int<2>{});
+    visits(cute::Int<0>{});
   }
 }
 

@@ -30,8 +30,9 @@ template <class Element>
 struct BwdSecondK<Element, 0> {};
 
 // kGeneral: the general kernel of variable lengths, sliding windows and softcap (common/mask.h
-// says why it is a kernel of its own).
-template <class Element_, int kHeadDim_, bool kCausal_, bool kGeneral_ = false>
+// says why it is a kernel of its own). kSoftcap: its softcap kernel, where the config gives
+// softcap a kernel of its own (kSoftcapOwnKernel, bwd_config.h).
+template <class Element_, int kHeadDim_, bool kCausal_, bool kGeneral_ = false, bool kSoftcap_ = false>
 struct BwdTraits {
   using Element = Element_;
   using Config = BwdTileConfig<kHeadDim_>;
@@ -41,6 +42,8 @@ struct BwdTraits {
   static constexpr int kStages = Config::kStages;
   static constexpr bool kCausal = kCausal_;
   static constexpr bool kGeneral = kGeneral_;
+  static constexpr bool kSoftcap = kSoftcap_;
+  static_assert(!kSoftcap || (kGeneral && Config::kSoftcapOwnKernel), "softcap's own kernel: a general one");
   using MaskT = Mask<kCausal, kGeneral>;
   static constexpr bool kSpreadVisits = Config::kSpreadVisits;  // bwd_scheduler.h
   // Persistent (bwd_scheduler.h, where bwd_config.h says): one block per SM takes blocks of

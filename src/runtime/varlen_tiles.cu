@@ -3,6 +3,8 @@
 //   2. its position in the order (a rank count for up to kVarlenSortMax sequences);
 //   3. the exclusive prefix sum of the tile counts in that order (CUB's block scan, by chunks);
 //   4. each tile's entry, found from its index by a binary search of the prefix sums.
+// Up to kVarlenSortMax sequences, the lengths, the order and the prefix sums live in shared
+// memory (the binary search is a chain of dependent loads); beyond, in the scratch.
 #include <cub/block/block_scan.cuh>
 
 #include "runtime/runtime.h"
@@ -18,26 +20,32 @@ __global__ void __launch_bounds__(kThreads) varlen_tiles_kernel(VarlenTilesArgs 
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
   __shared__ int carry;
-  int* order = a.scratch;           // order[pos] = the sequence at position pos
-  int* start = a.scratch + a.batch; // start[pos] = its first tile; start[batch] = the count
-  auto rows = [&](int b) {
+  __shared__ int s_rows[kVarlenSortMax], s_key[kVarlenSortMax], s_order[kVarlenSortMax], s_start[kVarlenSortMax + 1];
+  const bool sort = a.batch <= kVarlenSortMax;
+  int* order = sort ? s_order : a.scratch;            // order[pos] = the sequence at position pos
+  int* start = sort ? s_start : a.scratch + a.batch;  // start[pos] = its first tile; start[batch] = the count
+  auto rows_of = [&](int b) {
     const SeqLen len = a.seqlens.of<true>(b);
     return a.by_keys ? len.k : len.q;
   };
-  auto key = [&](int b) {
-    const SeqLen len = a.seqlens.of<true>(b);
-    return a.by_keys ? len.q : len.k;
-  };
+  auto rows = [&](int b) { return sort ? s_rows[b] : rows_of(b); };
   auto tiles_of = [&](int b) { return (rows(b) + a.block - 1) / a.block * a.nheads; };
+  if (sort) {
+    for (int b = threadIdx.x; b < a.batch; b += kThreads) {
+      const SeqLen len = a.seqlens.of<true>(b);
+      s_rows[b] = a.by_keys ? len.k : len.q;
+      s_key[b] = a.by_keys ? len.q : len.k;
+    }
+    __syncthreads();
+  }
   // 1-2: the order.
-  const bool sort = a.batch <= kVarlenSortMax;
   for (int b = threadIdx.x; b < a.batch; b += kThreads) {
     int pos = b;
     if (sort) {
-      const int kb = key(b);
+      const int kb = s_key[b];
       pos = 0;
       for (int o = 0; o < a.batch; ++o) {
-        const int ko = key(o);
+        const int ko = s_key[o];
         pos += ko > kb || (ko == kb && o < b);
       }
     }
