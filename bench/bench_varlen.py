@@ -20,31 +20,19 @@ point the median over runs of each time and each ratio as median [min-max] over 
 """
 import argparse
 import json
-import math
 import os
-import random
 import statistics
 import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from timing import (SPIN_CYCLES, first_line, hopper_torch, ints, load_fa3, log, median_or_none, rel_diff,  # noqa: E402
-                    rng, round_robin, spread)
+from timing import (SPIN_CYCLES, doc_lengths, first_line, hopper_torch, ints, load_fa3, log,  # noqa: E402
+                    median_or_none, rel_diff, rng, round_robin, spread)
 
 HIDDEN = 2048
 EQUAL_TARGET = 1.03
 FA3_TARGET = 1.0
-
-
-def doc_lengths(tokens, lo=64, hi=8192, seed=0):
-    """Log-uniform document lengths in [lo, hi] summing to tokens (the last one cut)."""
-    r = random.Random(seed)
-    out = []
-    while sum(out) < tokens:
-        out.append(int(round(math.exp(r.uniform(math.log(lo), math.log(hi))))))
-    out[-1] -= sum(out) - tokens
-    return [x for x in out if x > 0]
 
 
 def main(argv=None):

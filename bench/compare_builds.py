@@ -5,7 +5,7 @@
         --build new=python:build/libflash3.so [--fa3 /tmp/fa3_anchor.so] [--cudnn] \\
         [--pass fwd|bwd|both] [--hdims 64,128,256] [--seqlens 512,...] [--causal 0|1|both] \\
         [--reps 10] [--runs 3] [--warmup 3] [--quick] [--fp8] [--gqa [--heads 32:4,64:8]
-        [--batches 8,4,1]] [--window LEFT] [--softcap C] [--varlen] [--json out.json]
+        [--batches 8,4,1]] [--window LEFT] [--softcap C] [--varlen [--docs]] [--json out.json]
     python3 bench/compare_builds.py --report out.json      # the table and summary again, no GPU
 
 Builds: each --build NAME=PKG_DIR:LIB gives a folder holding the `flash3` package (or the package
@@ -34,6 +34,9 @@ softcap); the FLOPs stay the unwindowed formula's, so the ratios are what compar
 --varlen: every call as a variable-length call on the same tokens: the batch's b sequences of
 seqlen tokens packed (total, h, d) with cu_seqlens of equal steps (flash_attn_varlen_func; FA3's
 fwd / bwd with cu_seqlens_q/k, max_seqlen_q/k), so that builds compare on the varlen kernels.
+--docs (with --varlen): the b x seqlen tokens as documents of log-uniform lengths in [64, 8192]
+(bench_varlen.py's packed batch, timing.doc_lengths) instead of b equal sequences; the FLOPs stay
+the b equal sequences' formula, so the ratios are what compare.
   Forward: one forward call is timed (inputs without requires_grad).
   Backward: the backward only, as bench_torch.py --pass bwd: one forward per implementation
   outside the timed region, then torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
@@ -72,6 +75,7 @@ import argparse
 import atexit
 import datetime
 import importlib.util
+import itertools
 import json
 import lzma
 import os
@@ -83,7 +87,7 @@ import tempfile
 import time
 
 from timing import (sha256, BWD_FLOPS_FACTOR, DEFAULT_HDIMS, DEFAULT_SEQLENS, MISMATCH, SPIN_CYCLES,
-                    first_line, fmt, gemm_tflops, geomean, ints, log, rel_diff, sdpa, spin_kernel,
+                    doc_lengths, first_line, fmt, gemm_tflops, geomean, ints, log, rel_diff, sdpa, spin_kernel,
                     sweep_points, tflops, load_fa3, round_robin, hopper_torch, rng)
 
 PASSES = ("fwd", "bwd")
@@ -159,6 +163,7 @@ def parse_args(argv=None):
     p.add_argument("--window", type=int, default=-1, metavar="LEFT", help="sliding window (LEFT, 0); -1: none")
     p.add_argument("--softcap", type=float, default=0.0, metavar="C", help="softcap C (0: none)")
     p.add_argument("--varlen", action="store_true", help="variable-length calls on the same tokens (equal lengths)")
+    p.add_argument("--docs", action="store_true", help="--varlen: log-uniform document lengths instead of equal ones")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--report", metavar="JSON", help="print the table and summary of a written JSON and exit")
     a = p.parse_args(argv)
@@ -186,6 +191,10 @@ def parse_args(argv=None):
             p.error("--fp8 times the forward only: add --pass fwd")
         if a.fp8 and (a.window >= 0 or a.softcap or a.varlen):
             p.error("--window, --softcap and --varlen are for bf16 (not --fp8)")
+        if a.docs and not a.varlen:
+            p.error("--docs is for --varlen calls")
+        if a.docs:
+            a.varlen = "docs"
     return a
 
 
@@ -483,16 +492,19 @@ def mask_kwargs(window, softcap, causal, fa3):
 _CU_SEQLENS = {}
 
 
-def packed(torch, q, k, v):
+def packed(torch, q, k, v, docs=False):
     """--varlen: q, k, v (b, s, h, d) as packed (b s, h, d) views and the keyword arguments of the
-    varlen call (equal lengths s; cu_seqlens made once per shape)."""
+    varlen call (equal lengths s, or with docs timing.doc_lengths(b s); cu_seqlens made once per
+    shape)."""
     b, s = q.shape[:2]
-    key = (b, s, q.device)
+    key = (b, s, q.device, docs)
     if key not in _CU_SEQLENS:
-        _CU_SEQLENS[key] = torch.arange(0, b * s + 1, s, device=q.device, dtype=torch.int32)
-    cu = _CU_SEQLENS[key]
+        lens = doc_lengths(b * s) if docs else [s] * b
+        cu = torch.tensor([0] + list(itertools.accumulate(lens)), device=q.device, dtype=torch.int32)
+        _CU_SEQLENS[key] = (cu, max(lens))
+    cu, m = _CU_SEQLENS[key]
     names = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
-    kw = dict(zip(names, (cu, cu, s, s)))
+    kw = dict(zip(names, (cu, cu, m, m)))
     return [t.reshape(b * s, *t.shape[2:]) for t in (q, k, v)], kw
 
 
@@ -507,7 +519,7 @@ def flash3_impl(torch, name, mod, fp8=False, window=-1, softcap=0.0, varlen=Fals
         mask = mask_kwargs(window, softcap, causal, False)
         if not varlen:
             return first(mod.flash_attn_func(q, k, v, causal=causal, **mask))
-        qkv, kw = packed(torch, q, k, v)
+        qkv, kw = packed(torch, q, k, v, varlen == "docs")
         return first(mod.flash_attn_varlen_func(*qkv, **kw, causal=causal, **mask)).view(q.shape)
     return autograd_impl(torch, name, fwd)
 
@@ -518,7 +530,7 @@ def fa3_impl(torch, fa3, fp8=False, window=-1, softcap=0.0, varlen=False):
         kw = mask_kwargs(window, softcap, causal, True)
         if not varlen:
             return (q, k, v), kw
-        qkv, vkw = packed(torch, q, k, v)
+        qkv, vkw = packed(torch, q, k, v, varlen == "docs")
         return qkv, {**kw, **vkw}
 
     def fwd(q, k, v, causal):

@@ -12,6 +12,7 @@ import hashlib
 import lzma
 import math
 import os
+import random
 import shutil
 import statistics
 
@@ -195,3 +196,13 @@ def hopper_torch(name):
         log(f"{name}: no Hopper GPU (cuda available: {torch.cuda.is_available()}, capability: {cap})")
         return None
     return torch
+
+
+def doc_lengths(tokens, lo=64, hi=8192, seed=0):
+    """Log-uniform document lengths in [lo, hi] summing to tokens (the last one cut)."""
+    r = random.Random(seed)
+    out = []
+    while sum(out) < tokens:
+        out.append(int(round(math.exp(r.uniform(math.log(lo), math.log(hi))))))
+    out[-1] -= sum(out) - tokens
+    return [x for x in out if x > 0]

@@ -73,3 +73,13 @@ def test_varlen_argument():
     assert cb.parse_args(["--build", "x=python:lib.so", "--varlen", "--pass", "bwd"]).varlen
     with pytest.raises(SystemExit):
         cb.parse_args(["--build", "x=python:lib.so", "--fp8", "--pass", "fwd", "--varlen"])
+
+
+def test_docs_argument():
+    """--docs: document lengths for --varlen calls only; the lengths fill the tokens exactly."""
+    assert cb.parse_args(["--build", "x=python:lib.so", "--varlen", "--docs"]).varlen == "docs"
+    assert cb.parse_args(["--build", "x=python:lib.so", "--varlen"]).varlen is True
+    with pytest.raises(SystemExit):
+        cb.parse_args(["--build", "x=python:lib.so", "--docs"])
+    lens = cb.doc_lengths(16384)
+    assert sum(lens) == 16384 and min(lens) > 0 and max(lens) <= 8192 and len(lens) > 1

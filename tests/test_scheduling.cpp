@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <set>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -191,6 +192,52 @@ TEST(CausalOrder, EveryTileOnceLongestFirstPerSection) {
         const int tail = flash3::causal_tail_first(pairs, section, m_blocks, sms);
         check_order(m_blocks, pairs, section, tail, sms);
         if (HasFatalFailure()) return;
+      }
+    }
+  }
+}
+
+// The causal variable-length list's sections (runtime/varlen_tiles.h): every (block, head) of a
+// sequence once; sections of whole head groups, no more groups than fit (at least one), sizes
+// differing by at most one group; within a section the blocks in order, each over its heads.
+TEST(VarlenOrder, SectionsCoverEveryTileOnceInOrder) {
+  for (int blocks : {2, 7, 64}) {
+    for (int nheads : {1, 2, 6, 16, 32}) {
+      for (int group : {1, 2, 8}) {
+        if (nheads % group != 0) continue;
+        for (int fit : {0, 1, 2, 3, 5, 100}) {
+          const std::string what = "blocks " + std::to_string(blocks) + " nheads " + std::to_string(nheads) +
+                                   " group " + std::to_string(group) + " fit " + std::to_string(fit);
+          std::vector<std::pair<int, int>> e(size_t(blocks) * nheads);
+          for (int i = 0; i < blocks * nheads; ++i) {
+            flash3::detail::varlen_section_entry(i, blocks, nheads, group, fit, e[i].first, e[i].second);
+          }
+          std::set<std::pair<int, int>> seen(e.begin(), e.end());
+          ASSERT_EQ(seen.size(), e.size()) << what;
+          ASSERT_TRUE(seen.begin()->first == 0 && seen.rbegin()->first == blocks - 1) << what;
+          // Sections: a run of block-0 entries gives the section's heads, then each block in turn.
+          const int per = std::max(1, std::min(fit, nheads / group)) * group;
+          std::vector<int> sizes;
+          int next_head = 0;
+          for (size_t i0 = 0; i0 < e.size();) {
+            int size = 0;
+            while (i0 + size < e.size() && e[i0 + size].first == 0) ++size;
+            sizes.push_back(size);
+            for (int j = 0; j < size * blocks; ++j) {
+              ASSERT_EQ(e[i0 + j].first, j / size) << what << " at " << i0 + j;
+              ASSERT_EQ(e[i0 + j].second, next_head + j % size) << what << " at " << i0 + j;
+            }
+            next_head += size;
+            i0 += size_t(size) * blocks;
+          }
+          EXPECT_EQ(next_head, nheads) << what;
+          const int lo = *std::min_element(sizes.begin(), sizes.end());
+          const int hi = *std::max_element(sizes.begin(), sizes.end());
+          EXPECT_LE(hi, per) << what;
+          EXPECT_LE(hi - lo, group) << what;
+          for (int sz : sizes) EXPECT_EQ(sz % group, 0) << what;
+          EXPECT_EQ(int(sizes.size()), (nheads / group + per / group - 1) / (per / group)) << what;
+        }
       }
     }
   }

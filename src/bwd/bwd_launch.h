@@ -96,9 +96,12 @@ void launch_bwd_main(const BwdProblem& p, const BwdArgs& args_in, const BwdWorks
   if (p.varlen) {
     // The key blocks of every sequence, listed on the device (runtime/varlen_tiles.h; causal:
     // each sequence's first key block, which the most query blocks visit, first); the grid is
-    // sized by a bound on the list.
+    // sized by a bound on the list. Causal: in sections of heads whose Q and dO fit half the L2,
+    // as in the fixed-length order.
+    const long long qdo_row_bytes = 2ll * Traits::kHeadDim * int(sizeof(Element));
     VarlenTilesArgs list = varlen_tiles_args(params.seqlens, p.batch, p.nheads, Traits::kBlockN, true, Traits::kCausal,
-                                             ws.varlen_item_capacity);
+                                             ws.varlen_item_capacity,
+                                             current_device_info().l2_bytes / 2 / qdo_row_bytes);
     varlen_tiles_place(list, base + ws.items);
     build_varlen_tiles(list, args.stream);
     params.varlen_items = list.tiles;

@@ -112,8 +112,12 @@ void launch_fwd(const FwdProblem& p, const FwdArgs& args, bool persistent, int* 
   bool varlen_owned = false;
   if (p.varlen) {
     const long long capacity = varlen_tile_capacity(p.total_q, p.batch, p.nheads, Traits::kBlockM);
+    // Causal: in sections of kv-head groups whose K and V fit the L2 budget, as in the fixed-length
+    // order (make_fwd_params).
+    const long long kv_row_bytes = 2ll * Traits::kHeadDim * int(sizeof(typename Traits::Element));
     VarlenTilesArgs list =
-        varlen_tiles_args(params.seqlens, p.batch, p.nheads, Traits::kBlockM, false, Traits::kCausal, capacity);
+        varlen_tiles_args(params.seqlens, p.batch, p.nheads, Traits::kBlockM, false, Traits::kCausal, capacity,
+                          std::min(kCausalL2Budget, l2_bytes()) / kv_row_bytes, p.nheads / p.nheads_kv);
     const size_t bytes = varlen_tiles_bytes(capacity, p.batch);
     char* scratch = stream_memory(args.stream, kScratchCounterBytes + bytes, 0).scratch;
     if (scratch != nullptr) {

@@ -29,6 +29,11 @@ __global__ void __launch_bounds__(kThreads) varlen_tiles_kernel(VarlenTilesArgs 
     return a.by_keys ? len.k : len.q;
   };
   auto rows = [&](int b) { return sort ? s_rows[b] : rows_of(b); };
+  auto other = [&](int b) {
+    if (sort) return s_key[b];
+    const SeqLen len = a.seqlens.of<true>(b);
+    return a.by_keys ? len.q : len.k;
+  };
   auto tiles_of = [&](int b) { return (rows(b) + a.block - 1) / a.block * a.nheads; };
   if (sort) {
     for (int b = threadIdx.x; b < a.batch; b += kThreads) {
@@ -82,8 +87,9 @@ __global__ void __launch_bounds__(kThreads) varlen_tiles_kernel(VarlenTilesArgs 
     const int blocks = (rows(b) + a.block - 1) / a.block;
     int block, head;
     if (a.longest_first) {
-      block = i / a.nheads;
-      head = i % a.nheads;
+      const int len = other(b);
+      const long long fit = a.section_rows > 0 && len > 0 ? a.section_rows / len : a.nheads;
+      varlen_section_entry(i, blocks, a.nheads, a.head_group, int(fit < a.nheads ? fit : a.nheads), block, head);
       if (a.reverse_blocks) block = blocks - 1 - block;
     } else {
       head = i / blocks;
