@@ -98,10 +98,10 @@ void launch_bwd_main(const BwdProblem& p, const BwdArgs& args_in, const BwdWorks
     // each sequence's first key block, which the most query blocks visit, first); the grid is
     // sized by a bound on the list. Causal: in sections of heads whose Q and dO fit half the L2,
     // as in the fixed-length order.
-    const long long qdo_row_bytes = 2ll * Traits::kHeadDim * int(sizeof(Element));
+    const long long rows =
+        causal_section_rows(Traits::kHeadDim, int(sizeof(Element)), current_device_info().l2_bytes / 2);
     VarlenTilesArgs list = varlen_tiles_args(params.seqlens, p.batch, p.nheads, Traits::kBlockN, true, Traits::kCausal,
-                                             ws.varlen_item_capacity,
-                                             current_device_info().l2_bytes / 2 / qdo_row_bytes);
+                                             ws.varlen_item_capacity, rows);
     varlen_tiles_place(list, base + ws.items);
     build_varlen_tiles(list, args.stream);
     params.varlen_items = list.tiles;
@@ -123,6 +123,19 @@ void launch_bwd_main(const BwdProblem& p, const BwdArgs& args_in, const BwdWorks
   set_max_dynamic_smem<&bwd_kernel<Traits>>(kSmem);
   launch_pdl(&bwd_kernel<Traits>, dim3(unsigned(grid)), Traits::kNumThreads, kSmem, args.stream,
              "backward kernel launch", params);
+}
+
+// The general kernel (variable lengths, sliding windows, softcap: common/mask.h) of Traits' head
+// dim and dtype, causal or not; softcap's own one where the config has it (kSoftcapOwnKernel,
+// bwd_config.h).
+template <class Element, int kHeadDim, bool kCausal>
+void launch_bwd_general(const BwdProblem& p, const BwdArgs& args, const BwdWorkspaceLayout& ws, char* base) {
+  constexpr bool kSoftcapKernel = BwdTileConfig<kHeadDim>::kSoftcapOwnKernel;
+  if (kSoftcapKernel && p.softcap > 0.0f) {
+    launch_bwd_main<BwdTraits<Element, kHeadDim, kCausal, true, kSoftcapKernel>>(p, args, ws, base);
+  } else {
+    launch_bwd_main<BwdTraits<Element, kHeadDim, kCausal, true>>(p, args, ws, base);
+  }
 }
 
 template <DType kDType, int kHeadDim>
@@ -177,21 +190,11 @@ void run_bwd(const BwdProblem& p, const BwdArgs& args_given, const BwdWorkspaceL
   check_cuda(cudaGetLastError(), "backward preprocess launch");
   if (p.seqlen_k > 0) {
     // Variable lengths, sliding windows and softcap: the general kernels (common/mask.h).
-    // Softcap's own general kernels where the config has them (kSoftcapOwnKernel, bwd_config.h).
     const bool general = general_kernels(p);
-    constexpr bool kSoftcapKernels = Traits::Config::kSoftcapOwnKernel;
     if (general && p.causal) {
-      if (kSoftcapKernels && p.softcap > 0.0f) {
-        launch_bwd_main<BwdTraits<Element, kHeadDim, true, true, kSoftcapKernels>>(p, args_given, ws, base);
-      } else {
-        launch_bwd_main<BwdTraits<Element, kHeadDim, true, true>>(p, args_given, ws, base);
-      }
+      launch_bwd_general<Element, kHeadDim, true>(p, args_given, ws, base);
     } else if (general) {
-      if (kSoftcapKernels && p.softcap > 0.0f) {
-        launch_bwd_main<BwdTraits<Element, kHeadDim, false, true, kSoftcapKernels>>(p, args_given, ws, base);
-      } else {
-        launch_bwd_main<BwdTraits<Element, kHeadDim, false, true>>(p, args_given, ws, base);
-      }
+      launch_bwd_general<Element, kHeadDim, false>(p, args_given, ws, base);
     } else if (p.causal) {
       launch_bwd_main<BwdTraits<Element, kHeadDim, true>>(p, args_given, ws, base);
     } else {

@@ -22,6 +22,12 @@ namespace flash3 {
 
 constexpr long long kCausalL2Budget = 32ll << 20;
 
+// Rows of a pair of (head_dim wide, elem_bytes) tensors of one head (K and V; Q and dO) that fit
+// `budget` bytes: the variable-length lists size each sequence's sections by it (varlen_tiles.h).
+inline long long causal_section_rows(int head_dim, int elem_bytes, long long budget) {
+  return budget / (2ll * head_dim * elem_bytes);
+}
+
 // (head, batch) pairs per section: as many as have their K and V (seqlen_k x head_dim x 2
 // tensors x elem_bytes) within `budget` bytes, at least 1; with GQA/MQA the heads_per_kv query
 // heads of one kv head (adjacent pairs) read one K and V, so a section holds whole groups of them.

@@ -22,6 +22,8 @@ namespace flash3::detail {
 
 inline long long l2_bytes() { return current_device_info().l2_bytes; }
 inline int num_sms() { return current_device_info().sms; }
+// The causal order's L2 budget for a section's K and V (block_order.h).
+inline long long causal_l2_budget() { return std::min(kCausalL2Budget, l2_bytes()); }
 
 template <class Traits>
 typename Traits::Params make_fwd_params(const FwdProblem& p, const FwdArgs& args_in, int* tile_counter) {
@@ -32,8 +34,8 @@ typename Traits::Params make_fwd_params(const FwdProblem& p, const FwdArgs& args
   args.lse = as_batch(args.lse, 3);
   const auto layout_q = qkv_layout(args.q);
   const auto layout_k = qkv_layout(args.k);
-  const long long l2_budget = std::min(kCausalL2Budget, l2_bytes());
-  const int section = causal_section(p.seqlen_k, Traits::kHeadDim, int(sizeof(Element)), l2_budget, p.nheads / p.nheads_kv);
+  const int section =
+      causal_section(p.seqlen_k, Traits::kHeadDim, int(sizeof(Element)), causal_l2_budget(), p.nheads / p.nheads_kv);
   const int m_blocks = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
   typename Traits::Params params{};
   params.load.tma_q = Traits::make_tma_q(static_cast<const Element*>(args.q.data), layout_q);
@@ -114,10 +116,10 @@ void launch_fwd(const FwdProblem& p, const FwdArgs& args, bool persistent, int* 
     const long long capacity = varlen_tile_capacity(p.total_q, p.batch, p.nheads, Traits::kBlockM);
     // Causal: in sections of kv-head groups whose K and V fit the L2 budget, as in the fixed-length
     // order (make_fwd_params).
-    const long long kv_row_bytes = 2ll * Traits::kHeadDim * int(sizeof(typename Traits::Element));
-    VarlenTilesArgs list =
-        varlen_tiles_args(params.seqlens, p.batch, p.nheads, Traits::kBlockM, false, Traits::kCausal, capacity,
-                          std::min(kCausalL2Budget, l2_bytes()) / kv_row_bytes, p.nheads / p.nheads_kv);
+    const long long rows =
+        causal_section_rows(Traits::kHeadDim, int(sizeof(typename Traits::Element)), causal_l2_budget());
+    VarlenTilesArgs list = varlen_tiles_args(params.seqlens, p.batch, p.nheads, Traits::kBlockM, false, Traits::kCausal,
+                                             capacity, rows, p.nheads / p.nheads_kv);
     const size_t bytes = varlen_tiles_bytes(capacity, p.batch);
     char* scratch = stream_memory(args.stream, kScratchCounterBytes + bytes, 0).scratch;
     if (scratch != nullptr) {
