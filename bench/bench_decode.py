@@ -4,7 +4,8 @@ process, round robin (issue 44).
 
     python3 bench/bench_decode.py --fa3 .anchors/fa3_decode.so.xz [--batches 1,8,64,128]
         [--caches 1024,8192,65536,131072] [--layouts contiguous,paged256,paged16] [--heads 32,4]
-        [--splits 1,4,16,64] [--append N] [--mla] [--runs 3] [--reps 20] [--warmup 5] [--json out.json]
+        [--splits 1,4,16,64] [--append N] [--mla] [--runs 3] [--reps 20] [--warmup 5] [--l2 cold|shared]
+        [--json out.json]
 
 One point per (layout, batch, cache length): q (batch, 1, heads_q, 128) bf16 over a cache k, v of
 heads_kv heads bf16 (--heads: 32 query heads over 4 kv heads, GQA 8:1, as issue 44 asks),
@@ -26,6 +27,12 @@ Reported per point: each time, t_fa3 / t_flash3 as median [min-max] over runs (>
 above FlashAttention-3), and the fraction of the copy's bandwidth at which each reads the cache
 (bytes of k and v / time / copy bandwidth). Timing as bench/timing.py (spin kernel, CUDA events,
 round robin, median per run).
+  --l2 cold (default): every timed call (the copy's too) follows an L2 flush (timing.l2_flush), so
+          each starts from the same empty L2, as a model's decode step finds its layer's cache
+          after the other layers' weights have passed through. --l2 shared: no flush, each call
+          finds what the one before it (another library's, the copy's) left in the L2, which
+          differs by library: round robin puts flash3 after FA3 in most repetitions and FA3
+          after the copy.
 """
 import argparse
 import json
@@ -36,8 +43,8 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from timing import (first_line, hopper_torch, ints, log, median_or_none, rel_diff, rng, round_robin,  # noqa: E402
-                    sha256, spread)
+from timing import (first_line, hopper_torch, ints, l2_flush, log, median_or_none, rel_diff, rng,  # noqa: E402
+                    round_robin, sha256, spread)
 
 HDIM = 128
 MLA_ROPE, MLA_LATENT = 64, 512
@@ -59,7 +66,7 @@ def load_decode_anchor(torch, path):
     return fa3, {"path": os.path.abspath(path), "sha256": sha256(so), "fwd_schema": str(fa3.fwd.default._schema)}
 
 
-def time_point(torch, flash3, fa3, r, run, a, heads_q, heads_kv, seed):
+def time_point(torch, flash3, fa3, r, run, a, heads_q, heads_kv, seed, before=None):
     """One run of one point: the calls timed round robin, each one's median into r["ms_runs"]
     (the tensors are freed on return, before the next point's)."""
     dev = torch.device("cuda")
@@ -109,7 +116,8 @@ def time_point(torch, flash3, fa3, r, run, a, heads_q, heads_kv, seed):
             r["check"]["vs_fa3"] = rel_diff(calls["flash3"]().clone(), calls["fa3"]())
         except Exception as e:  # noqa: BLE001 - recorded
             errors["check"] = first_line(e)
-    times = round_robin(torch, {n: f for n, f in calls.items() if n not in errors}, a.warmup, a.reps, SPIN, errors)
+    times = round_robin(torch, {n: f for n, f in calls.items() if n not in errors}, a.warmup, a.reps, SPIN, errors,
+                        before)
     for n, t in times.items():
         r["ms_runs"].setdefault(n, [None] * a.runs)[run] = statistics.median(t) if t else None
 
@@ -127,6 +135,8 @@ def main(argv=None):
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--l2", choices=("cold", "shared"), default="cold",
+                   help="cold: an L2 flush before every timed call; shared: none")
     p.add_argument("--json")
     a = p.parse_args(argv)
     heads_q, heads_kv = a.heads
@@ -137,6 +147,7 @@ def main(argv=None):
     fa3, fa3_info = None, None
     if a.fa3 != "none" and os.path.exists(a.fa3):
         fa3, fa3_info = load_decode_anchor(torch, a.fa3)
+    flush = l2_flush(torch) if a.l2 == "cold" else None
     rows = [{"layout": lay, "batch": b, "cache": c, "ms_runs": {}, "errors": {}, "check": {}}
             for lay in a.layouts.split(",") for b in a.batches for c in a.caches]
     for run in range(a.runs):
@@ -148,13 +159,13 @@ def main(argv=None):
                 r["skipped"] = f"cache of {kv_bytes / 2**30:.1f} GiB does not fit"
                 continue
             r["kv_bytes"] = kv_bytes  # the copy of k also moves |k| + |v| bytes (read and written)
-            time_point(torch, flash3, fa3, r, run, a, heads_q, heads_kv, seed=1000 + i)
+            time_point(torch, flash3, fa3, r, run, a, heads_q, heads_kv, seed=1000 + i, before=flush)
             torch.cuda.empty_cache()
         log(f"run {run + 1}/{a.runs} done")
     dims = f"{MLA_ROPE} + qv {MLA_LATENT}" if a.mla else f"{HDIM}"
     cache = f"k {MLA_ROPE}, v {MLA_LATENT}" if a.mla else f"{HDIM}"
     print(f"device: {torch.cuda.get_device_name()}; q (b, 1, {heads_q}, {dims}), cache of {heads_kv} heads of {cache} "
-          f"bf16, causal{f', {a.append} appended' if a.append else ''}; FA3 {fa3_info['path'] if fa3_info else 'none'}")
+          f"bf16, causal{f', {a.append} appended' if a.append else ''}; L2 {a.l2}; FA3 {fa3_info['path'] if fa3_info else 'none'}")
     print(f"{'layout':>10} {'batch':>5} {'cache':>7} | {'flash3 us':>9} {'fa3 us':>8} {'copy us':>8} | {'FA3/flash3':>22} | "
           f"{'flash3 / copy bw':>16} {'fa3 / copy bw':>14} | check")
     for r in rows:

@@ -96,11 +96,23 @@ def spin_kernel(torch):
     return getattr(torch.cuda, "_sleep", None)
 
 
-def time_call_ms(torch, fn, spin_cycles):
+def l2_flush(torch):
+    """A callable that empties the GPU's L2 of what the last calls left there by reading a buffer
+    of twice its size (a read, not a write: no dirty lines left for the next call to write back)."""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    size = 2 * int(getattr(props, "L2_cache_size", 0) or (50 << 20))
+    buf = torch.ones(size // 4, device="cuda")
+    return lambda: buf.sum()
+
+
+def time_call_ms(torch, fn, spin_cycles, before=None):
     """Milliseconds of one call of fn between two CUDA events, the GPU first given spin_cycles of
-    spin (0 or None: none) so that the host's launch work overlaps it."""
+    spin (0 or None: none) so that the host's launch work overlaps it; before (untimed, ahead of
+    the spin) e.g. an L2 flush."""
     spin = spin_kernel(torch)
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if before is not None:
+        before()
     if spin is not None and spin_cycles:
         spin(spin_cycles)  # the GPU is busy while the host launches: time only the kernel(s)
     s.record()
@@ -158,10 +170,11 @@ def load_fa3(torch, path, tmp):
                  "fwd_schema": str(fa3.fwd.default._schema), "bwd_schema": str(fa3.bwd.default._schema)}
 
 
-def round_robin(torch, calls, warmup, reps, spin_cycles, errors):
+def round_robin(torch, calls, warmup, reps, spin_cycles, errors, before=None):
     """times[impl] = reps CUDA-event times (ms): warmup calls each, then each repetition times every
-    implementation once, the order rotated by one per repetition. One that fails (or is already
-    in errors) is dropped, its first error line recorded in errors."""
+    implementation once, the order rotated by one per repetition (each timed call after before(),
+    where given: time_call_ms). One that fails (or is already in errors) is dropped, its first
+    error line recorded in errors."""
     names = [n for n in calls if n not in errors]
     for n in list(names):
         try:
@@ -177,7 +190,7 @@ def round_robin(torch, calls, warmup, reps, spin_cycles, errors):
             if n in errors:
                 continue
             try:
-                times[n].append(time_call_ms(torch, calls[n], spin_cycles))
+                times[n].append(time_call_ms(torch, calls[n], spin_cycles, before))
             except Exception as e:  # noqa: BLE001
                 errors[n] = first_line(e)
     return {n: t for n, t in times.items() if n not in errors}

@@ -17,6 +17,11 @@
 //         each block waits for its tile's count and merges a 1 / num_splits share of the tile's
 //         output: one round of loads per block. Otherwise the last block of the tile to finish
 //         merges all of it. Either way the counter ends at zero for the next launch.
+//   code  a block runs its prologue and its merges once, each instruction fetched from the L2 (or
+//         DRAM) the first time on each SM: at small batches the kernel's time follows the size
+//         of that code more than its instruction count (Nsight Compute, batch 1: 63% of the
+//         warps' samples stalled on no instruction with a cold L2). So the loops outside the
+//         key loop stay rolled (#pragma unroll 1) and the split merge sums pieces at one site.
 //   MLA   (kHeadDimV = 512 > kHeadDim = 64): a stage row holds a key's latent (v_cache, 512
 //         dims, also its value) then its rotary part (k_cache, 64), and a Q row qv then q, so
 //         S is one product over 576 dims. O (16 x 512) is too wide for one warp's registers:
@@ -292,6 +297,7 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
                   : q + b * p.q_stride[0] + t * p.q_stride[1] + h * p.q_stride[2];
   };
   // The copies first, before any length is read; chunks to rotate wait for the cache's end.
+#pragma unroll 1
   for (int i = tid; i < kRows * kChunks; i += T::kThreads) {
     int r, c, t, cs;
     bool ok;
@@ -320,6 +326,7 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
   const int blk_begin = min(n_blocks, split * per_split), blk_end = min(n_blocks, blk_begin + per_split);
 
   // Q's rotated chunks: in registers, stored before the loop's first barrier.
+#pragma unroll 1
   for (int i = tid; i < kRows * kChunks && p.rot_half > 0; i += T::kThreads) {
     int r, c, t, cs;
     bool ok;
@@ -479,7 +486,7 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
   }
 
   // Prologue: Q and the first kStages - 1 blocks, one commit group each (Q rides with the first).
-#pragma unroll
+#pragma unroll 1
   for (int s = 0; s < kStages - 1; ++s) {
     if (blk_begin + s < blk_end) load_block(blk_begin + s, s, nullptr);
     fetch_slots(blk_begin + s + kStages - 1);
@@ -639,6 +646,7 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
     if (p.lse != nullptr && d4 == 0) p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + t * p.lse_stride[2]] = lse_row;
   };
   const int nheads = p.nheads_kv * p.group;
+#pragma unroll 1
   for (int g = tid; g < kGroups; g += T::kThreads) {
     const int r = g / (kHeadDimV / 4), d4 = g % (kHeadDimV / 4), row = row0 + r;
     if (row >= p.rows) continue;
@@ -716,13 +724,18 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
     return (int64_t(b) * nheads + head_kv * p.group + row % p.group) * p.seqlen_q + row / p.group;
   };
   {
-    // All loads issued before any store: one round trip.
+    // All loads issued before any store: one round trip. Entry i = tid + j x kThreads is row
+    // tid % kRows of piece i / kRows: each thread's row is the same for every j.
     constexpr int kLseLoads = (kMaxKvcacheSplits * kRows + T::kThreads - 1) / T::kThreads;
+    static_assert(T::kThreads % kRows == 0);
+    const int r = tid % kRows;
+    const float* lse_row = p.part_lse + piece_row(r);
+    const bool row_ok = row0 + r < p.rows;
     float x[kLseLoads];
 #pragma unroll
     for (int j = 0; j < kLseLoads; ++j) {
-      const int i = tid + j * T::kThreads, sp = i / kRows, r = i % kRows;
-      x[j] = sp < p.num_splits && row0 + r < p.rows ? __ldcg(p.part_lse + sp * split_stride + piece_row(r)) : -INFINITY;
+      const int sp = tid / kRows + j * (T::kThreads / kRows);
+      x[j] = sp < p.num_splits && row_ok ? __ldcg(lse_row + sp * split_stride) : -INFINITY;
     }
 #pragma unroll
     for (int j = 0; j < kLseLoads; ++j) {
@@ -739,15 +752,18 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
   const int r_first = g0 / (kHeadDimV / 4), r_end = count > 0 ? (g0 + count - 1) / (kHeadDimV / 4) + 1 : 0;
   for (int r = r_first + warp; r < r_end; r += T::kWarps) {
     float mw = -INFINITY;
+#pragma unroll 1
     for (int sp = lane; sp < p.num_splits; sp += 32) mw = fmaxf(mw, sW[sp * kRows + r]);
 #pragma unroll
     for (int x = 16; x > 0; x /= 2) mw = fmaxf(mw, __shfl_xor_sync(0xffffffffu, mw, x));
     const float bw = mw == -INFINITY ? 0.0f : mw;
     float sum = 0.0f;
+#pragma unroll 1
     for (int sp = lane; sp < p.num_splits; sp += 32) sum += exp2f(sW[sp * kRows + r] - bw);
 #pragma unroll
     for (int x = 16; x > 0; x /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, x);
     const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+#pragma unroll 1
     for (int sp = lane; sp < p.num_splits; sp += 32) sW[sp * kRows + r] = exp2f(sW[sp * kRows + r] - bw) * inv;
     if (lane == 0) sLse[r] = sum > 0.0f ? (bw + log2f(sum)) * kLn2 : INFINITY;
   }
@@ -780,26 +796,34 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
     return acc;
   };
   // With fewer groups than threads, `lanes` threads share a group's pieces and their sums meet
-  // in shared memory.
-  if (count >= T::kThreads) {
-    for (int g = g0 + tid; g < g0 + count; g += T::kThreads) {
-      store_out(row0 + g / (kHeadDimV / 4), g % (kHeadDimV / 4), pieces_sum(g, 0, 1), sLse[g / (kHeadDimV / 4)]);
-    }
-  } else if (count > 0) {
-    const int lanes = T::kThreads / count;
-    if (tid < lanes * count) sPart[tid] = pieces_sum(g0 + tid % count, tid / count, lanes);
-    __syncthreads();
-    if (tid < count) {
-      float4 acc = sPart[tid];
-      for (int l = 1; l < lanes; ++l) {
-        const float4 x = sPart[l * count + tid];
-        acc.x += x.x;
-        acc.y += x.y;
-        acc.z += x.z;
-        acc.w += x.w;
+  // in shared memory. (One call site of pieces_sum: the merge's code is fetched once per SM.)
+  if (count > 0) {
+    const int lanes = count >= T::kThreads ? 1 : T::kThreads / count;
+    const int items = lanes == 1 ? count : lanes * count;
+    for (int i = tid; i < items; i += T::kThreads) {
+      const int g = g0 + i % count;
+      const float4 acc = pieces_sum(g, i / count, lanes);
+      if (lanes == 1) {
+        store_out(row0 + g / (kHeadDimV / 4), g % (kHeadDimV / 4), acc, sLse[g / (kHeadDimV / 4)]);
+      } else {
+        sPart[i] = acc;
       }
-      const int g = g0 + tid;
-      store_out(row0 + g / (kHeadDimV / 4), g % (kHeadDimV / 4), acc, sLse[g / (kHeadDimV / 4)]);
+    }
+    if (lanes > 1) {
+      __syncthreads();
+      if (tid < count) {
+        float4 acc = sPart[tid];
+#pragma unroll 1
+        for (int l = 1; l < lanes; ++l) {
+          const float4 x = sPart[l * count + tid];
+          acc.x += x.x;
+          acc.y += x.y;
+          acc.z += x.z;
+          acc.w += x.w;
+        }
+        const int g = g0 + tid;
+        store_out(row0 + g / (kHeadDimV / 4), g % (kHeadDimV / 4), acc, sLse[g / (kHeadDimV / 4)]);
+      }
     }
   }
 }
