@@ -122,7 +122,7 @@ def time_point(torch, flash3, fa3, r, run, a, heads_q, heads_kv, seed, before=No
         r["ms_runs"].setdefault(n, [None] * a.runs)[run] = statistics.median(t) if t else None
 
 
-def main(argv=None):
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--fa3", default=".anchors/fa3_decode.so.xz")
     p.add_argument("--batches", type=ints, default=[1, 8, 64, 128])
@@ -138,7 +138,11 @@ def main(argv=None):
     p.add_argument("--l2", choices=("cold", "shared"), default="cold",
                    help="cold: an L2 flush before every timed call; shared: none")
     p.add_argument("--json")
-    a = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    a = parse_args(argv)
     heads_q, heads_kv = a.heads
     torch = hopper_torch("bench_decode")
     if torch is None:
