@@ -193,8 +193,6 @@ def parse_args(argv=None):
             p.error("--window, --softcap and --varlen are for bf16 (not --fp8)")
         if a.docs and not a.varlen:
             p.error("--docs is for --varlen calls")
-        if a.docs:
-            a.varlen = "docs"
     return a
 
 
@@ -508,7 +506,7 @@ def packed(torch, q, k, v, docs=False):
     return [t.reshape(b * s, *t.shape[2:]) for t in (q, k, v)], kw
 
 
-def flash3_impl(torch, name, mod, fp8=False, window=-1, softcap=0.0, varlen=False):
+def flash3_impl(torch, name, mod, fp8=False, window=-1, softcap=0.0, varlen=False, docs=False):
     if fp8:
         def fwd8(q, k, v, causal):
             d = unit_descale(torch, q, k)
@@ -519,18 +517,18 @@ def flash3_impl(torch, name, mod, fp8=False, window=-1, softcap=0.0, varlen=Fals
         mask = mask_kwargs(window, softcap, causal, False)
         if not varlen:
             return first(mod.flash_attn_func(q, k, v, causal=causal, **mask))
-        qkv, kw = packed(torch, q, k, v, varlen == "docs")
+        qkv, kw = packed(torch, q, k, v, docs)
         return first(mod.flash_attn_varlen_func(*qkv, **kw, causal=causal, **mask)).view(q.shape)
     return autograd_impl(torch, name, fwd)
 
 
-def fa3_impl(torch, fa3, fp8=False, window=-1, softcap=0.0, varlen=False):
+def fa3_impl(torch, fa3, fp8=False, window=-1, softcap=0.0, varlen=False, docs=False):
     def args(q, k, v, causal):
         """The q, k, v and keyword arguments of FA3's fwd / bwd."""
         kw = mask_kwargs(window, softcap, causal, True)
         if not varlen:
             return (q, k, v), kw
-        qkv, vkw = packed(torch, q, k, v, varlen == "docs")
+        qkv, vkw = packed(torch, q, k, v, docs)
         return qkv, {**kw, **vkw}
 
     def fwd(q, k, v, causal):
@@ -717,7 +715,7 @@ def main(argv=None):
     impls, infos = {}, []
     for name, pkg, lib in a.build:
         mod, info = load_build(name, pkg, lib, tmp)
-        impls[name] = flash3_impl(torch, name, mod, a.fp8, a.window, a.softcap, a.varlen)
+        impls[name] = flash3_impl(torch, name, mod, a.fp8, a.window, a.softcap, a.varlen, a.docs)
         infos.append(info)
         log(f"build {name}: version {info['version']}, {info['package']}, {info['lib']} "
             f"(sha256 {info['lib_sha256'][:12]}), loaded from {info['lib_copy']}")
@@ -725,7 +723,7 @@ def main(argv=None):
     fa3_info = None
     if a.fa3:
         fa3, fa3_info = load_fa3(torch, a.fa3, tmp)
-        impls[FA3] = fa3_impl(torch, fa3, a.fp8, a.window, a.softcap, a.varlen)
+        impls[FA3] = fa3_impl(torch, fa3, a.fp8, a.window, a.softcap, a.varlen, a.docs)
         log(f"FA3: {fa3_info['path']} (sha256 {fa3_info['sha256'][:12]})")
     if a.cudnn and not a.fp8 and a.window < 0 and not a.softcap and not a.varlen:
         import torch.nn.functional as F
@@ -743,7 +741,7 @@ def main(argv=None):
         "gemm_bf16_tflops": gemm,
         "builds": infos, "baseline": builds[0], "fa3": fa3_info, "cudnn": have_cudnn,
         "options": {"hdims": a.hdims, "seqlens": a.seqlens, "causal": a.causal, "reps": a.reps,
-                    "window": a.window, "softcap": a.softcap, "varlen": a.varlen, "gqa": a.gqa, "heads": a.heads if a.gqa else None, "batches": a.batches,
+                    "window": a.window, "softcap": a.softcap, "varlen": a.varlen, "docs": a.docs, "gqa": a.gqa, "heads": a.heads if a.gqa else None, "batches": a.batches,
                     "bwd_reps": a.bwd_reps, "runs": a.runs, "warmup": a.warmup,
                     "spin_cycles": a.spin if a.spin is not None else SPIN_CYCLES,
                     "spin_available": spin_kernel(torch) is not None},

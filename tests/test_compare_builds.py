@@ -77,8 +77,10 @@ def test_varlen_argument():
 
 def test_docs_argument():
     """--docs: document lengths for --varlen calls only; the lengths fill the tokens exactly."""
-    assert cb.parse_args(["--build", "x=python:lib.so", "--varlen", "--docs"]).varlen == "docs"
-    assert cb.parse_args(["--build", "x=python:lib.so", "--varlen"]).varlen is True
+    docs = cb.parse_args(["--build", "x=python:lib.so", "--varlen", "--docs"])
+    assert docs.varlen is True and docs.docs is True
+    equal = cb.parse_args(["--build", "x=python:lib.so", "--varlen"])
+    assert equal.varlen is True and equal.docs is False
     with pytest.raises(SystemExit):
         cb.parse_args(["--build", "x=python:lib.so", "--docs"])
     lens = cb.doc_lengths(16384)
