@@ -799,8 +799,7 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
   // in shared memory. (One call site of pieces_sum: the merge's code is fetched once per SM.)
   if (count > 0) {
     const int lanes = count >= T::kThreads ? 1 : T::kThreads / count;
-    const int items = lanes == 1 ? count : lanes * count;
-    for (int i = tid; i < items; i += T::kThreads) {
+    for (int i = tid; i < lanes * count; i += T::kThreads) {
       const int g = g0 + i % count;
       const float4 acc = pieces_sum(g, i / count, lanes);
       if (lanes == 1) {
