@@ -63,7 +63,8 @@ struct DecodeParams {
   int entries;                             // batch_cache (contiguous) or num_pages (paged)
   int capacity;                            // keys a sequence can hold: seqlen_cache, max_pages x page_size
   int page_size;                           // 0: contiguous
-  int page_shift;                          // log2(page_size) for a power of two, else -1
+  uint32_t page_mul;                       // pos / page_size = (pos x page_mul) >> page_shr
+  int page_shr;
   float scale_log2;                        // softmax_scale x log2(e)
   float softcap_log2, scale_over_cap;      // softcap x log2(e), softmax_scale / softcap (softcap > 0)
   int window_left, window_right;           // -1: unbounded on that side (causal: right = 0)
@@ -347,7 +348,7 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
   // and never stall them (the prologue's blocks look theirs up directly).
   constexpr int kSlotRing = kStages + 1;
   __shared__ int s_slots[kSlotRing][kBlockN + 1];
-  auto page_of = [&](int pos) { return p.page_shift >= 0 ? pos >> p.page_shift : pos / p.page_size; };
+  auto page_of = [&](int pos) { return int((uint64_t(uint32_t(pos)) * p.page_mul) >> p.page_shr); };
   auto fetch_slots = [&](int blk) {
     if (pages == nullptr || blk >= blk_end) return;
     const int key0 = k_lo + blk * kBlockN;
@@ -485,21 +486,25 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
     hi[i] = key_hi(row / p.group);
   }
 
-  // Prologue: Q and the first kStages - 1 blocks, one commit group each (Q rides with the first).
-#pragma unroll 1
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (blk_begin + s < blk_end) load_block(blk_begin + s, s, nullptr);
-    fetch_slots(blk_begin + s + kStages - 1);
-    cp_async_commit();
-  }
+  // One loop loads and computes: its first kStages - 1 turns (j < 0) are the prologue, which
+  // loads blocks 0 .. kStages - 2 (Q rides with the first commit group) and looks their pages up
+  // in the page table directly; each later turn j waits for block j, loads block j + kStages - 1
+  // and computes block j. (One call site of load_block: its code is fetched once.)
   const uint32_t q_base = smem_addr(sQ), k_base = smem_addr(sK), v_base = smem_addr(sV);
-  for (int blk = blk_begin; blk < blk_end; ++blk) {
-    const int j = blk - blk_begin, stage = j % kStages, next = blk + kStages - 1;
-    cp_async_wait<kStages - 2>();
-    __syncthreads();  // block j (and the slots of block next) landed; stage (j - 1) % kStages is free
-    if (next < blk_end) load_block(next, (j + kStages - 1) % kStages, pages != nullptr ? s_slots[next % kSlotRing] : nullptr);
+#pragma unroll 1
+  for (int j = 1 - kStages; j < blk_end - blk_begin; ++j) {
+    const int blk = blk_begin + j, next = blk + kStages - 1;
+    if (j >= 0) {
+      cp_async_wait<kStages - 2>();
+      __syncthreads();  // block j (and the slots of block next) landed; stage (j - 1) % kStages is free
+    }
+    if (next < blk_end) {
+      load_block(next, (j + kStages - 1) % kStages, j >= 0 && pages != nullptr ? s_slots[next % kSlotRing] : nullptr);
+    }
     fetch_slots(next + kStages - 1);
     cp_async_commit();
+    if (j < 0) continue;
+    const int stage = j % kStages;
 
     // S = Q K^T over this warp's 16 keys: two n8 tiles.
     float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
@@ -515,15 +520,26 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
     // Scale (softcap), mask, online softmax in the log2 domain.
     const int key_base = k_lo + blk * kBlockN + warp * 16 + 2 * (lane % 4);
     float mx[2] = {-INFINITY, -INFINITY};
+    if (p.softcap_log2 > 0.0f) {  // one uniform branch around the scores, not one per score
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[n][e] = p.softcap_log2 * tanhf(s[n][e] * p.scale_over_cap);
+      }
+    } else {
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[n][e] *= p.scale_log2;
+      }
+    }
 #pragma unroll
     for (int n = 0; n < 2; ++n) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = e / 2, key = key_base + 8 * n + e % 2;
-        float x = p.softcap_log2 > 0.0f ? p.softcap_log2 * tanhf(s[n][e] * p.scale_over_cap) : s[n][e] * p.scale_log2;
-        if (key < lo[i] || key >= hi[i]) x = -INFINITY;
-        s[n][e] = x;
-        mx[i] = fmaxf(mx[i], x);
+        if (key < lo[i] || key >= hi[i]) s[n][e] = -INFINITY;
+        mx[i] = fmaxf(mx[i], s[n][e]);
       }
     }
 #pragma unroll
