@@ -338,8 +338,9 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
   }
 
   // ---- K and V of key block `blk` into stage `stage` ----------------------------------------
-  Element* kbase = static_cast<Element*>(p.k);
-  Element* vbase = static_cast<Element*>(p.v);
+  // This KV head's K and V (cache_rows' offsets are from here).
+  Element* kbase = static_cast<Element*>(p.k) + head_kv * p.k_stride[2];
+  Element* vbase = static_cast<Element*>(p.v) + head_kv * p.v_stride[2];
   const int entry = p.batch_idx != nullptr ? clampi(p.batch_idx[b], 0, p.entries - 1) : b;
   const int* pages = p.page_table != nullptr ? p.page_table + b * p.page_table_stride : nullptr;
   // Paged: each row's page from the page table. The entries a block needs (at most 65) are
@@ -355,26 +356,29 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
     const int s0 = page_of(leftpad + key0), s1 = page_of(leftpad + min(key0 + kBlockN, k_hi) - 1);
     if (tid <= s1 - s0) cp_async4(smem_addr(&s_slots[blk % kSlotRing][tid]), pages + s0 + tid);
   };
-  // The offsets of cache position pos's K and V rows (this KV head), through the page table.
+  // The offsets of cache position pos's K and V rows from kbase, vbase, through the page table.
+  // (Page and row are unsigned 32-bit: each product is one wide multiply and one add.)
   auto cache_rows = [&](int pos, int page_entry, int64_t& ko, int64_t& vo) {
     if (pages != nullptr) {
-      const int page = clampi(page_entry, 0, p.entries - 1), row = pos - page_of(pos) * p.page_size;
-      ko = page * p.k_stride[0] + row * p.k_stride[1];
-      vo = page * p.v_stride[0] + row * p.v_stride[1];
+      const uint64_t page = uint32_t(clampi(page_entry, 0, p.entries - 1));
+      const uint64_t row = uint32_t(pos - page_of(pos) * p.page_size);
+      ko = int64_t(page * uint64_t(p.k_stride[0]) + row * uint64_t(p.k_stride[1]));
+      vo = int64_t(page * uint64_t(p.v_stride[0]) + row * uint64_t(p.v_stride[1]));
     } else {
       ko = entry * p.k_stride[0] + pos * p.k_stride[1];
       vo = entry * p.v_stride[0] + pos * p.v_stride[1];
     }
-    ko += head_kv * p.k_stride[2];
-    vo += head_kv * p.v_stride[2];
   };
   auto new_row = [&](const void* base, const int64_t (&stride)[3], int i) {  // row i of k_new or v_new
     return static_cast<const Element*>(base) + b * stride[0] + i * stride[1] + head_kv * stride[2];
   };
   // Each thread copies chunk c0 (MLA: chunks c0, c0 + 8, ...) of rows r0, r0 + kRowStep, ... of
-  // a block; cache_copy issues the copies of row r from the K and V rows at krow, vrow.
+  // a block; cache_copy issues the copies of row r from the K and V rows at krow, vrow, offsets
+  // from k_ld, v_ld: kbase, vbase past the thread's chunk (MLA: cache_copy adds each chunk's).
   constexpr int kPerRow = kMla ? 8 : kChunks, kRowStep = T::kThreads / kPerRow;
   const int c0 = tid % kPerRow, r0 = tid / kPerRow;
+  const Element* k_ld = kbase + (kMla ? 0 : 8 * c0);
+  const Element* v_ld = vbase + (kMla ? 0 : 8 * c0);
   auto cache_copy = [&](int stage, int r, const Element* krow, const Element* vrow, bool ok) {
     if constexpr (kMla) {
       Element* dst_row = sK + stage * kStageElems;
@@ -385,16 +389,18 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
       }
     } else {
       const int dst = stage * kStageElems + swizzled<kChunks>(r, c0);
-      cp_async16(smem_addr(sK + dst), krow + 8 * c0, ok ? 16 : 0);
-      cp_async16(smem_addr(sV + dst), vrow + 8 * c0, ok ? 16 : 0);
+      cp_async16(smem_addr(sK + dst), krow, ok ? 16 : 0);
+      cp_async16(smem_addr(sV + dst), vrow, ok ? 16 : 0);
     }
   };
   // Contiguous cache: this sequence's first K and V rows (position leftpad) of this KV head.
-  const Element* k_seq = kbase + entry * p.k_stride[0] + head_kv * p.k_stride[2] + int64_t(leftpad) * p.k_stride[1];
-  const Element* v_seq = vbase + entry * p.v_stride[0] + head_kv * p.v_stride[2] + int64_t(leftpad) * p.v_stride[1];
+  const Element* k_seq = k_ld + entry * p.k_stride[0] + int64_t(leftpad) * p.k_stride[1];
+  const Element* v_seq = v_ld + entry * p.v_stride[0] + int64_t(leftpad) * p.v_stride[1];
   auto load_block = [&](int blk, int stage, const int* slots) {
     const int key0 = k_lo + blk * kBlockN;
     const int s0 = pages != nullptr ? page_of(leftpad + key0) : 0;
+    // Page pg's entry is page_entry[pg]: the block's slots in shared memory, else the page table.
+    const int* page_entry = slots != nullptr ? slots - s0 : pages;
     // The block's rows in one run of consecutive cache rows (contiguous, or paged with all of
     // them in one page), nothing appended: a row's pointers are a constant step from the last
     // (rows past the keys read nothing; their address is the block's first row).
@@ -407,9 +413,9 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
         vfirst = v_seq + int64_t(key0) * p.v_stride[1];
       } else {
         int64_t ko, vo;
-        cache_rows(leftpad + key0, slots != nullptr ? slots[0] : pages[s0], ko, vo);
-        kfirst = kbase + ko;
-        vfirst = vbase + vo;
+        cache_rows(leftpad + key0, page_entry[s0], ko, vo);
+        kfirst = k_ld + ko;
+        vfirst = v_ld + vo;
       }
       const Element* krow = kfirst + int64_t(r0) * p.k_stride[1];
       const Element* vrow = vfirst + int64_t(r0) * p.v_stride[1];
@@ -445,10 +451,15 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
         }
         continue;
       }
-      const int pos = leftpad + (ok ? key : key0);
-      int64_t ko, vo;
-      cache_rows(pos, pages == nullptr ? 0 : slots != nullptr ? slots[page_of(pos) - s0] : pages[page_of(pos)], ko, vo);
-      cache_copy(stage, r, kbase + ko, vbase + vo, ok);
+      const int at = ok ? key : key0;  // a row past the keys reads nothing: the block's first row
+      if (pages != nullptr) {
+        const int pos = leftpad + at, pg = page_of(pos);
+        int64_t ko, vo;
+        cache_rows(pos, page_entry[pg], ko, vo);
+        cache_copy(stage, r, k_ld + ko, v_ld + vo, ok);
+      } else {
+        cache_copy(stage, r, k_seq + int64_t(at) * p.k_stride[1], v_seq + int64_t(at) * p.v_stride[1], ok);
+      }
     }
   };
 
@@ -533,14 +544,22 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
         for (int e = 0; e < 4; ++e) s[n][e] *= p.scale_log2;
       }
     }
+    // The mask, unless the warp's 16 keys lie in both of every thread's rows' ranges.
+    const int warp_key0 = k_lo + blk * kBlockN + warp * 16;
+    if (!__all_sync(0xffffffffu, warp_key0 >= max(lo[0], lo[1]) && warp_key0 + 16 <= min(hi[0], hi[1]))) {
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = e / 2, key = key_base + 8 * n + e % 2;
+          if (key < lo[i] || key >= hi[i]) s[n][e] = -INFINITY;
+        }
+      }
+    }
 #pragma unroll
     for (int n = 0; n < 2; ++n) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = e / 2, key = key_base + 8 * n + e % 2;
-        if (key < lo[i] || key >= hi[i]) s[n][e] = -INFINITY;
-        mx[i] = fmaxf(mx[i], s[n][e]);
-      }
+      for (int e = 0; e < 4; ++e) mx[e / 2] = fmaxf(mx[e / 2], s[n][e]);
     }
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -559,18 +578,24 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
         for (int w = 0; w < T::kWarps; ++w) mx[i] = fmaxf(mx[i], sMax[w * kRows + lane / 4 + 8 * i]);
       }
     }
-    float base[2];
+    float base[2], corr[2];
+    bool moved = false;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const float m_new = fmaxf(m[i], mx[i]);
       base[i] = m_new == -INFINITY ? 0.0f : m_new;
-      const float corr = exp2f(m[i] - base[i]);
+      corr[i] = exp2f(m[i] - base[i]);
+      moved |= m_new != m[i];
       m[i] = m_new;
-      l[i] *= corr;
+      l[i] *= corr[i];
+    }
+    // O is rescaled only where a row's maximum moved (elsewhere corr is exactly 1): once the
+    // maxima settle, most blocks of a long cache skip it.
+    if (__any_sync(0xffffffffu, moved)) {
 #pragma unroll
       for (int d = 0; d < kOTiles; ++d) {
-        o[d][2 * i] *= corr;
-        o[d][2 * i + 1] *= corr;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[d][e] *= corr[e / 2];
       }
     }
 #pragma unroll
