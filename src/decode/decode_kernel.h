@@ -117,7 +117,7 @@ struct DecodeTraits {
   static_assert((kOSlots * kRows * kORowFloats + 2 * kWarps * kRows) * 4 <= kStages * kStageBytes);
   // So do the split merge's weights and partial sums (decode_kernel's end).
   static_assert((kMaxKvcacheSplits + 1) * kRows * 4 + kThreads * 16 <= kStages * kStageBytes);
-  static_assert(kHeadDim % 64 == 0 && kHeadDimV % 64 == 0 && (kMla || kThreads % kChunks == 0));
+  static_assert(kHeadDim % 64 == 0 && kHeadDimV % 64 == 0);
   static_assert(!kMla || kHeadDimV == 4 * 128, "MLA: each of the 4 warps owns 128 dims of O");
 };
 
@@ -372,25 +372,28 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
   auto new_row = [&](const void* base, const int64_t (&stride)[3], int i) {  // row i of k_new or v_new
     return static_cast<const Element*>(base) + b * stride[0] + i * stride[1] + head_kv * stride[2];
   };
-  // Each thread copies chunk c0 (MLA: chunks c0, c0 + 8, ...) of rows r0, r0 + kRowStep, ... of
-  // a block; cache_copy issues the copies of row r from the K and V rows at krow, vrow, offsets
-  // from k_ld, v_ld: kbase, vbase past the thread's chunk (MLA: cache_copy adds each chunk's).
-  constexpr int kPerRow = kMla ? 8 : kChunks, kRowStep = T::kThreads / kPerRow;
+  // kPerRow threads share a row: each copies chunks c0, c0 + kPerRow, ... of rows r0, r0 +
+  // kRowStep, ... of a block (two chunks of a K and a V row, MLA nine of its 72: the row's
+  // address is computed once per two chunks or more). cache_copy issues the copies of row r from
+  // the K and V rows at krow, vrow, offsets from k_ld, v_ld: kbase, vbase past the thread's first
+  // chunk (MLA: cache_copy adds each chunk's).
+  constexpr int kPerRow = kMla ? 8 : kChunks / 2, kRowStep = T::kThreads / kPerRow;
   const int c0 = tid % kPerRow, r0 = tid / kPerRow;
   const Element* k_ld = kbase + (kMla ? 0 : 8 * c0);
   const Element* v_ld = vbase + (kMla ? 0 : 8 * c0);
   auto cache_copy = [&](int stage, int r, const Element* krow, const Element* vrow, bool ok) {
-    if constexpr (kMla) {
-      Element* dst_row = sK + stage * kStageElems;
+    Element* dst_k = sK + stage * kStageElems;
+    Element* dst_v = sV + stage * kStageElems;
 #pragma unroll
-      for (int c = c0; c < kChunks; c += 8) {
+    for (int j = 0; j < kChunks / kPerRow; ++j) {
+      const int c = c0 + j * kPerRow;
+      if constexpr (kMla) {
         const Element* src = c < kLatentChunks ? vrow + 8 * c : krow + 8 * (c - kLatentChunks);
-        cp_async16(smem_addr(dst_row + swizzled<kChunks>(r, c)), src, ok ? 16 : 0);
+        cp_async16(smem_addr(dst_k + swizzled<kChunks>(r, c)), src, ok ? 16 : 0);
+      } else {
+        cp_async16(smem_addr(dst_k + swizzled<kChunks>(r, c)), krow + 8 * j * kPerRow, ok ? 16 : 0);
+        cp_async16(smem_addr(dst_v + swizzled<kChunks>(r, c)), vrow + 8 * j * kPerRow, ok ? 16 : 0);
       }
-    } else {
-      const int dst = stage * kStageElems + swizzled<kChunks>(r, c0);
-      cp_async16(smem_addr(sK + dst), krow, ok ? 16 : 0);
-      cp_async16(smem_addr(sV + dst), vrow, ok ? 16 : 0);
     }
   };
   // Contiguous cache: this sequence's first K and V rows (position leftpad) of this KV head.
@@ -436,18 +439,19 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
         const int i = key - new_begin;
         const Element* kr = new_row(p.k_new, p.k_new_stride, i);
         const Element* vr = new_row(p.v_new, p.v_new_stride, i);
-        if constexpr (kMla) {
-          Element* dst_row = sK + stage * kStageElems;
+        Element* dst_k = sK + stage * kStageElems;
+        Element* dst_v = sV + stage * kStageElems;
 #pragma unroll
-          for (int c = c0; c < kChunks; c += 8) {
-            *reinterpret_cast<uint4*>(dst_row + swizzled<kChunks>(r, c)) =
+        for (int j = 0; j < kChunks / kPerRow; ++j) {
+          const int c = c0 + j * kPerRow;
+          if constexpr (kMla) {
+            *reinterpret_cast<uint4*>(dst_k + swizzled<kChunks>(r, c)) =
                 c < kLatentChunks ? *reinterpret_cast<const uint4*>(vr + 8 * c)
                                   : rotated_chunk<Element>(kr, c - kLatentChunks, end_old + i, p);
+          } else {
+            *reinterpret_cast<uint4*>(dst_k + swizzled<kChunks>(r, c)) = rotated_chunk<Element>(kr, c, end_old + i, p);
+            *reinterpret_cast<uint4*>(dst_v + swizzled<kChunks>(r, c)) = *reinterpret_cast<const uint4*>(vr + 8 * c);
           }
-        } else {
-          const int dst = stage * kStageElems + swizzled<kChunks>(r, c0);
-          *reinterpret_cast<uint4*>(sK + dst) = rotated_chunk<Element>(kr, c0, end_old + i, p);
-          *reinterpret_cast<uint4*>(sV + dst) = *reinterpret_cast<const uint4*>(vr + 8 * c0);
         }
         continue;
       }
