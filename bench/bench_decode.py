@@ -11,8 +11,8 @@ One point per (layout, batch, cache length): q (batch, 1, heads_q, 128) bf16 ove
 heads_kv heads bf16 (--heads: 32 query heads over 4 kv heads, GQA 8:1, as issue 44 asks),
 cache_seqlens = the cache length for every entry, causal. Layouts: contiguous (batch, cache,
 heads_kv, 128); pagedN: pages of N rows (num_pages, N, heads_kv, 128), each sequence's pages in
-a random order (a permutation as page_table). A point whose cache (and the copy's buffer) would
-not fit in 80% of the free GPU memory is skipped.
+a random order (a permutation as page_table). A point whose cache and the copy's two buffers (half
+of the cache each) would not fit in 80% of the free GPU memory is skipped.
   flash3: flash3.forward_kvcache_into into preallocated out and lse (its split heuristic);
   FA3:    torch.ops.flash_attn_3.fwd(q, k_cache, v_cache, seqused_k=cache_seqlens, is_causal=True,
           [page_table=]) (its own split and GQA-packing heuristics);
@@ -22,7 +22,8 @@ not fit in 80% of the free GPU memory is skipped.
   --append N: each call also appends N new tokens (k, v of shape (batch, N, heads_kv, 128)) with
           rotary (cos, sin of the cache length x 64, not interleaved) at cache_seqlens = the cache
           length - N; both libraries write them in place (the same slots every call);
-  copy:   the ceiling, a device-to-device copy of k_cache (bytes read + written per second).
+  copy:   the ceiling, a device-to-device copy of half of the cache's bytes (so that it reads and
+          writes as many bytes as the cache holds; bytes read + written per second).
 Reported per point: each time, t_fa3 / t_flash3 as median [min-max] over runs (>= 1: flash3 at or
 above FlashAttention-3), and the fraction of the copy's bandwidth at which each reads the cache
 (bytes of k and v / time / copy bandwidth). Timing as bench/timing.py (spin kernel, CUDA events,

@@ -21,7 +21,8 @@
 //         DRAM) the first time on each SM: at small batches the kernel's time follows the size
 //         of that code more than its instruction count (Nsight Compute, batch 1: 63% of the
 //         warps' samples stalled on no instruction with a cold L2). So the loops outside the
-//         key loop stay rolled (#pragma unroll 1) and the split merge sums pieces at one site.
+//         key loop stay rolled (#pragma unroll 1), the prologue shares the key loop's code and
+//         the split merge sums pieces at one site.
 //   MLA   (kHeadDimV = 512 > kHeadDim = 64): a stage row holds a key's latent (v_cache, 512
 //         dims, also its value) then its rotary part (k_cache, 64), and a Q row qv then q, so
 //         S is one product over 576 dims. O (16 x 512) is too wide for one warp's registers:
