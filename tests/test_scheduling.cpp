@@ -2,10 +2,13 @@
 // handed out once, longest first within each section, sections within the L2 budget, and a last
 // section that fills the GPU at least once. And the backward workspace (src/bwd/bwd_config.h):
 // the deterministic mode's dQ copies and a layout whose parts hold them without overlap. And the
-// decoding kernel's split count (flash3::kvcache_num_splits).
+// decoding kernel's split count (flash3::kvcache_num_splits) and its page lookup
+// (src/decode/page_divisor.h).
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <climits>
+#include <random>
 #include <set>
 #include <string>
 #include <utility>
@@ -14,6 +17,7 @@
 #include "bwd/bwd_config.h"
 #include "common/block_order.h"
 #include "common/tail_split.h"
+#include "decode/page_divisor.h"
 #include "flash3/flash3.h"
 
 namespace {
@@ -488,6 +492,33 @@ TEST(KvcacheSplits, FillsOneWaveWithinTheBounds) {
         EXPECT_LE(s, prev) << "batch " << batch << " cache " << cache << " hdim " << hd;
         prev = s;
       }
+    }
+  }
+}
+
+// page_of(pos, page_divisor(page_size)) is pos / page_size: every page size up to 4096 and some
+// far larger, at the page boundaries, near 2^31 and at random positions.
+TEST(PageDivisor, EqualsTheDivisionForEveryPageSizeAndPosition) {
+  std::vector<int> sizes;
+  for (int ps = 1; ps <= 4096; ++ps) sizes.push_back(ps);
+  for (int ps : {5000, 65535, 65536, 65537, 1 << 20, (1 << 20) + 1, 1000000007, 1 << 30, (1 << 30) + 1, INT_MAX - 1,
+                 INT_MAX}) {
+    sizes.push_back(ps);
+  }
+  std::mt19937 rng(1234);
+  std::uniform_int_distribution<int> any_pos(0, INT_MAX);
+  for (int ps : sizes) {
+    const flash3::PageDivisor d = flash3::page_divisor(ps);
+    std::vector<int> positions = {0, 1, INT_MAX, INT_MAX - 1};
+    for (long long q : {1LL, 2LL, 3LL, (long long)INT_MAX / ps}) {
+      for (long long off : {-1LL, 0LL, 1LL}) {
+        const long long pos = q * ps + off;
+        if (pos >= 0 && pos <= INT_MAX) positions.push_back(int(pos));
+      }
+    }
+    for (int i = 0; i < 64; ++i) positions.push_back(any_pos(rng));
+    for (int pos : positions) {
+      ASSERT_EQ(flash3::page_of(pos, d), pos / ps) << "page size " << ps << ", position " << pos;
     }
   }
 }

@@ -116,17 +116,7 @@ void fwd_kvcache(const KvcacheArgs& args) {
   dp.entries = p.batch_cache;
   dp.capacity = p.seqlen_cache;
   dp.page_size = p.paged ? p.page_size : 0;
-  // pos / page_size as (pos x page_mul) >> page_shr for every pos < 2^31: page_shr = 31 +
-  // ceil(log2(page_size)), page_mul = ceil(2^page_shr / page_size) (< 2^32). The product's error
-  // stays under 1 / page_size of a page, so the floor is exact.
-  dp.page_mul = 0;
-  dp.page_shr = 0;
-  if (p.paged) {
-    int log2_ceil = 0;
-    while ((int64_t(1) << log2_ceil) < p.page_size) ++log2_ceil;
-    dp.page_shr = 31 + log2_ceil;
-    dp.page_mul = uint32_t(((uint64_t(1) << dp.page_shr) + uint64_t(p.page_size) - 1) / uint64_t(p.page_size));
-  }
+  if (p.paged) dp.pages = page_divisor(p.page_size);
   constexpr float kLog2e = 1.4426950408889634f;
   dp.scale_log2 = p.softmax_scale * kLog2e;
   dp.softcap_log2 = p.softcap > 0.0f ? p.softcap * kLog2e : 0.0f;

@@ -40,6 +40,7 @@
 #include <type_traits>
 
 #include "common/ptx.h"
+#include "decode/page_divisor.h"
 #include "flash3/flash3.h"
 
 namespace flash3::detail {
@@ -64,8 +65,7 @@ struct DecodeParams {
   int entries;                             // batch_cache (contiguous) or num_pages (paged)
   int capacity;                            // keys a sequence can hold: seqlen_cache, max_pages x page_size
   int page_size;                           // 0: contiguous
-  uint32_t page_mul;                       // pos / page_size = (pos x page_mul) >> page_shr
-  int page_shr;
+  PageDivisor pages;                       // paged: pos / page_size (page_divisor.h)
   float scale_log2;                        // softmax_scale x log2(e)
   float softcap_log2, scale_over_cap;      // softcap x log2(e), softmax_scale / softcap (softcap > 0)
   int window_left, window_right;           // -1: unbounded on that side (causal: right = 0)
@@ -350,7 +350,7 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
   // and never stall them (the prologue's blocks look theirs up directly).
   constexpr int kSlotRing = kStages + 1;
   __shared__ int s_slots[kSlotRing][kBlockN + 1];
-  auto page_of = [&](int pos) { return int((uint64_t(uint32_t(pos)) * p.page_mul) >> p.page_shr); };
+  auto page_of = [&](int pos) { return flash3::page_of(pos, p.pages); };
   auto fetch_slots = [&](int blk) {
     if (pages == nullptr || blk >= blk_end) return;
     const int key0 = k_lo + blk * kBlockN;
