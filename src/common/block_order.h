@@ -32,8 +32,7 @@ inline long long causal_section_rows(int head_dim, int elem_bytes, long long bud
 // tensors x elem_bytes) within `budget` bytes, at least 1; with GQA/MQA the heads_per_kv query
 // heads of one kv head (adjacent pairs) read one K and V, so a section holds whole groups of them.
 inline int causal_section(int seqlen_k, int head_dim, int elem_bytes, long long budget, int heads_per_kv = 1) {
-  const long long per_group = (long long)seqlen_k * head_dim * 2 * elem_bytes;
-  long long n = per_group > 0 ? budget / per_group : 1;
+  long long n = seqlen_k > 0 ? causal_section_rows(head_dim, elem_bytes, budget) / seqlen_k : 1;
   n = (n < 1 ? 1 : n) * (heads_per_kv < 1 ? 1 : heads_per_kv);
   return n > (1 << 30) ? (1 << 30) : int(n);
 }
