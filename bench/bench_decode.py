@@ -18,7 +18,7 @@ of the cache each) would not fit in 80% of the free GPU memory is skipped.
           [page_table=]) (its own split and GQA-packing heuristics);
   --mla:  MLA decoding (DeepSeek's shape): q (batch, 1, heads_q, 64) and qv (batch, 1, heads_q,
           512) over a cache k (..., heads_kv, 64), v (..., heads_kv, 512) (--heads 16,1 or 128,1);
-          FA3 with its qv argument (an error is recorded where its build has no such kernel);
+          FA3 with its q_v argument (an error is recorded where its build has no such kernel);
   --append N: each call also appends N new tokens (k, v of shape (batch, N, heads_kv, 128)) with
           rotary (cos, sin of the cache length x 64, not interleaved) at cache_seqlens = the cache
           length - N; both libraries write them in place (the same slots every call);
@@ -109,7 +109,8 @@ def time_point(torch, flash3, fa3, r, run, a, heads_q, heads_kv, seed, before=No
         calls[f"flash3_s{n}"] = lambda n=n: flash3.forward_kvcache_into(q, k, v, out, lse, lens, causal=True,
                                                                        num_splits=n, **paged)[0]
     if fa3 is not None:
-        fa3_args = {("is_" + n if n == "rotary_interleaved" else n): t for n, t in paged.items()}
+        fa3_names = {"rotary_interleaved": "is_rotary_interleaved", "qv": "q_v"}
+        fa3_args = {fa3_names.get(n, n): t for n, t in paged.items()}
         calls["fa3"] = lambda: fa3.fwd(q, k, v, seqused_k=lens, is_causal=True, **fa3_args)[0]
     errors = r["errors"]
     if run == 0 and fa3 is not None:

@@ -2,8 +2,8 @@
 // handed out once, longest first within each section, sections within the L2 budget, and a last
 // section that fills the GPU at least once. And the backward workspace (src/bwd/bwd_config.h):
 // the deterministic mode's dQ copies and a layout whose parts hold them without overlap. And the
-// decoding kernel's split count (flash3::kvcache_num_splits) and its page lookup
-// (src/decode/page_divisor.h).
+// decoding kernel's split count (flash3::kvcache_num_splits) and its division by a launch's
+// constant (src/decode/divisor.h).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -17,7 +17,7 @@
 #include "bwd/bwd_config.h"
 #include "common/block_order.h"
 #include "common/tail_split.h"
-#include "decode/page_divisor.h"
+#include "decode/divisor.h"
 #include "flash3/flash3.h"
 
 namespace {
@@ -496,9 +496,9 @@ TEST(KvcacheSplits, FillsOneWaveWithinTheBounds) {
   }
 }
 
-// page_of(pos, page_divisor(page_size)) is pos / page_size: every page size up to 4096 and some
-// far larger, at the page boundaries, near 2^31 and at random positions.
-TEST(PageDivisor, EqualsTheDivisionForEveryPageSizeAndPosition) {
+// quotient(x, make_divisor(n)) is x / n: every divisor up to 4096 and some far larger, at the
+// multiples of n, near 2^31 and at random x.
+TEST(Divisor, EqualsTheDivisionForEveryDivisorAndDividend) {
   std::vector<int> sizes;
   for (int ps = 1; ps <= 4096; ++ps) sizes.push_back(ps);
   for (int ps : {5000, 65535, 65536, 65537, 1 << 20, (1 << 20) + 1, 1000000007, 1 << 30, (1 << 30) + 1, INT_MAX - 1,
@@ -508,7 +508,7 @@ TEST(PageDivisor, EqualsTheDivisionForEveryPageSizeAndPosition) {
   std::mt19937 rng(1234);
   std::uniform_int_distribution<int> any_pos(0, INT_MAX);
   for (int ps : sizes) {
-    const flash3::PageDivisor d = flash3::page_divisor(ps);
+    const flash3::Divisor d = flash3::make_divisor(ps);
     std::vector<int> positions = {0, 1, INT_MAX, INT_MAX - 1};
     for (long long q : {1LL, 2LL, 3LL, (long long)INT_MAX / ps}) {
       for (long long off : {-1LL, 0LL, 1LL}) {
@@ -518,7 +518,7 @@ TEST(PageDivisor, EqualsTheDivisionForEveryPageSizeAndPosition) {
     }
     for (int i = 0; i < 64; ++i) positions.push_back(any_pos(rng));
     for (int pos : positions) {
-      ASSERT_EQ(flash3::page_of(pos, d), pos / ps) << "page size " << ps << ", position " << pos;
+      ASSERT_EQ(flash3::quotient(pos, d), pos / ps) << "divisor " << ps << ", dividend " << pos;
     }
   }
 }

@@ -111,12 +111,13 @@ void fwd_kvcache(const KvcacheArgs& args) {
   dp.seqlen_q = p.seqlen_q;
   dp.nheads_kv = p.nheads_kv;
   dp.group = p.nheads / p.nheads_kv;
+  dp.group_div = make_divisor(dp.group);
   dp.rows = p.seqlen_q * dp.group;
   dp.row_tiles = (dp.rows + 15) / 16;
   dp.entries = p.batch_cache;
   dp.capacity = p.seqlen_cache;
   dp.page_size = p.paged ? p.page_size : 0;
-  if (p.paged) dp.pages = page_divisor(p.page_size);
+  if (p.paged) dp.pages = make_divisor(p.page_size);
   constexpr float kLog2e = 1.4426950408889634f;
   dp.scale_log2 = p.softmax_scale * kLog2e;
   dp.softcap_log2 = p.softcap > 0.0f ? p.softcap * kLog2e : 0.0f;

@@ -40,7 +40,7 @@
 #include <type_traits>
 
 #include "common/ptx.h"
-#include "decode/page_divisor.h"
+#include "decode/divisor.h"
 #include "flash3/flash3.h"
 
 namespace flash3::detail {
@@ -61,11 +61,12 @@ struct DecodeParams {
   const int* page_table;
   int64_t page_table_stride;
   int batch, seqlen_q, nheads_kv, group;  // group = nheads / nheads_kv
+  Divisor group_div;                       // row / group (divisor.h)
   int rows, row_tiles;                     // rows = seqlen_q x group, row_tiles = ceil(rows / 16)
   int entries;                             // batch_cache (contiguous) or num_pages (paged)
   int capacity;                            // keys a sequence can hold: seqlen_cache, max_pages x page_size
   int page_size;                           // 0: contiguous
-  PageDivisor pages;                       // paged: pos / page_size (page_divisor.h)
+  Divisor pages;                           // paged: pos / page_size
   float scale_log2;                        // softmax_scale x log2(e)
   float softcap_log2, scale_over_cap;      // softcap x log2(e), softmax_scale / softcap (softcap > 0)
   int window_left, window_right;           // -1: unbounded on that side (causal: right = 0)
@@ -114,8 +115,9 @@ struct DecodeTraits {
   // different banks (unpadded, all rows start in bank 0: 8-way conflicts).
   static constexpr int kOSlots = kMla ? 1 : kWarps;
   static constexpr int kORowFloats = kHeadDimV + 8;
-  // The warps' partial results (O, max, sum) reuse the stages once the loop is done.
-  static_assert((kOSlots * kRows * kORowFloats + 2 * kWarps * kRows) * 4 <= kStages * kStageBytes);
+  // The warps' partial results (O, max, sum) and the rows' weights reuse the stages once the loop
+  // is done.
+  static_assert((kOSlots * kRows * kORowFloats + (2 * kWarps + kOSlots + 1) * kRows) * 4 <= kStages * kStageBytes);
   // So do the split merge's weights and partial sums (decode_kernel's end).
   static_assert((kMaxKvcacheSplits + 1) * kRows * 4 + kThreads * 16 <= kStages * kStageBytes);
   static_assert(kHeadDim % 64 == 0 && kHeadDimV % 64 == 0);
@@ -291,8 +293,8 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
     c = i % kChunks;
     const int row = row0 + r;
     ok = row < p.rows;
-    t = ok ? row / p.group : 0;
-    const int h = head_kv * p.group + (ok ? row % p.group : 0);
+    t = ok ? quotient(row, p.group_div) : 0;
+    const int h = head_kv * p.group + (ok ? row - t * p.group : 0);
     const bool latent = c < kLatentChunks;
     cs = c - (latent ? 0 : kLatentChunks);
     return latent ? qv + b * p.qv_stride[0] + t * p.qv_stride[1] + h * p.qv_stride[2]
@@ -321,8 +323,8 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
   auto key_hi = [&](int t) {
     return p.window_right < 0 ? len : clampi(len - p.seqlen_q + t + p.window_right + 1, 0, len);
   };
-  const int t_first = row0 / p.group, t_last = min(row0 + kRows, p.rows) - 1;
-  const int k_lo = key_lo(t_first), k_hi = max(k_lo, key_hi(t_last / p.group));
+  const int t_first = quotient(row0, p.group_div), t_last = quotient(min(row0 + kRows, p.rows) - 1, p.group_div);
+  const int k_lo = key_lo(t_first), k_hi = max(k_lo, key_hi(t_last));
   const int n_blocks = (k_hi - k_lo + kBlockN - 1) / kBlockN;
   const int per_split = (n_blocks + p.num_splits - 1) / p.num_splits;
   const int blk_begin = min(n_blocks, split * per_split), blk_end = min(n_blocks, blk_begin + per_split);
@@ -350,7 +352,7 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
   // and never stall them (the prologue's blocks look theirs up directly).
   constexpr int kSlotRing = kStages + 1;
   __shared__ int s_slots[kSlotRing][kBlockN + 1];
-  auto page_of = [&](int pos) { return flash3::page_of(pos, p.pages); };
+  auto page_of = [&](int pos) { return quotient(pos, p.pages); };
   auto fetch_slots = [&](int blk) {
     if (pages == nullptr || blk >= blk_end) return;
     const int key0 = k_lo + blk * kBlockN;
@@ -442,7 +444,7 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
         const Element* vr = new_row(p.v_new, p.v_new_stride, i);
         Element* dst_k = sK + stage * kStageElems;
         Element* dst_v = sV + stage * kStageElems;
-#pragma unroll
+#pragma unroll 1
         for (int j = 0; j < kChunks / kPerRow; ++j) {
           const int c = c0 + j * kPerRow;
           if constexpr (kMla) {
@@ -498,8 +500,8 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int row = min(row0 + lane / 4 + 8 * i, p.rows - 1);
-    lo[i] = key_lo(row / p.group);
-    hi[i] = key_hi(row / p.group);
+    lo[i] = key_lo(quotient(row, p.group_div));
+    hi[i] = key_hi(quotient(row, p.group_div));
   }
 
   // One loop loads and computes: its first kStages - 1 turns (j < 0) are the prologue, which
@@ -679,57 +681,85 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
     }
   }
   __syncthreads();
-
-  constexpr int kGroups = kRows * kHeadDimV / 4;  // float4 groups of the tile's O
+  // Per row, once: each O slot's weight exp2(m_w - max) / sum, the row's log-sum-exp in the log2
+  // domain (-inf: no key), and where the row goes: its offset in out (-1: past the last row), in
+  // lse (-1: none), and its index among a piece's rows (split, batch, head, token) less the split.
+  float* sWt = sL + T::kWarps * kRows;  // (slot, row)
+  float* sLse2 = sWt + T::kOSlots * kRows;
+  __shared__ int64_t s_out_at[kRows], s_lse_at[kRows], s_piece_at[kRows];
   const bool single = p.num_splits == 1;
+  const int nheads = p.nheads_kv * p.group;
+  if (tid < kRows) {
+    const int row = min(row0 + tid, p.rows - 1), t = quotient(row, p.group_div);
+    const int h = head_kv * p.group + row - t * p.group;
+    const bool ok = row0 + tid < p.rows;
+    s_out_at[tid] = ok ? b * p.o_stride[0] + t * p.o_stride[1] + h * p.o_stride[2] : -1;
+    s_lse_at[tid] = ok && p.lse != nullptr ? b * p.lse_stride[0] + h * p.lse_stride[1] + t * p.lse_stride[2] : -1;
+    s_piece_at[tid] = (int64_t(b) * nheads + h) * p.seqlen_q + t;
+    float mw = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < T::kWarps; ++w) mw = fmaxf(mw, sM[w * kRows + tid]);
+    const float bw = mw == -INFINITY ? 0.0f : mw;
+    float f[T::kWarps], sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < T::kWarps; ++w) {
+      f[w] = exp2f(sM[w * kRows + tid] - bw);
+      sum += f[w] * sL[w * kRows + tid];
+    }
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+#pragma unroll
+    for (int w = 0; w < T::kOSlots; ++w) sWt[w * kRows + tid] = f[w] * inv;
+    sLse2[tid] = sum > 0.0f ? bw + log2f(sum) : -INFINITY;
+  }
+  __syncthreads();
+
   Element* out = static_cast<Element*>(p.out);
-  auto store_out = [&](int row, int d4, float4 v, float lse_row) {
-    const int t = row / p.group, h = head_kv * p.group + row % p.group;
+  // Float4 group d4 of row r's O, and (d4 = 0) its log-sum-exp (natural log, +inf: no key).
+  auto store_out = [&](int r, int d4, float4 v, float lse_row) {
     uint2 packed;
     packed.x = pack2<Element>(v.x, v.y);
     packed.y = pack2<Element>(v.z, v.w);
-    *reinterpret_cast<uint2*>(out + b * p.o_stride[0] + t * p.o_stride[1] + h * p.o_stride[2] + 4 * d4) = packed;
-    if (p.lse != nullptr && d4 == 0) p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + t * p.lse_stride[2]] = lse_row;
+    *reinterpret_cast<uint2*>(out + s_out_at[r] + 4 * d4) = packed;
+    if (d4 == 0 && s_lse_at[r] >= 0) p.lse[s_lse_at[r]] = lse_row;
   };
-  const int nheads = p.nheads_kv * p.group;
-#pragma unroll 1
-  for (int g = tid; g < kGroups; g += T::kThreads) {
-    const int r = g / (kHeadDimV / 4), d4 = g % (kHeadDimV / 4), row = row0 + r;
-    if (row >= p.rows) continue;
-    float mw = -INFINITY;
+  const int64_t split_stride = int64_t(p.batch) * nheads * p.seqlen_q;
+  // The tile's O: float4 group col4 of rows row_first, row_first + kOutRowStep, ..., a fixed
+  // number of rows per thread, unrolled, so that every shared-memory read is issued before the
+  // first store. Into out (one split) or this split's piece (FP32 O and the log-sum-exp in the
+  // log2 domain).
+  constexpr int kD4 = kHeadDimV / 4, kOutRowStep = T::kThreads / kD4;
+  static_assert(T::kThreads % kD4 == 0 && kRows % kOutRowStep == 0);
+  const int col4 = tid % kD4, row_first = tid / kD4;
+  auto store_tile = [&](auto single_c) {
 #pragma unroll
-    for (int w = 0; w < T::kWarps; ++w) mw = fmaxf(mw, sM[w * kRows + r]);
-    const float bw = mw == -INFINITY ? 0.0f : mw;
-    float sum = 0.0f;
-    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int k = 0; k < kRows / kOutRowStep; ++k) {
+      const int r = row_first + k * kOutRowStep;
+      float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
-    for (int w = 0; w < T::kWarps; ++w) {
-      const float f = exp2f(sM[w * kRows + r] - bw);
-      sum += f * sL[w * kRows + r];
-      if (w >= T::kOSlots) continue;
-      const float4 x = *reinterpret_cast<const float4*>(sO + (w * kRows + r) * kORow + 4 * d4);
-      acc.x += f * x.x;
-      acc.y += f * x.y;
-      acc.z += f * x.z;
-      acc.w += f * x.w;
+      for (int w = 0; w < T::kOSlots; ++w) {
+        const float f = sWt[w * kRows + r];
+        const float4 x = *reinterpret_cast<const float4*>(sO + (w * kRows + r) * kORow + 4 * col4);
+        acc.x += f * x.x;
+        acc.y += f * x.y;
+        acc.z += f * x.z;
+        acc.w += f * x.w;
+      }
+      const float lse2 = sLse2[r];
+      if (s_out_at[r] < 0) continue;
+      if constexpr (decltype(single_c)::value) {
+        store_out(r, col4, acc, lse2 == -INFINITY ? INFINITY : lse2 * kLn2);
+      } else {
+        const int64_t at = split * split_stride + s_piece_at[r];
+        *reinterpret_cast<float4*>(p.part_o + at * kHeadDimV + 4 * col4) = acc;
+        if (col4 == 0) p.part_lse[at] = lse2;
+      }
     }
-    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-    acc.x *= inv;
-    acc.y *= inv;
-    acc.z *= inv;
-    acc.w *= inv;
-    // The piece's log-sum-exp in the log2 domain (-inf: no key).
-    const float lse2 = sum > 0.0f ? bw + log2f(sum) : -INFINITY;
-    if (single) {
-      store_out(row, d4, acc, sum > 0.0f ? lse2 * kLn2 : INFINITY);
-    } else {
-      const int t = row / p.group, h = head_kv * p.group + row % p.group;
-      const int64_t at = ((int64_t(split) * p.batch + b) * nheads + h) * p.seqlen_q + t;
-      *reinterpret_cast<float4*>(p.part_o + at * kHeadDimV + 4 * d4) = acc;
-      if (d4 == 0) p.part_lse[at] = lse2;
-    }
+  };
+  if (single) {
+    store_tile(std::true_type{});
+    return;
   }
-  if (single) return;
+  store_tile(std::false_type{});
 
   // ---- split: merge the tile's pieces ----------------------------------------------------------
   __shared__ int last;
@@ -761,21 +791,16 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
   // The pieces' log-sum-exps into shared memory (loaded in parallel), then the weights
   // exp2(lse - max) / sum of the rows this block merges (a warp per row), then O as the weighted
   // sum of the pieces.
-  const int64_t split_stride = int64_t(p.batch) * nheads * p.seqlen_q;
   float* sW = reinterpret_cast<float*>(smem_raw);  // (split, row): lse, then weight
   float* sLse = sW + kMaxKvcacheSplits * kRows;
   float4* sPart = reinterpret_cast<float4*>(sLse + kRows);  // (piece lane, group) partial sums
-  auto piece_row = [&](int r) {  // the (batch, head, token) index of row r (clamped to a row)
-    const int row = min(row0 + r, p.rows - 1);
-    return (int64_t(b) * nheads + head_kv * p.group + row % p.group) * p.seqlen_q + row / p.group;
-  };
   {
     // All loads issued before any store: one round trip. Entry i = tid + j x kThreads is row
     // tid % kRows of piece i / kRows: each thread's row is the same for every j.
     constexpr int kLseLoads = (kMaxKvcacheSplits * kRows + T::kThreads - 1) / T::kThreads;
     static_assert(T::kThreads % kRows == 0);
     const int r = tid % kRows;
-    const float* lse_row = p.part_lse + piece_row(r);
+    const float* lse_row = p.part_lse + s_piece_at[r];
     const bool row_ok = row0 + r < p.rows;
     float x[kLseLoads];
 #pragma unroll
@@ -814,44 +839,68 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
     if (lane == 0) sLse[r] = sum > 0.0f ? (bw + log2f(sum)) * kLn2 : INFINITY;
   }
   __syncthreads();
-  // The weighted sum of pieces sp0, sp0 + step, ... of float4 group g of the tile; the loads of
-  // kBatch pieces are issued before any is summed (a latency-bound read of pieces in L2).
-  constexpr int kBatch = 8;
-  auto pieces_sum = [&](int g, int sp0, int step) {
-    const int r = g / (kHeadDimV / 4);
-    const float* src = p.part_o + piece_row(r) * kHeadDimV + 4 * (g % (kHeadDimV / 4));
-    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    for (int sp = sp0; sp < p.num_splits; sp += kBatch * step) {
-      float4 x[kBatch];
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        const int spj = sp + j * step;
-        x[j] = spj < p.num_splits ? __ldcg(reinterpret_cast<const float4*>(src + spj * split_stride * kHeadDimV))
-                                  : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      }
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        const int spj = sp + j * step;
-        const float w = spj < p.num_splits ? sW[spj * kRows + r] : 0.0f;
-        acc.x += w * x[j].x;
-        acc.y += w * x[j].y;
-        acc.z += w * x[j].z;
-        acc.w += w * x[j].w;
-      }
-    }
-    return acc;
-  };
-  // With fewer groups than threads, `lanes` threads share a group's pieces and their sums meet
-  // in shared memory. (One call site of pieces_sum: the merge's code is fetched once per SM.)
+  // With fewer groups than threads, `lanes` threads share a group's pieces (item i: group
+  // g0 + i % count, pieces i / count, i / count + lanes, ...) and their sums meet in shared
+  // memory. A thread sums kAtOnce items at a time (i, i + kThreads, ...), the loads of kBatch
+  // pieces of each issued before any is summed: the pieces are read from L2, latency-bound.
   if (count > 0) {
+    constexpr int kBatch = 4, kAtOnce = 4;
     const int lanes = count >= T::kThreads ? 1 : T::kThreads / count;
-    for (int i = tid; i < lanes * count; i += T::kThreads) {
-      const int g = g0 + i % count;
-      const float4 acc = pieces_sum(g, i / count, lanes);
-      if (lanes == 1) {
-        store_out(row0 + g / (kHeadDimV / 4), g % (kHeadDimV / 4), acc, sLse[g / (kHeadDimV / 4)]);
-      } else {
-        sPart[i] = acc;
+    const int items = lanes * count;
+#pragma unroll 1
+    for (int i0 = tid; i0 < items; i0 += kAtOnce * T::kThreads) {
+      const float* src[kAtOnce];
+      int r[kAtOnce], d4[kAtOnce], sp0[kAtOnce];
+      float4 acc[kAtOnce];
+#pragma unroll
+      for (int u = 0; u < kAtOnce; ++u) {
+        const int i = i0 + u * T::kThreads;
+        int piece = 0, at = i;  // i = piece x count + at (lanes = 1: piece 0)
+        if (lanes > 1) {
+          piece = i / count;
+          at = i - piece * count;
+        }
+        const int g = g0 + (i < items ? at : 0);
+        r[u] = g / (kHeadDimV / 4);
+        d4[u] = g % (kHeadDimV / 4);
+        sp0[u] = i < items ? piece : p.num_splits;  // past the items: no piece
+        src[u] = p.part_o + s_piece_at[r[u]] * kHeadDimV + 4 * d4[u];
+        acc[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      }
+#pragma unroll 1
+      for (int sp = 0; sp < p.num_splits; sp += kBatch * lanes) {
+        float4 x[kAtOnce][kBatch];
+#pragma unroll
+        for (int u = 0; u < kAtOnce; ++u) {
+#pragma unroll
+          for (int j = 0; j < kBatch; ++j) {
+            const int spj = sp0[u] + sp + j * lanes;
+            x[u][j] = spj < p.num_splits ? __ldcg(reinterpret_cast<const float4*>(src[u] + spj * split_stride * kHeadDimV))
+                                         : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kAtOnce; ++u) {
+#pragma unroll
+          for (int j = 0; j < kBatch; ++j) {
+            const int spj = sp0[u] + sp + j * lanes;
+            const float w = spj < p.num_splits ? sW[spj * kRows + r[u]] : 0.0f;
+            acc[u].x += w * x[u][j].x;
+            acc[u].y += w * x[u][j].y;
+            acc[u].z += w * x[u][j].z;
+            acc[u].w += w * x[u][j].w;
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kAtOnce; ++u) {
+        const int i = i0 + u * T::kThreads;
+        if (i >= items) continue;
+        if (lanes == 1) {
+          store_out(r[u], d4[u], acc[u], sLse[r[u]]);
+        } else {
+          sPart[i] = acc[u];
+        }
       }
     }
     if (lanes > 1) {
@@ -867,7 +916,7 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
           acc.w += x.w;
         }
         const int g = g0 + tid;
-        store_out(row0 + g / (kHeadDimV / 4), g % (kHeadDimV / 4), acc, sLse[g / (kHeadDimV / 4)]);
+        store_out(g / (kHeadDimV / 4), g % (kHeadDimV / 4), acc, sLse[g / (kHeadDimV / 4)]);
       }
     }
   }
