@@ -170,7 +170,7 @@ def main(argv=None):
             if 2 * kv_bytes > 0.8 * free:  # k, v and the copy's two buffers (half of kv each)
                 r["skipped"] = f"cache of {kv_bytes / 2**30:.1f} GiB does not fit"
                 continue
-            r["kv_bytes"] = kv_bytes  # the copy of k also moves |k| + |v| bytes (read and written)
+            r["kv_bytes"] = kv_bytes  # the copy also moves |k| + |v| bytes (half read, half written)
             time_point(torch, flash3, fa3, r, run, a, heads_q, heads_kv, seed=1000 + i, before=flush)
             torch.cuda.empty_cache()
         log(f"run {run + 1}/{a.runs} done")

@@ -22,7 +22,8 @@
 //         of that code more than its instruction count (Nsight Compute, batch 1: 63% of the
 //         warps' samples stalled on no instruction with a cold L2). So the loops outside the
 //         key loop stay rolled (#pragma unroll 1), the prologue shares the key loop's code and
-//         the split merge sums pieces at one site.
+//         the split merge sums pieces at one site; the epilogue's store of the tile is unrolled
+//         (a few rows per thread, so that its shared-memory reads all precede its stores).
 //   MLA   (kHeadDimV = 512 > kHeadDim = 64): a stage row holds a key's latent (v_cache, 512
 //         dims, also its value) then its rotary part (k_cache, 64), and a Q row qv then q, so
 //         S is one product over 576 dims. O (16 x 512) is too wide for one warp's registers:
@@ -127,6 +128,14 @@ struct DecodeTraits {
 namespace decode {
 
 constexpr float kLn2 = 0.6931471805599453f;
+
+// acc += w x, per component (the weighted sums of the warps' O slots and of the split pieces).
+__device__ __forceinline__ void add_scaled(float4& acc, float w, float4 x) {
+  acc.x += w * x.x;
+  acc.y += w * x.y;
+  acc.z += w * x.z;
+  acc.w += w * x.w;
+}
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -737,12 +746,7 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
       float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
       for (int w = 0; w < T::kOSlots; ++w) {
-        const float f = sWt[w * kRows + r];
-        const float4 x = *reinterpret_cast<const float4*>(sO + (w * kRows + r) * kORow + 4 * col4);
-        acc.x += f * x.x;
-        acc.y += f * x.y;
-        acc.z += f * x.z;
-        acc.w += f * x.w;
+        add_scaled(acc, sWt[w * kRows + r], *reinterpret_cast<const float4*>(sO + (w * kRows + r) * kORow + 4 * col4));
       }
       const float lse2 = sLse2[r];
       if (s_out_at[r] < 0) continue;
@@ -884,11 +888,7 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
 #pragma unroll
           for (int j = 0; j < kBatch; ++j) {
             const int spj = sp0[u] + sp + j * lanes;
-            const float w = spj < p.num_splits ? sW[spj * kRows + r[u]] : 0.0f;
-            acc[u].x += w * x[u][j].x;
-            acc[u].y += w * x[u][j].y;
-            acc[u].z += w * x[u][j].z;
-            acc[u].w += w * x[u][j].w;
+            add_scaled(acc[u], spj < p.num_splits ? sW[spj * kRows + r[u]] : 0.0f, x[u][j]);
           }
         }
       }
