@@ -402,15 +402,18 @@ def test_num_splits_agree():
 
 
 @gpu
-@pytest.mark.parametrize("splits", [2, 5, 64])
-def test_split_merge_shared_and_last_block(splits):
-    """Both ways of merging a split (decode_kernel.h): 24 sequences x 2 KV heads, one 16-row tile
-    each, are 96 / 240 blocks at 2 / 5 splits, which fit on an H100 at once (2 blocks per SM):
-    every block merges a share of its tile; at 64 splits 3072 blocks do not, and the last block of
-    each tile merges it. Lengths 0 (no key), 1, shorter than a split's keys (pieces with no key)
-    and up to 3000; NaN-poisoned out and lse against the FP64 reference, twice in a row (the
-    counters are left at zero for the next call)."""
-    more = torch.randint(1, 3000, (16,), generator=torch.Generator().manual_seed(splits))
+@pytest.mark.parametrize("sequences,splits", [(24, 2), (24, 4), (8, 12), (24, 64)],
+                         ids=["cluster2", "cluster4", "shared12", "last64"])
+def test_split_merge_cluster_shared_and_last_block(sequences, splits):
+    """The three ways of merging a split (decode_kernel.h), at head dim 128 (2 blocks per SM on an
+    H100), one 16-row tile per sequence and KV head: 24 sequences x 2 KV heads at 2 / 4 splits are
+    48 clusters that fit at once (merged through the cluster's shared memory); 8 x 2 at 12 splits
+    (more than a cluster takes) are 192 blocks that fit at once: every block merges a share of its
+    tile; 24 x 2 at 64 splits are 3072 blocks that do not, and the last block of each tile merges
+    it. Lengths 0 (no key), 1, shorter than a split's keys (pieces with no key) and up to 3000;
+    NaN-poisoned out and lse against the FP64 reference, twice in a row (the counters are left at
+    zero for the next call)."""
+    more = torch.randint(1, 3000, (sequences - 8,), generator=torch.Generator().manual_seed(splits))
     lengths = [0, 1, 63, 64, 65, 200, 700, 3000] + more.tolist()
     p = kv_problem(lengths, 1, 16, 2, 128, device="cuda", seed=11 + splits, page_size=64, capacity=3000)
     q = p["q"]

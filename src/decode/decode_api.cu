@@ -40,20 +40,61 @@ int kvcache_num_splits(const KvcacheProblem& p, int sms) {
 namespace detail {
 namespace {
 
-// With a split, where the whole grid fits on the GPU at once, a cooperative launch (which
-// guarantees that) and the shared merge (decode_kernel.h); else, or if the runtime turns the
-// cooperative launch down (a GPU shared with other processes), the last block merges.
+// The scratch of a split merged through global memory: a counter per tile in the zeroed head,
+// then the pieces' O and log-sum-exps. False where there is none (a stream capture that would
+// need it to grow, or more tiles than counters): then one split.
+bool carve_split_scratch(DecodeParams& dp, const KvcacheProblem& p, unsigned tiles, unsigned splits,
+                         cudaStream_t stream) {
+  if (size_t(tiles) * sizeof(int) > kScratchCounterBytes) return false;  // the grid fills the GPU anyway
+  const size_t rows = size_t(p.batch) * p.nheads * p.seqlen_q * size_t(splits);
+  const size_t o_bytes = rows * p.head_dim_v * sizeof(float);
+  const size_t lse_bytes = (rows * sizeof(float) + 255) / 256 * 256;
+  char* scratch =
+      stream_memory(stream, kScratchCounterBytes + o_bytes + lse_bytes, size_t(tiles) * sizeof(int)).scratch;
+  if (scratch == nullptr) return false;
+  dp.counters = reinterpret_cast<int*>(scratch);
+  dp.part_o = reinterpret_cast<float*>(scratch + kScratchCounterBytes);
+  dp.part_lse = reinterpret_cast<float*>(scratch + kScratchCounterBytes + o_bytes);
+  return true;
+}
+
+// With a split (decode_kernel.h): up to kMaxClusterSplits splits whose clusters (a tile's
+// blocks) all fit on the GPU at once, a cluster launch and the merge through shared memory;
+// else, where the whole grid fits at once, a cooperative launch (which guarantees that) and the
+// shared merge; else, or if the runtime turns the cooperative launch down (a GPU shared with
+// other processes), the last block merges.
 template <class Element, int kHeadDim, int kHeadDimV = kHeadDim>
-void launch_decode(DecodeParams params, unsigned tiles, unsigned splits, cudaStream_t stream) {
+void launch_decode(DecodeParams params, const KvcacheProblem& p, unsigned tiles, unsigned splits,
+                   cudaStream_t stream) {
   using T = DecodeTraits<Element, kHeadDim, kHeadDimV>;
   constexpr auto kernel = &decode_kernel<Element, kHeadDim, kHeadDimV>;
-  set_max_dynamic_smem<kernel>(T::kSmemBytes);
+  constexpr auto cluster_kernel = &decode_kernel<Element, kHeadDim, kHeadDimV, true>;
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = ::dim3(tiles, splits);
   cfg.blockDim = ::dim3(unsigned(T::kThreads));
   cfg.dynamicSmemBytes = size_t(T::kSmemBytes);
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
+  if (splits > 1 && splits <= unsigned(kMaxClusterSplits)) {
+    set_max_dynamic_smem<cluster_kernel>(T::kSmemBytes);
+    if ((long long)tiles <= max_active_clusters<cluster_kernel>(T::kThreads, T::kSmemBytes, int(splits))) {
+      params.num_splits = int(splits);
+      attr[0].id = cudaLaunchAttributeClusterDimension;
+      attr[0].val.clusterDim.x = 1;
+      attr[0].val.clusterDim.y = splits;
+      attr[0].val.clusterDim.z = 1;
+      cfg.attrs = attr;
+      cfg.numAttrs = 1;
+      check_cuda(cudaLaunchKernelEx(&cfg, cluster_kernel, params), "flash3::fwd_kvcache: kernel launch");
+      return;
+    }
+  }
+  set_max_dynamic_smem<kernel>(T::kSmemBytes);
+  if (splits > 1 && !carve_split_scratch(params, p, tiles, splits, stream)) {
+    splits = 1;
+    cfg.gridDim.y = 1;
+  }
+  params.num_splits = int(splits);
   attr[0].id = cudaLaunchAttributeCooperative;
   attr[0].val.cooperative = 1;
   params.merge_shared = splits > 1 && (long long)tiles * splits <=
@@ -153,33 +194,17 @@ void fwd_kvcache(const KvcacheArgs& args) {
   }
   int splits = p.num_splits > 0 ? p.num_splits : kvcache_num_splits(p, current_device_info().sms);
   splits = std::min(splits, std::max(1, (p.seqlen_cache + 63) / 64));  // no split without a key block
-  if (tiles * int64_t(sizeof(int)) > int64_t(kScratchCounterBytes)) splits = 1;  // grid fills the GPU anyway
-  if (splits > 1) {
-    // Scratch: a counter per tile in the zeroed head, then the pieces' O and log-sum-exps. Without
-    // it (a stream capture that would need it to grow), one split.
-    const size_t rows = size_t(p.batch) * p.nheads * p.seqlen_q * size_t(splits);
-    const size_t o_bytes = rows * p.head_dim_v * sizeof(float);
-    const size_t lse_bytes = (rows * sizeof(float) + 255) / 256 * 256;
-    char* scratch = stream_memory(args.stream, kScratchCounterBytes + o_bytes + lse_bytes,
-                                  size_t(tiles) * sizeof(int)).scratch;
-    if (scratch != nullptr) {
-      dp.counters = reinterpret_cast<int*>(scratch);
-      dp.part_o = reinterpret_cast<float*>(scratch + kScratchCounterBytes);
-      dp.part_lse = reinterpret_cast<float*>(scratch + kScratchCounterBytes + o_bytes);
-    } else {
-      splits = 1;
-    }
-  }
-  dp.num_splits = splits;
 
   // The 16-bit rows of the kernel table (those with a backward); MLA at its one shape.
   const bool found = dispatch<true>(p.dtype, p.head_dim, [&](auto dtype, auto head_dim) {
     using Element = std::conditional_t<decltype(dtype)::value == DType::kBFloat16, __nv_bfloat16, __half>;
     constexpr int kHeadDim = decltype(head_dim)::value;
     if constexpr (kHeadDim == kMlaRotaryDim) {
-      if (p.mla) return launch_decode<Element, kMlaRotaryDim, kMlaLatentDim>(dp, unsigned(tiles), unsigned(splits), args.stream);
+      if (p.mla) {
+        return launch_decode<Element, kMlaRotaryDim, kMlaLatentDim>(dp, p, unsigned(tiles), unsigned(splits), args.stream);
+      }
     }
-    launch_decode<Element, kHeadDim>(dp, unsigned(tiles), unsigned(splits), args.stream);
+    launch_decode<Element, kHeadDim>(dp, p, unsigned(tiles), unsigned(splits), args.stream);
   });
   if (!found) throw_no_kernel("flash3::fwd_kvcache", p.dtype, p.head_dim);
 }

@@ -11,9 +11,15 @@
 //         (any page size: each row's address is looked up, page by page); each warp takes 16
 //         keys of a stage: S = Q K^T and O += P V with mma.sync m16n8k16, the online softmax in
 //         registers. The 4 warps' partial results are merged in shared memory.
-//   split more than one split: each block writes its piece's O (FP32) and log-sum-exp to the
-//         scratch and counts itself done; the pieces are merged by their log-sum-exps without a
-//         second kernel. Where the whole grid fits on the GPU at once (a cooperative launch),
+//   split more than one split: the pieces are merged by their log-sum-exps without a second
+//         kernel. Up to kMaxClusterSplits splits whose clusters all fit on the GPU at once: the
+//         tile's blocks are one thread-block cluster; each keeps its piece (O normalized, FP32)
+//         in its shared memory and, past a cluster barrier, merges a 1 / num_splits share of the
+//         tile from the others' shared memory (no global scratch, no fence, no counter). That
+//         merge is a kernel of its own (kClusterMerge): with its cluster instructions in the
+//         kernel, launches without clusters were 2-3 us slower (H200, docs/perf-log.md D37).
+//         Otherwise each block writes its piece's O and log-sum-exp to the scratch and counts
+//         itself done. Where the whole grid fits on the GPU at once (a cooperative launch),
 //         each block waits for its tile's count and merges a 1 / num_splits share of the tile's
 //         output: one round of loads per block. Otherwise the last block of the tile to finish
 //         merges all of it. Either way the counter ends at zero for the next launch.
@@ -32,6 +38,7 @@
 //         of the 512 dims over all 64 keys.
 #pragma once
 
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -96,6 +103,9 @@ struct DecodeParams {
   bool merge_shared;
 };
 
+// The most splits merged within a thread-block cluster (the portable cluster size).
+constexpr int kMaxClusterSplits = 8;
+
 // kHeadDim: q's and k_cache's head dim; kHeadDimV: v_cache's and out's (MLA when they differ).
 template <class Element, int kHeadDim, int kHeadDimV = kHeadDim>
 struct DecodeTraits {
@@ -121,6 +131,9 @@ struct DecodeTraits {
   static_assert((kOSlots * kRows * kORowFloats + (2 * kWarps + kOSlots + 1) * kRows) * 4 <= kStages * kStageBytes);
   // So do the split merge's weights and partial sums (decode_kernel's end).
   static_assert((kMaxKvcacheSplits + 1) * kRows * 4 + kThreads * 16 <= kStages * kStageBytes);
+  // And the cluster merge's piece (kRows x kORowFloats) and weights past them.
+  static_assert(((kOSlots + 1) * kRows * kORowFloats + (2 * kWarps + kOSlots + 1 + kMaxClusterSplits + 1) * kRows) * 4 <=
+                kStages * kStageBytes);
   static_assert(kHeadDim % 64 == 0 && kHeadDimV % 64 == 0);
   static_assert(!kMla || kHeadDimV == 4 * 128, "MLA: each of the 4 warps owns 128 dims of O");
 };
@@ -135,6 +148,12 @@ __device__ __forceinline__ void add_scaled(float4& acc, float w, float4 x) {
   acc.y += w * x.y;
   acc.z += w * x.z;
   acc.w += w * x.w;
+}
+
+// A cluster barrier without memory ordering (no fence on the stores in flight): for leaving,
+// once this thread's loads from the other blocks' shared memory have returned.
+__device__ __forceinline__ void cluster_sync_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
 }
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -265,7 +284,10 @@ __device__ __forceinline__ uint4 rotated_chunk(const Element* row, int c, int po
 
 }  // namespace decode
 
-template <class Element, int kHeadDim, int kHeadDimV = kHeadDim>
+// kClusterMerge: launched in clusters of (1, num_splits) blocks, 1 < num_splits <=
+// kMaxClusterSplits, which merge through each other's shared memory (part_o, part_lse and
+// counters unused).
+template <class Element, int kHeadDim, int kHeadDimV = kHeadDim, bool kClusterMerge = false>
 __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kThreads)
     decode_kernel(const __grid_constant__ DecodeParams p) {
   using T = DecodeTraits<Element, kHeadDim, kHeadDimV>;
@@ -732,14 +754,21 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
     if (d4 == 0 && s_lse_at[r] >= 0) p.lse[s_lse_at[r]] = lse_row;
   };
   const int64_t split_stride = int64_t(p.batch) * nheads * p.seqlen_q;
+  // Cluster merge: this block's piece, normalized (row, head_dim_v; rows kORow apart), and the
+  // pieces' weights (rank, row) and the rows' log-sum-exps.
+  float* sPiece = sLse2 + kRows;
+  float* sCW = sPiece + kRows * kORow;
+  float* sCLse = sCW + kMaxClusterSplits * kRows;
   // The tile's O: float4 group col4 of rows row_first, row_first + kOutRowStep, ..., a fixed
   // number of rows per thread, unrolled, so that every shared-memory read is issued before the
-  // first store. Into out (one split) or this split's piece (FP32 O and the log-sum-exp in the
-  // log2 domain).
+  // first store. Into out (one split), this split's piece in the scratch (FP32 O and the
+  // log-sum-exp in the log2 domain) or the piece in shared memory (the cluster merge: its
+  // log-sum-exps are sLse2).
+  enum { kToOut, kToScratch, kToShared };
   constexpr int kD4 = kHeadDimV / 4, kOutRowStep = T::kThreads / kD4;
   static_assert(T::kThreads % kD4 == 0 && kRows % kOutRowStep == 0);
   const int col4 = tid % kD4, row_first = tid / kD4;
-  auto store_tile = [&](auto single_c) {
+  auto store_tile = [&](auto to_c) {
 #pragma unroll
     for (int k = 0; k < kRows / kOutRowStep; ++k) {
       const int r = row_first + k * kOutRowStep;
@@ -750,20 +779,99 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
       }
       const float lse2 = sLse2[r];
       if (s_out_at[r] < 0) continue;
-      if constexpr (decltype(single_c)::value) {
+      constexpr int kTo = decltype(to_c)::value;
+      if constexpr (kTo == kToOut) {
         store_out(r, col4, acc, lse2 == -INFINITY ? INFINITY : lse2 * kLn2);
-      } else {
+      } else if constexpr (kTo == kToScratch) {
         const int64_t at = split * split_stride + s_piece_at[r];
         *reinterpret_cast<float4*>(p.part_o + at * kHeadDimV + 4 * col4) = acc;
         if (col4 == 0) p.part_lse[at] = lse2;
+      } else {
+        *reinterpret_cast<float4*>(sPiece + r * kORow + 4 * col4) = acc;
       }
     }
   };
   if (single) {
-    store_tile(std::true_type{});
+    store_tile(std::integral_constant<int, kToOut>{});
     return;
   }
-  store_tile(std::false_type{});
+  // This block's groups of the tile's merge (float4 groups of O): a 1 / num_splits share of the
+  // tile's rows' groups (cluster or shared merge), or all of them (last block).
+  const int groups = min(kRows, p.rows - row0) * kD4;
+  const bool by_share = kClusterMerge || p.merge_shared;
+  const int share = by_share ? (groups + p.num_splits - 1) / p.num_splits : groups;
+  const int g0 = by_share ? split * share : 0;
+  const int count = max(0, min(groups, g0 + share) - g0);
+
+  if constexpr (kClusterMerge) {
+    // ---- split within a cluster: merge the tile's pieces from the blocks' shared memory -------
+    // Rank c of the cluster is split c. The barriers: every piece is in place before any is
+    // read, and no block leaves (its shared memory reused) while another still reads it.
+    store_tile(std::integral_constant<int, kToShared>{});
+    const cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+    const int n = p.num_splits;
+    cluster.sync();
+    if (tid < kRows) {  // row tid's weight per piece, exp2(lse - max) / sum, and its log-sum-exp
+      float x[kMaxClusterSplits];
+      float mw = -INFINITY;
+#pragma unroll
+      for (int c = 0; c < kMaxClusterSplits; ++c) {
+        x[c] = c < n ? *cluster.map_shared_rank(sLse2 + tid, c) : -INFINITY;
+        mw = fmaxf(mw, x[c]);
+      }
+      const float bw = mw == -INFINITY ? 0.0f : mw;
+      float sum = 0.0f;
+#pragma unroll
+      for (int c = 0; c < kMaxClusterSplits; ++c) {
+        x[c] = exp2f(x[c] - bw);
+        sum += x[c];
+      }
+      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+#pragma unroll
+      for (int c = 0; c < kMaxClusterSplits; ++c) sCW[c * kRows + tid] = x[c] * inv;
+      sCLse[tid] = sum > 0.0f ? (bw + log2f(sum)) * kLn2 : INFINITY;
+    }
+    __syncthreads();
+    // kAtOnce groups per thread at a time, the loads of kBatch pieces of each issued before any
+    // is summed.
+    constexpr int kBatch = 4, kAtOnce = 4;
+#pragma unroll 1
+    for (int i0 = tid; i0 < count; i0 += kAtOnce * T::kThreads) {
+      int r[kAtOnce], d4[kAtOnce];
+      float4 acc[kAtOnce];
+#pragma unroll
+      for (int u = 0; u < kAtOnce; ++u) {
+        const int g = g0 + min(i0 + u * T::kThreads, count - 1);
+        r[u] = g / kD4;
+        d4[u] = g % kD4;
+        acc[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      }
+#pragma unroll 1
+      for (int c0 = 0; c0 < n; c0 += kBatch) {
+        float4 x[kAtOnce][kBatch];
+#pragma unroll
+        for (int u = 0; u < kAtOnce; ++u) {
+#pragma unroll
+          for (int j = 0; j < kBatch; ++j) {
+            const float4* src = reinterpret_cast<const float4*>(sPiece + r[u] * kORow + 4 * d4[u]);
+            x[u][j] = c0 + j < n ? *cluster.map_shared_rank(src, c0 + j) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kAtOnce; ++u) {
+#pragma unroll
+          for (int j = 0; j < kBatch; ++j) add_scaled(acc[u], c0 + j < n ? sCW[(c0 + j) * kRows + r[u]] : 0.0f, x[u][j]);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kAtOnce; ++u) {
+        if (i0 + u * T::kThreads < count) store_out(r[u], d4[u], acc[u], sCLse[r[u]]);
+      }
+    }
+    cluster_sync_relaxed();
+    return;
+  }
+  store_tile(std::integral_constant<int, kToScratch>{});
 
   // ---- split: merge the tile's pieces ----------------------------------------------------------
   __shared__ int last;
@@ -818,13 +926,8 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
     }
   }
   __syncthreads();
-  // This block's groups of the tile (float4 groups of O): a 1 / num_splits share of the tile's
-  // rows' groups (shared merge), or all of them; and the rows they lie in, whose weights it needs.
-  const int groups = min(kRows, p.rows - row0) * (kHeadDimV / 4);
-  const int share = p.merge_shared ? (groups + p.num_splits - 1) / p.num_splits : groups;
-  const int g0 = p.merge_shared ? split * share : 0;
-  const int count = max(0, min(groups, g0 + share) - g0);
-  const int r_first = g0 / (kHeadDimV / 4), r_end = count > 0 ? (g0 + count - 1) / (kHeadDimV / 4) + 1 : 0;
+  // The rows of this block's groups, whose weights it needs.
+  const int r_first = g0 / kD4, r_end = count > 0 ? (g0 + count - 1) / kD4 + 1 : 0;
   for (int r = r_first + warp; r < r_end; r += T::kWarps) {
     float mw = -INFINITY;
 #pragma unroll 1
@@ -865,8 +968,8 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
           at = i - piece * count;
         }
         const int g = g0 + (i < items ? at : 0);
-        r[u] = g / (kHeadDimV / 4);
-        d4[u] = g % (kHeadDimV / 4);
+        r[u] = g / kD4;
+        d4[u] = g % kD4;
         sp0[u] = i < items ? piece : p.num_splits;  // past the items: no piece
         src[u] = p.part_o + s_piece_at[r[u]] * kHeadDimV + 4 * d4[u];
         acc[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -916,7 +1019,7 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
           acc.w += x.w;
         }
         const int g = g0 + tid;
-        store_out(g / (kHeadDimV / 4), g % (kHeadDimV / 4), acc, sLse[g / (kHeadDimV / 4)]);
+        store_out(g / kD4, g % kD4, acc, sLse[g / kD4]);
       }
     }
   }

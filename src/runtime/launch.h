@@ -1,6 +1,6 @@
 // flash3: host-side launch helpers shared by the forward and backward launchers: the CuTe view
 // the TMA descriptors are built from, launches with programmatic dependent launch, the
-// once-per-device shared-memory attribute and occupancy.
+// once-per-device shared-memory attribute and occupancy (blocks per SM, clusters per GPU).
 #pragma once
 
 #include <atomic>
@@ -92,6 +92,39 @@ int blocks_per_sm(int threads, int smem) {
   check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kKernel, threads, size_t(smem)),
              "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
   if (cached) known[device].store(n + 1, std::memory_order_release);
+  return n;
+}
+
+// How many clusters of `cluster` blocks along y (threads each, smem bytes of dynamic shared
+// memory) fit on the GPU at once, asked of the runtime once per device and cluster size (after
+// set_max_dynamic_smem). Devices 64 and up, and sizes past 8, are asked on every call.
+template <auto kKernel>
+int max_active_clusters(int threads, int smem, int cluster) {
+  static std::atomic<int> known[64][9] = {};  // per device and size: the answer + 1, 0 before the first call
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  const bool cached = device >= 0 && device < 64 && cluster >= 0 && cluster <= 8;
+  if (cached) {
+    const int k = known[device][cluster].load(std::memory_order_acquire);
+    if (k > 0) return k - 1;
+  }
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(1, unsigned(cluster));
+  cfg.blockDim = dim3(unsigned(threads));
+  cfg.dynamicSmemBytes = size_t(smem);
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 1;
+  attr[0].val.clusterDim.y = unsigned(cluster);
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, kKernel, &cfg) != cudaSuccess) {
+    (void)cudaGetLastError();  // clusters unavailable (e.g. a shared GPU): none
+    n = 0;
+  }
+  if (cached) known[device][cluster].store(n + 1, std::memory_order_release);
   return n;
 }
 
