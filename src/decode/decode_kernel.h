@@ -331,7 +331,12 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
     return latent ? qv + b * p.qv_stride[0] + t * p.qv_stride[1] + h * p.qv_stride[2]
                   : q + b * p.q_stride[0] + t * p.q_stride[1] + h * p.q_stride[2];
   };
-  // The copies first, before any length is read; chunks to rotate wait for the cache's end.
+  // ---- this sequence's keys: positions [leftpad, end) of its cache, len of them -------------
+  // (Their loads are issued first, their latency under the Q copies.)
+  const int leftpad = p.leftpad != nullptr ? clampi(p.leftpad[b], 0, p.capacity) : 0;
+  // The cache's end before the append; the append's rows follow it (those that fit).
+  const int end_old = p.cache_seqlens != nullptr ? clampi(p.cache_seqlens[b], leftpad, p.capacity) : p.capacity;
+  // Q's copies; chunks to rotate wait for the cache's end.
 #pragma unroll 1
   for (int i = tid; i < kRows * kChunks; i += T::kThreads) {
     int r, c, t, cs;
@@ -340,10 +345,6 @@ __global__ void __launch_bounds__(DecodeTraits<Element, kHeadDim, kHeadDimV>::kT
     if (p.rot_half == 0 || c < kLatentChunks) cp_async16(smem_addr(sQ + swizzled<kChunks>(r, c)), src + cs * 8, ok ? 16 : 0);
   }
 
-  // ---- this sequence's keys: positions [leftpad, end) of its cache, len of them -------------
-  const int leftpad = p.leftpad != nullptr ? clampi(p.leftpad[b], 0, p.capacity) : 0;
-  // The cache's end before the append; the append's rows follow it (those that fit).
-  const int end_old = p.cache_seqlens != nullptr ? clampi(p.cache_seqlens[b], leftpad, p.capacity) : p.capacity;
   const int end = min(end_old + p.seqlen_new, p.capacity);
   const int len = end - leftpad;
   const int new_begin = end_old - leftpad;  // the first appended key (keys from here: k_new, v_new)
