@@ -79,10 +79,7 @@ void launch_decode(DecodeParams params, const KvcacheProblem& p, unsigned tiles,
     set_max_dynamic_smem<cluster_kernel>(T::kSmemBytes);
     if ((long long)tiles <= max_active_clusters<cluster_kernel>(T::kThreads, T::kSmemBytes, int(splits))) {
       params.num_splits = int(splits);
-      attr[0].id = cudaLaunchAttributeClusterDimension;
-      attr[0].val.clusterDim.x = 1;
-      attr[0].val.clusterDim.y = splits;
-      attr[0].val.clusterDim.z = 1;
+      attr[0] = cluster_along_y(splits);
       cfg.attrs = attr;
       cfg.numAttrs = 1;
       check_cuda(cudaLaunchKernelEx(&cfg, cluster_kernel, params), "flash3::fwd_kvcache: kernel launch");

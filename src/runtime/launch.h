@@ -95,6 +95,16 @@ int blocks_per_sm(int threads, int smem) {
   return n;
 }
 
+// The launch attribute of clusters of (1, blocks, 1).
+inline cudaLaunchAttribute cluster_along_y(unsigned blocks) {
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = 1;
+  attr.val.clusterDim.y = blocks;
+  attr.val.clusterDim.z = 1;
+  return attr;
+}
+
 // How many clusters of `cluster` blocks along y (threads each, smem bytes of dynamic shared
 // memory) fit on the GPU at once, asked of the runtime once per device and cluster size (after
 // set_max_dynamic_smem). Devices 64 and up, and sizes past 8, are asked on every call.
@@ -112,11 +122,7 @@ int max_active_clusters(int threads, int smem, int cluster) {
   cfg.gridDim = dim3(1, unsigned(cluster));
   cfg.blockDim = dim3(unsigned(threads));
   cfg.dynamicSmemBytes = size_t(smem);
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = 1;
-  attr[0].val.clusterDim.y = unsigned(cluster);
-  attr[0].val.clusterDim.z = 1;
+  cudaLaunchAttribute attr[1] = {cluster_along_y(unsigned(cluster))};
   cfg.attrs = attr;
   cfg.numAttrs = 1;
   int n = 0;
