@@ -93,14 +93,19 @@ struct FwdLoad {
       Tensor tKsK = get<1>(k_parts);  // (TMA, stage)
       Tensor tVgV = get<0>(v_parts);
       Tensor tVsV = get<1>(v_parts);
+      // L2 cache hints: K and V are read by every query tile of their (head, batch) pair (and GQA
+      // group), Q by one: K and V are kept, Q is evicted first (docs/perf-log.md step 43).
+      constexpr auto kKeep = TMA::CacheHintSm90::EVICT_LAST, kOnce = TMA::CacheHintSm90::EVICT_FIRST;
       auto load_k = [&](int n_block) {
         pipeline_k.producer_acquire(write_k);  // line 7
-        copy(p.tma_k.with(*pipeline_k.producer_get_barrier(write_k)), tKgK(_, n_block), tKsK(_, write_k.index()));
+        copy(p.tma_k.with(*pipeline_k.producer_get_barrier(write_k), 0, kKeep), tKgK(_, n_block),
+             tKsK(_, write_k.index()));
         ++write_k;
       };
       auto load_v = [&](int n_block) {
         pipeline_v.producer_acquire(write_v);
-        copy(p.tma_v.with(*pipeline_v.producer_get_barrier(write_v)), tVgV(_, n_block), tVsV(_, write_v.index()));
+        copy(p.tma_v.with(*pipeline_v.producer_get_barrier(write_v), 0, kKeep), tVgV(_, n_block),
+             tVsV(_, write_v.index()));
         ++write_v;
       };
       // NOTES: the first K of this tile is issued before waiting for the consumers to be done
@@ -113,7 +118,8 @@ struct FwdLoad {
       // Lines 4-5: Q_i, loaded for every tile (also one with no visible key), so that Q loads
       // and "Q is free" signals strictly alternate.
       shared.load.barrier_q.arrive_and_expect_tx(Traits::kTmaBytesQ);
-      copy(p.tma_q.with(reinterpret_cast<uint64_t&>(shared.load.barrier_q)), get<0>(q_parts), get<1>(q_parts));
+      copy(p.tma_q.with(reinterpret_cast<uint64_t&>(shared.load.barrier_q), 0, kOnce), get<0>(q_parts),
+           get<1>(q_parts));
       // Lines 6-10, in the order the consumers use them: K_{j+1} is needed before V_j (the
       // 3-stage pipeline: K_{j+2} before V_j).
       if constexpr (Traits::kThreeStage) {
