@@ -363,20 +363,6 @@ TEST(FwdGpuTailSplit, PiecesCombineToTheReference) {
   run_case(Case{DType::kBFloat16, 256, false, 2, 100, 4100, 4, 4}, seed++);
 }
 
-// Non-causal head dims 128 and 256 run in two-block clusters sharing K and V where the query
-// tiles of a (head, batch) pair are even in number (fwd_config.h, FwdClusterKV): several waves
-// with a tail split, GQA, the last query and key blocks ragged; fewer tiles than SMs; and odd
-// tile counts beside them (the kernel without clusters).
-TEST(FwdGpuClusters, PairedTilesMatchReference) {
-  FLASH3_REQUIRE_HOPPER();
-  uint64_t seed = 8181;
-  run_case(Case{DType::kBFloat16, 128, false, 3, 1950, 2999, 16, 2}, seed++);  // 16 query tiles per pair
-  run_case(Case{DType::kFloat16, 128, false, 1, 256, 5000, 8, 8}, seed++);     // 16 tiles in all
-  run_case(Case{DType::kBFloat16, 128, false, 2, 1900, 700, 8, 4}, seed++);    // 15 query tiles per pair
-  run_case(Case{DType::kFloat16, 256, false, 4, 1000, 777, 8, 8}, seed++);     // 8
-  run_case(Case{DType::kBFloat16, 256, false, 2, 3968, 4001, 8, 1, /*pad=*/8}, seed++);  // 31
-}
-
 // Causal head dim 64 runs 128-row tiles up to seqlen_q 1024 and 192-row tiles beyond
 // (fwd_config.h, kFwdCausal64ShortMax): both sides of the switch, seqlen_k longer and shorter,
 // and the 128-row kernel under the static persistent and the one-block-per-tile schedules too.

@@ -77,9 +77,9 @@ void launch_decode(DecodeParams params, const KvcacheProblem& p, unsigned tiles,
   cudaLaunchAttribute attr[1];
   if (splits > 1 && splits <= unsigned(kMaxClusterSplits)) {
     set_max_dynamic_smem<cluster_kernel>(T::kSmemBytes);
-    if ((long long)tiles <= max_active_clusters<cluster_kernel>(T::kThreads, T::kSmemBytes, ::dim3(1, splits))) {
+    if ((long long)tiles <= max_active_clusters<cluster_kernel>(T::kThreads, T::kSmemBytes, int(splits))) {
       params.num_splits = int(splits);
-      attr[0] = cluster_attribute(::dim3(1, splits));
+      attr[0] = cluster_along_y(splits);
       cfg.attrs = attr;
       cfg.numAttrs = 1;
       check_cuda(cudaLaunchKernelEx(&cfg, cluster_kernel, params), "flash3::fwd_kvcache: kernel launch");

@@ -49,7 +49,6 @@ struct FwdDefaultVariant {
   static constexpr int kBlockM = 0;           // likewise
   static constexpr bool kTailPieces = false;  // the tail kernel of the split (tail_split.h)
   static constexpr bool kGeneral = false;  // variable lengths, sliding windows, softcap (common/mask.h)
-  static constexpr bool kClusterKV = false;  // two-block clusters sharing K and V (FwdClusterKV)
 };
 struct FwdNoPingpong : FwdDefaultVariant { static constexpr int kPingpong = 0; };
 struct FwdNoOverlap : FwdDefaultVariant { static constexpr int kIntraWGOverlap = 0; };
@@ -89,13 +88,6 @@ constexpr int kFwdCausal128LongMin = 4096;
 // 256 only: with 192-row tiles, hdim 64's sweep shapes leave last waves of 112 of 132 tiles,
 // where a split gains little (measured +-1%, step 22).
 struct FwdTailPieces : FwdDefaultVariant { static constexpr bool kTailPieces = true; };
-
-// Non-causal head dims 128 and 256 where the query tiles of a (head, batch) pair are even in
-// number: the blocks run in clusters of two, whose tiles are adjacent query blocks of one pair;
-// each block loads half of every K and V tile and TMA multicasts it to both, which halves the
-// L2-to-SM traffic of K and V. Each block's ring stage is free once both blocks' consumers have
-// released it (fwd_load.h).
-struct FwdClusterKV : FwdDefaultVariant { static constexpr bool kClusterKV = true; };
 
 // The general kernels: variable lengths, sliding windows and softcap (kernels of their own:
 // common/mask.h says why).

@@ -43,9 +43,6 @@ struct FwdFp8Traits {
   static constexpr bool kIntraWGOverlap = true;
   static constexpr bool kThreeStage = false;
   static constexpr bool kTailPieces = false;
-  static constexpr bool kClusterKV = false;
-  static constexpr int kClusterSize = 1;
-  using ClusterShape = Shape<_1, _1, _1>;
 
   // Warpgroup 0: thread 0 issues the TMA loads, thread 32 draws tiles (causal), warps 2 and 3
   // transpose V (fwd_fp8_transpose.h); warpgroups 1.. are consumers, 64 query rows each.

@@ -40,19 +40,12 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     cutlass::arch::fence_barrier_init();
     Epilogue::init(params.epilogue);
   }
-  // (With clusters, a stage's "empty" barrier counts both blocks' consumer releases.)
   Pipeline pipeline_k(shared.pipeline_k, Load::template pipeline_params<Pipeline>(warpgroup == 0, is_producer_thread),
-                      typename Traits::ClusterShape{});
+                      Shape<_1, _1, _1>{});
   PipelineV pipeline_v(shared.pipeline_v,
                        Load::template pipeline_params<PipelineV>(warpgroup == 0, is_producer_thread),
-                       typename Traits::ClusterShape{});
-  // With clusters, the other block's barriers must be initialized before this block's first
-  // multicast or release reaches them.
-  if constexpr (Traits::kClusterKV) {
-    cute::cluster_sync();
-  } else {
-    __syncthreads();
-  }
+                       Shape<_1, _1, _1>{});
+  __syncthreads();
   // The tail kernel, if one follows, may take each SM as soon as this kernel's block leaves it.
   if constexpr (!Traits::kCausal && !Traits::kTailPieces) pdl_launch_dependents();
 

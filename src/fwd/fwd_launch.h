@@ -142,7 +142,7 @@ void launch_fwd(const FwdProblem& p, const FwdArgs& args, bool persistent, int* 
   float* split_o = nullptr;
   if constexpr (!std::is_void_v<TailTraits>) {
     static_assert(!Traits::kCausal && TailTraits::kTailPieces && TailTraits::kBlockM == Traits::kBlockM &&
-                  TailTraits::kBlockN == Traits::kBlockN);
+                  TailTraits::kBlockN == Traits::kBlockN && std::is_same_v<typename TailTraits::Params, Params>);
     if (persistent) {
       const int n_blocks = (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
       const TailSplit s = make_tail_split(num_tiles, n_blocks, num_sms());
@@ -162,29 +162,15 @@ void launch_fwd(const FwdProblem& p, const FwdArgs& args, bool persistent, int* 
   }
   // Persistent: one block per SM (the shared memory allows no more), each looping over tiles.
   params.scheduler.tiles_end = split.full_tiles;
-  // With clusters (fwd_cluster_kv): an even number of tiles over an even number of blocks, so
-  // that the two blocks of a cluster compute tiles 2i and 2i + 1, adjacent query blocks of one
-  // (head, batch) pair (fwd_scheduler.h's static order).
   if (split.full_tiles > 0) {
     const int blocks = persistent ? std::min(split.full_tiles, num_sms()) : split.full_tiles;
-    if constexpr (Traits::kClusterKV) {
-      launch_clusters(kernel, dim3(blocks), dim3(Traits::kClusterSize), Traits::kNumThreads, kSmem, args.stream,
-                      "forward kernel launch", params);
-    } else {
-      kernel<<<dim3(blocks), Traits::kNumThreads, kSmem, args.stream>>>(params);
-      check_cuda(cudaGetLastError(), "forward kernel launch");
-    }
+    kernel<<<dim3(blocks), Traits::kNumThreads, kSmem, args.stream>>>(params);
+    check_cuda(cudaGetLastError(), "forward kernel launch");
   }
   if (varlen_owned) check_cuda(cudaFreeAsync(varlen_memory, args.stream), "cudaFreeAsync (variable-length tile list)");
   if constexpr (!std::is_void_v<TailTraits>) {
     if (split.tail_tiles > 0) {
-      // The same TMA descriptors, or (main kernel in clusters) the tail kernel's own.
-      typename TailTraits::Params tail;
-      if constexpr (std::is_same_v<typename TailTraits::Params, Params>) {
-        tail = params;
-      } else {
-        tail = make_fwd_params<TailTraits>(p, args, nullptr);
-      }
+      Params tail = params;  // the same TMA descriptors
       tail.scheduler.tile_counter = nullptr;
       tail.scheduler.tiles_end = num_tiles;
       tail.scheduler.split = split;
@@ -205,19 +191,6 @@ void launch_fwd(const FwdProblem& p, const FwdArgs& args, bool persistent, int* 
       }
     }
   }
-}
-
-// Whether the non-causal forward runs in two-block clusters (ClusterTraits: the FwdClusterKV
-// kernel, fwd_config.h): persistent, an even number of query tiles per (head, batch) pair, an
-// even number of SMs, and clusters of two that fill every SM at once.
-template <class ClusterTraits>
-bool fwd_cluster_kv(const FwdProblem& p, bool persistent) {
-  const int m_blocks = (p.seqlen_q + ClusterTraits::kBlockM - 1) / ClusterTraits::kBlockM;
-  if (!persistent || m_blocks % 2 != 0 || num_sms() % 2 != 0) return false;
-  constexpr auto kernel = &fwd_kernel<ClusterTraits>;
-  set_max_dynamic_smem<kernel>(ClusterTraits::kSmemBytes);
-  return 2 * max_active_clusters<kernel>(ClusterTraits::kNumThreads, ClusterTraits::kSmemBytes, dim3(2)) >=
-         num_sms();
 }
 
 // Whether the forward runs persistent, and the tile counter of the causal and general kernels
@@ -283,12 +256,10 @@ void run_fwd(const FwdProblem& p, const FwdArgs& args, FwdAblation ablation) {
       }
       launch_fwd<FwdTraits<Element, kHeadDim, true>>(p, args, persistent, counter);
     } else {
-      if constexpr (kHeadDim != 64) {  // FwdTailPieces, FwdClusterKV (fwd_config.h)
+      if constexpr (kHeadDim != 64) {  // FwdTailPieces (fwd_config.h)
         if (ablation == FwdAblation::kDefault) {
-          using Tail = FwdTraits<Element, kHeadDim, false, FwdTailPieces>;
-          using Cluster = FwdTraits<Element, kHeadDim, false, FwdClusterKV>;
-          if (fwd_cluster_kv<Cluster>(p, persistent)) return launch_fwd<Cluster, Tail>(p, args, persistent, counter);
-          return launch_fwd<FwdTraits<Element, kHeadDim, false>, Tail>(p, args, persistent, counter);
+          return launch_fwd<FwdTraits<Element, kHeadDim, false>,
+                            FwdTraits<Element, kHeadDim, false, FwdTailPieces>>(p, args, persistent, counter);
         }
       }
       launch_fwd<FwdTraits<Element, kHeadDim, false>>(p, args, persistent, counter);

@@ -87,17 +87,8 @@ struct FwdLoad {
       Tensor gV = local_tile(domain_offset(make_coord(len.k_start, _0{}), mV(_, _, head_kv, bk)), TileKV{},
                              make_coord(_, _0{}));
       auto q_parts = tma_partition(p.tma_q, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-      // With clusters: this block's slice of each K and V tile (multicast to the cluster).
-      auto kv_parts = [&](const auto& tma, const auto& s, const auto& g) {
-        if constexpr (Traits::kClusterKV) {
-          return tma_partition(tma, int(cute::block_rank_in_cluster()), Layout<Int<Traits::kClusterSize>>{},
-                               group_modes<0, 2>(s), group_modes<0, 2>(g));
-        } else {
-          return tma_partition(tma, group_modes<0, 2>(s), group_modes<0, 2>(g));
-        }
-      };
-      auto k_parts = kv_parts(p.tma_k, sK, gK);
-      auto v_parts = kv_parts(p.tma_v, sV, gV);
+      auto k_parts = tma_partition(p.tma_k, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+      auto v_parts = tma_partition(p.tma_v, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
       Tensor tKgK = get<0>(k_parts);  // (TMA, n_block)
       Tensor tKsK = get<1>(k_parts);  // (TMA, stage)
       Tensor tVgV = get<0>(v_parts);
@@ -107,12 +98,14 @@ struct FwdLoad {
       constexpr auto kKeep = TMA::CacheHintSm90::EVICT_LAST, kOnce = TMA::CacheHintSm90::EVICT_FIRST;
       auto load_k = [&](int n_block) {
         pipeline_k.producer_acquire(write_k);  // line 7
-        copy(with_barrier(p.tma_k, pipeline_k.producer_get_barrier(write_k)), tKgK(_, n_block), tKsK(_, write_k.index()));
+        copy(p.tma_k.with(*pipeline_k.producer_get_barrier(write_k), 0, kKeep), tKgK(_, n_block),
+             tKsK(_, write_k.index()));
         ++write_k;
       };
       auto load_v = [&](int n_block) {
         pipeline_v.producer_acquire(write_v);
-        copy(with_barrier(p.tma_v, pipeline_v.producer_get_barrier(write_v)), tVgV(_, n_block), tVsV(_, write_v.index()));
+        copy(p.tma_v.with(*pipeline_v.producer_get_barrier(write_v), 0, kKeep), tVgV(_, n_block),
+             tVsV(_, write_v.index()));
         ++write_v;
       };
       // NOTES: the first K of this tile is issued before waiting for the consumers to be done
@@ -145,38 +138,6 @@ struct FwdLoad {
       scheduler.request_next(shared);
     }
     if constexpr (Traits::kFp8) pipeline_v.producer_stop(write_v);  // the V transposers' end
-    // With clusters, the block stays until both blocks' consumers have released its last stages:
-    // the other block's releases arrive on this block's barriers.
-    if constexpr (Traits::kClusterKV) {
-      pipeline_k.producer_tail(write_k);
-      pipeline_v.producer_tail(write_v);
-    }
-  }
-
-  // A K or V load's TMA, completing on `barrier` (with clusters: in every block of the cluster).
-  template <class Tma>
-  __device__ __forceinline__ static auto with_barrier(const Tma& tma, uint64_t* barrier) {
-    if constexpr (Traits::kClusterKV) {
-      return tma.with(*barrier, uint16_t((1u << Traits::kClusterSize) - 1));
-    } else {
-      return tma.with(*barrier);
-    }
-  }
-
-  // A consumer warpgroup's release of a K or V stage (every thread calls it). With clusters,
-  // thread r < kClusterSize of the warpgroup arrives on block r's barrier of the stage, whose
-  // count is kClusterSize x the consumer warpgroups (CUTLASS's PipelineTmaAsync); the arrivals
-  // are computed here rather than by PipelineTmaAsync's consumer_release, whose per-thread
-  // target block would live in registers through the whole main loop.
-  template <class P, class State>
-  __device__ __forceinline__ static void release(P& pipeline, typename P::SharedStorage& storage,
-                                                 const State& state) {
-    if constexpr (Traits::kClusterKV) {
-      const uint32_t r = threadIdx.x % 128;
-      storage.empty_barrier_[state.index()].arrive(r, r < uint32_t(Traits::kClusterSize));
-    } else {
-      pipeline.consumer_release(state);
-    }
   }
 };
 

@@ -13,7 +13,6 @@
 #include "common/softmax.h"
 #include "common/wgmma.h"
 #include "fwd/fwd_barriers.h"
-#include "fwd/fwd_load.h"
 
 namespace flash3::detail {
 
@@ -156,7 +155,7 @@ struct FwdMainloop {
       gemm_qk();
       turns.after_gemms();
       warpgroup_wait<0>();
-      FwdLoad<Traits>::release(pipeline_k, shared.pipeline_k, read_k);
+      pipeline_k.consumer_release(read_k);
       ++read_k;
     };
     auto pv_alone = [&]() {
@@ -165,7 +164,7 @@ struct FwdMainloop {
       gemm_pv();
       turns.after_gemms();
       warpgroup_wait<0>();
-      FwdLoad<Traits>::release(pipeline_v, shared.pipeline_v, read_v);
+      pipeline_v.consumer_release(read_v);
       ++read_v;
     };
     auto release_q = [&]() {
@@ -220,7 +219,7 @@ struct FwdMainloop {
             warpgroup_wait<1>();
           }
           warpgroup_fence_operand(s_cur);
-          FwdLoad<Traits>::release(pipeline_k, shared.pipeline_k, k_cur);
+          pipeline_k.consumer_release(k_cur);
           k_cur = k_next;
           if (j == 0) release_q();
           const bool rescale_o = softmax_step_on(s_cur_rc, j, rescale);
@@ -228,7 +227,7 @@ struct FwdMainloop {
           warpgroup_wait<0>();
           warpgroup_fence_operand(tOrO);
           warpgroup_fence_operand(tOrP);
-          FwdLoad<Traits>::release(pipeline_v, shared.pipeline_v, read_v);
+          pipeline_v.consumer_release(read_v);
           ++read_v;
           if (rescale_o) scale_rows(tOrO_rc, rescale);
           convert_into<Element>(s_cur, tOrP);
@@ -274,7 +273,7 @@ struct FwdMainloop {
           gemm_pv();
           turns.after_gemms();
           warpgroup_wait<1>();  // S_{j+1} is ready; O += P_j V_j may still be running
-          FwdLoad<Traits>::release(pipeline_k, shared.pipeline_k, read_k);
+          pipeline_k.consumer_release(read_k);
           ++read_k;
           if (n_block == n_lo) release_q();
           const bool rescale_o = softmax_step(n_block, rescale);
@@ -285,7 +284,7 @@ struct FwdMainloop {
           // every exponential of the row, is kept before the wait by ptxas.
           pin_before_wait(&shared.mainloop.softmax_pin[tidx], softmax.row_sum);
           warpgroup_wait<0>();  // O += P_j V_j is done: P_j's registers are free
-          FwdLoad<Traits>::release(pipeline_v, shared.pipeline_v, read_v);
+          pipeline_v.consumer_release(read_v);
           ++read_v;
           if (rescale_o) scale_rows(tOrO_rc, rescale);
           convert_into<Element>(tSrS, tOrP);
@@ -304,7 +303,7 @@ struct FwdMainloop {
           gemm_pv();
           softmax.finalize(p.softmax_scale, inv_sum, lse);
           warpgroup_wait<0>();
-          FwdLoad<Traits>::release(pipeline_v, shared.pipeline_v, read_v);
+          pipeline_v.consumer_release(read_v);
           ++read_v;
           finalized = true;
         }

@@ -3,8 +3,6 @@
 // composed of its parts' (load, mainloop, epilogue, scheduler, combine).
 #pragma once
 
-#include <type_traits>
-
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
@@ -62,12 +60,6 @@ struct FwdTraits {
   // Variable lengths, sliding windows and softcap (fwd_config.h, FwdGeneral).
   static constexpr bool kGeneral = Variant::kGeneral;
   using MaskT = Mask<kCausal, kGeneral>;
-  // Two-block clusters sharing K and V by TMA multicast (FwdClusterKV, fwd_config.h).
-  static constexpr bool kClusterKV = Variant::kClusterKV;
-  static constexpr int kClusterSize = kClusterKV ? 2 : 1;
-  using ClusterShape = Shape<Int<kClusterSize>, _1, _1>;
-  static_assert(!kClusterKV || (!kCausal && !kGeneral && !Variant::kTailPieces),
-                "clusters: the non-causal default kernels (static tile order)");
   // The consumers' WGMMA descriptors from a warp-uniform warpgroup index (fwd_mainloop_views),
   // and the softmax's chains per row (FwdMainloop; the default kernels only: the general ones
   // lost 2-3% with two chains).
@@ -120,11 +112,9 @@ struct FwdTraits {
     return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), layout), SmemLayoutQ{},
                          Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{});
   }
-  // With clusters, each block loads a 1 / kClusterSize slice of the tile for all of them.
   static auto make_tma_kv(Element const* ptr, LayoutQKV layout) {
-    using Op = std::conditional_t<kClusterKV, SM90_TMA_LOAD_MULTICAST, SM90_TMA_LOAD>;
-    return make_tma_copy(Op{}, make_tensor(make_gmem_ptr(ptr), layout), take<0, 2>(SmemLayoutK{}),
-                         Shape<Int<kBlockN>, Int<kHeadDim>>{}, Int<kClusterSize>{});
+    return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), layout),
+                         take<0, 2>(SmemLayoutK{}), Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
   }
   // With kStageOInQ, O goes out through the Q buffer and one TMA store.
   static auto make_tma_o(Element* ptr, LayoutQKV layout) {

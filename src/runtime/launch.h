@@ -60,31 +60,6 @@ void launch_pdl(void (*kernel)(KArgs...), dim3 grid, int threads, int smem, cuda
   check_cuda(cudaLaunchKernelEx(&cfg, kernel, args...), what);
 }
 
-// The launch attribute of clusters of dims.x x dims.y blocks.
-inline cudaLaunchAttribute cluster_attribute(dim3 dims) {
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = dims.x;
-  attr.val.clusterDim.y = dims.y;
-  attr.val.clusterDim.z = 1;
-  return attr;
-}
-
-// A launch in thread-block clusters of `cluster` blocks (grid a multiple of it).
-template <class... KArgs, class... Args>
-void launch_clusters(void (*kernel)(KArgs...), dim3 grid, dim3 cluster, int threads, int smem, cudaStream_t stream,
-                     const char* what, Args const&... args) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(unsigned(threads));
-  cfg.dynamicSmemBytes = size_t(smem);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1] = {cluster_attribute(cluster)};
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  check_cuda(cudaLaunchKernelEx(&cfg, kernel, args...), what);
-}
-
 // Raises kKernel's dynamic shared-memory limit to `bytes`, once per device: the attribute holds
 // for the rest of the process, and the driver call would otherwise cost host time on every
 // forward and backward call. (Keyed by the kernel itself: kernels of one signature, as the main
@@ -120,14 +95,22 @@ int blocks_per_sm(int threads, int smem) {
   return n;
 }
 
-// How many clusters of dims.x x dims.y blocks (threads each, smem bytes of dynamic shared memory)
-// fit on the GPU at once, asked of the runtime once per device and cluster size (after
-// set_max_dynamic_smem; a kernel is launched with clusters along one axis only). Devices 64 and
-// up, and sizes past 8, are asked on every call.
+// The launch attribute of clusters of (1, blocks, 1).
+inline cudaLaunchAttribute cluster_along_y(unsigned blocks) {
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = 1;
+  attr.val.clusterDim.y = blocks;
+  attr.val.clusterDim.z = 1;
+  return attr;
+}
+
+// How many clusters of `cluster` blocks along y (threads each, smem bytes of dynamic shared
+// memory) fit on the GPU at once, asked of the runtime once per device and cluster size (after
+// set_max_dynamic_smem). Devices 64 and up, and sizes past 8, are asked on every call.
 template <auto kKernel>
-int max_active_clusters(int threads, int smem, dim3 dims) {
+int max_active_clusters(int threads, int smem, int cluster) {
   static std::atomic<int> known[64][9] = {};  // per device and size: the answer + 1, 0 before the first call
-  const int cluster = int(dims.x * dims.y);
   int device = 0;
   check_cuda(cudaGetDevice(&device), "cudaGetDevice");
   const bool cached = device >= 0 && device < 64 && cluster >= 0 && cluster <= 8;
@@ -136,10 +119,10 @@ int max_active_clusters(int threads, int smem, dim3 dims) {
     if (k > 0) return k - 1;
   }
   cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dims;
+  cfg.gridDim = dim3(1, unsigned(cluster));
   cfg.blockDim = dim3(unsigned(threads));
   cfg.dynamicSmemBytes = size_t(smem);
-  cudaLaunchAttribute attr[1] = {cluster_attribute(dims)};
+  cudaLaunchAttribute attr[1] = {cluster_along_y(unsigned(cluster))};
   cfg.attrs = attr;
   cfg.numAttrs = 1;
   int n = 0;
