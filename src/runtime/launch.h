@@ -75,24 +75,34 @@ void set_max_dynamic_smem(int bytes, const char* what = "cudaFuncSetAttribute(ma
   done.fetch_or(bit, std::memory_order_release);
 }
 
-// How many blocks of kKernel (threads each, smem bytes of dynamic shared memory) fit on one SM at
-// once, asked of the runtime once per device (after set_max_dynamic_smem). Devices 64 and up
-// are asked on every call.
-template <auto kKernel>
-int blocks_per_sm(int threads, int smem) {
-  static std::atomic<int> known[64] = {};  // per device: the answer + 1, 0 before the first call
+// ask()'s answer for the current device, asked once per device and kept in known[device] (the
+// answer + 1, 0 before the first call; known: 64 entries). Devices 64 and up, or a null known,
+// ask on every call.
+template <class Ask>
+int once_per_device(std::atomic<int>* known, Ask ask) {
   int device = 0;
   check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  const bool cached = device >= 0 && device < 64;
-  if (cached) {
-    const int k = known[device].load(std::memory_order_acquire);
+  std::atomic<int>* slot = known != nullptr && device >= 0 && device < 64 ? known + device : nullptr;
+  if (slot != nullptr) {
+    const int k = slot->load(std::memory_order_acquire);
     if (k > 0) return k - 1;
   }
-  int n = 0;
-  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kKernel, threads, size_t(smem)),
-             "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-  if (cached) known[device].store(n + 1, std::memory_order_release);
+  const int n = ask();
+  if (slot != nullptr) slot->store(n + 1, std::memory_order_release);
   return n;
+}
+
+// How many blocks of kKernel (threads each, smem bytes of dynamic shared memory) fit on one SM at
+// once, asked of the runtime once per device (after set_max_dynamic_smem).
+template <auto kKernel>
+int blocks_per_sm(int threads, int smem) {
+  static std::atomic<int> known[64] = {};
+  return once_per_device(known, [&] {
+    int n = 0;
+    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kKernel, threads, size_t(smem)),
+               "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+    return n;
+  });
 }
 
 // The launch attribute of clusters of (1, blocks, 1).
@@ -107,31 +117,25 @@ inline cudaLaunchAttribute cluster_along_y(unsigned blocks) {
 
 // How many clusters of `cluster` blocks along y (threads each, smem bytes of dynamic shared
 // memory) fit on the GPU at once, asked of the runtime once per device and cluster size (after
-// set_max_dynamic_smem). Devices 64 and up, and sizes past 8, are asked on every call.
+// set_max_dynamic_smem); sizes past 8 are asked on every call.
 template <auto kKernel>
 int max_active_clusters(int threads, int smem, int cluster) {
-  static std::atomic<int> known[64][9] = {};  // per device and size: the answer + 1, 0 before the first call
-  int device = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  const bool cached = device >= 0 && device < 64 && cluster >= 0 && cluster <= 8;
-  if (cached) {
-    const int k = known[device][cluster].load(std::memory_order_acquire);
-    if (k > 0) return k - 1;
-  }
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(1, unsigned(cluster));
-  cfg.blockDim = dim3(unsigned(threads));
-  cfg.dynamicSmemBytes = size_t(smem);
-  cudaLaunchAttribute attr[1] = {cluster_along_y(unsigned(cluster))};
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  int n = 0;
-  if (cudaOccupancyMaxActiveClusters(&n, kKernel, &cfg) != cudaSuccess) {
-    (void)cudaGetLastError();  // clusters unavailable (e.g. a shared GPU): none
-    n = 0;
-  }
-  if (cached) known[device][cluster].store(n + 1, std::memory_order_release);
-  return n;
+  static std::atomic<int> known[9][64] = {};  // per size and device
+  return once_per_device(cluster >= 0 && cluster <= 8 ? known[cluster] : nullptr, [&] {
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(1, unsigned(cluster));
+    cfg.blockDim = dim3(unsigned(threads));
+    cfg.dynamicSmemBytes = size_t(smem);
+    cudaLaunchAttribute attr[1] = {cluster_along_y(unsigned(cluster))};
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    int n = 0;
+    if (cudaOccupancyMaxActiveClusters(&n, kKernel, &cfg) != cudaSuccess) {
+      (void)cudaGetLastError();  // clusters unavailable (e.g. a shared GPU): none
+      n = 0;
+    }
+    return n;
+  });
 }
 
 }  // namespace flash3::detail
