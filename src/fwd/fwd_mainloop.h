@@ -265,7 +265,6 @@ struct FwdMainloop {
         if (n_block_max - n_lo == 1) release_q();
         softmax_step(n_block_max - 1, rescale);  // O is 0: no rescale needed
         convert_into<Element>(tSrS, tOrP);
-#pragma unroll 2
         for (int n_block = n_block_max - 2; n_block >= n_lo; --n_block) {
           pipeline_k.consumer_wait(read_k);
           turns.before_gemms();
