@@ -63,7 +63,7 @@ struct FwdTraits {
   // The consumers' WGMMA descriptors from a warp-uniform warpgroup index (fwd_mainloop_views),
   // and the softmax's chains per row (FwdMainloop; the default kernels only: the general ones
   // lost 2-3% with two chains).
-  static constexpr bool kUniformDescriptors = kGeneral ? Config::kGeneralUniformDescriptors : kCausal;
+  static constexpr bool kUniformDescriptors = kGeneral && Config::kGeneralUniformDescriptors;
   static constexpr int kSoftmaxChains = kGeneral ? 1 : Config::kSoftmaxChains;
 
   // Warpgroup 0 is the producer (TMA); warpgroups 1.. are consumers, 64 query rows each.
