@@ -13,8 +13,7 @@ namespace flash3 {
 namespace {
 detail::BwdWorkspaceLayout workspace_layout(const BwdProblem& p) {
   return detail::BwdWorkspaceLayout(p.batch, p.nheads, p.seqlen_q, p.seqlen_k, p.head_dim, p.causal, p.deterministic,
-                                    p.nheads_kv, p.varlen, detail::general_kernels(p), p.packed_q, p.packed_k,
-                                    p.total_q, p.total_k);
+                                    p.nheads_kv, p.varlen, p.packed_q, p.packed_k, p.total_q, p.total_k);
 }
 }  // namespace
 

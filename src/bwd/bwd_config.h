@@ -58,7 +58,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <type_traits>
 
 #include "common/host_device.h"
 #include "runtime/varlen_tiles.h"
@@ -71,42 +70,25 @@ template <> struct BwdTileConfig<64> {
   static constexpr int kBlockM = 64, kBlockN = 128, kStages = 3, kDQStages = 4;
   static constexpr bool kSdPSwapAB = true, kKVInRegs = true, kDQAlternate = true, kSpreadVisits = false;
   static constexpr bool kPersistentCausal = true, kPersistentNonCausal = true, kTmaEpilogue = true;
-  static constexpr bool kSoftcapOwnLoop = true, kSoftcapOwnKernel = false, kDQSwapAB = false;
+  static constexpr bool kSoftcapOwnLoop = true, kSoftcapOwnKernel = false;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
 };
 template <> struct BwdTileConfig<128> {
   static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2, kDQStages = 2;
   static constexpr bool kSdPSwapAB = true, kKVInRegs = false, kDQAlternate = false, kSpreadVisits = false;
   static constexpr bool kPersistentCausal = false, kPersistentNonCausal = false, kTmaEpilogue = true;
-  static constexpr bool kSoftcapOwnLoop = false, kSoftcapOwnKernel = true, kDQSwapAB = false;
+  static constexpr bool kSoftcapOwnLoop = false, kSoftcapOwnKernel = true;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
-};
-// Head dim 128 without a mask (the default non-causal kernel): FlashAttention-3's 80 x 128 tile.
-// 80 query rows cannot be split into 64-row WGMMA atoms, so dQ is computed transposed,
-// dQ^T = K^T dS^T (kDQSwapAB, FlashAttention-3's dQ_swapAB), split along the head dim; one dQ
-// buffer (two do not fit beside two Q, dO stages of 80 rows).
-struct BwdTileConfig128Wide : BwdTileConfig<128> {
-  static constexpr int kBlockM = 80, kDQStages = 1;
-  static constexpr bool kDQSwapAB = true;
 };
 template <> struct BwdTileConfig<256> {
   static constexpr int kBlockM = 64, kBlockN = 64, kStages = 1, kDQStages = 1;
   static constexpr bool kSdPSwapAB = false, kKVInRegs = false, kDQAlternate = false, kSpreadVisits = true;
   static constexpr bool kPersistentCausal = false, kPersistentNonCausal = false, kTmaEpilogue = false;
   static constexpr bool kSoftcapOwnLoop = false, kSoftcapOwnKernel = false;  // not swapped (bwd_mainloop_ss.h)
-  static constexpr bool kDQSwapAB = false;
   static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
 };
 
-// The config of one backward kernel: its head dim's, or the wide one (head dim 128, the
-// default non-causal kernel).
-template <int kHeadDim, bool kCausal, bool kGeneral>
-using BwdKernelConfig = std::conditional_t<kHeadDim == 128 && !kCausal && !kGeneral, BwdTileConfig128Wide,
-                                           BwdTileConfig<kHeadDim>>;
-
-// The query tile of the kernel that a problem runs (general: variable lengths, windows, softcap).
-inline int bwd_block_m(int head_dim, bool causal, bool general) {
-  if (head_dim == 128 && !causal && !general) return BwdTileConfig128Wide::kBlockM;
+inline int bwd_block_m(int head_dim) {
   return head_dim == 64 ? BwdTileConfig<64>::kBlockM
                         : head_dim == 128 ? BwdTileConfig<128>::kBlockM : BwdTileConfig<256>::kBlockM;
 }
@@ -225,13 +207,12 @@ struct BwdWorkspaceLayout {
   int varlen_item_capacity = 0;
 
   // packed_q / packed_k: that side has cu_seqlens, total_q / total_k rows; varlen: the key
-  // blocks come from a list built on the device; general: the general kernels run (variable
-  // lengths, windows, softcap; dispatch.h, general_kernels).
+  // blocks come from a list built on the device.
   BwdWorkspaceLayout(int batch, int nheads, int seqlen_q, int seqlen_k, int head_dim, bool causal, bool deterministic,
-                     int nheads_kv, bool varlen = false, bool general = false, bool packed_q = false,
-                     bool packed_k = false, int64_t total_q = 0, int64_t total_k = 0) {
+                     int nheads_kv, bool varlen = false, bool packed_q = false, bool packed_k = false,
+                     int64_t total_q = 0, int64_t total_k = 0) {
     const bool gqa = nheads_kv != nheads;
-    block_m = bwd_block_m(head_dim, causal, general || varlen);
+    block_m = bwd_block_m(head_dim);
     block_n = bwd_block_n(head_dim);
     m_blocks = (seqlen_q + block_m - 1) / block_m;
     n_blocks = (seqlen_k + block_n - 1) / block_n;

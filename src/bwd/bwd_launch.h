@@ -138,13 +138,11 @@ void launch_bwd_general(const BwdProblem& p, const BwdArgs& args, const BwdWorks
   }
 }
 
-// The preprocess, the main kernel and the postprocess; Traits: the main kernel's query tile and
-// dQ order, which the preprocess and postprocess follow (run_bwd).
-template <class Traits>
-void run_bwd_passes(const BwdProblem& p, const BwdArgs& args_given, const BwdWorkspaceLayout& ws, char* base) {
-  using Element = typename Traits::Element;
-  constexpr int kHeadDim = Traits::kHeadDim;
+template <DType kDType, int kHeadDim>
+void run_bwd(const BwdProblem& p, const BwdArgs& args_given, const BwdWorkspaceLayout& ws, char* base) {
+  using Element = detail::Element<kDType>;
   const BwdArgs args = bwd_batched_views(args_given);
+  using Traits = BwdTraits<Element, kHeadDim, false>;
   constexpr int kBlockM = Traits::kBlockM;
   BwdAuxParams aux{};
   aux.out = args.out.data;
@@ -200,9 +198,13 @@ void run_bwd_passes(const BwdProblem& p, const BwdArgs& args_given, const BwdWor
     } else if (p.causal) {
       launch_bwd_main<BwdTraits<Element, kHeadDim, true>>(p, args_given, ws, base);
     } else {
-      launch_bwd_main<BwdTraits<Element, kHeadDim, false>>(p, args_given, ws, base);
+      launch_bwd_main<Traits>(p, args_given, ws, base);
     }
   }
+  // The dQ tiles are in the register order of the main kernel's dQ GEMM: one postprocess serves
+  // the causal and non-causal kernels (with or without windows) while they share it.
+  static_assert(BwdTraits<Element, kHeadDim, true>::kDQFragThreads == Traits::kDQFragThreads);
+  static_assert(BwdTraits<Element, kHeadDim, true, true>::kDQFragThreads == Traits::kDQFragThreads);
   constexpr int kPostSmem = bwd_postprocess_dq_smem<Traits>();
   if constexpr (kPostSmem > 48 * 1024) {
     set_max_dynamic_smem<&bwd_postprocess_dq<Traits>>(kPostSmem,
@@ -237,26 +239,6 @@ void run_bwd_passes(const BwdProblem& p, const BwdArgs& args_given, const BwdWor
     bwd_postprocess_dkv<Element><<<dim3(unsigned((total + threads - 1) / threads)), threads, 0, args.stream>>>(dkv);
     check_cuda(cudaGetLastError(), "backward postprocess (dk, dv) launch");
   }
-}
-
-template <DType kDType, int kHeadDim>
-void run_bwd(const BwdProblem& p, const BwdArgs& args, const BwdWorkspaceLayout& ws, char* base) {
-  using Element = detail::Element<kDType>;
-  // The dQ tiles are in the register order of the main kernel's dQ GEMM, and the workspace in
-  // its query tiles (bwd_block_m): one preprocess and postprocess serve every kernel of the head
-  // dim that shares them with the causal one, and the wide kernel (bwd_config.h) has its own.
-  using Shared = BwdTraits<Element, kHeadDim, true>;
-  using Plain = BwdTraits<Element, kHeadDim, false>;
-  using General = BwdTraits<Element, kHeadDim, false, true>;
-  static_assert(BwdTraits<Element, kHeadDim, true, true>::kBlockM == Shared::kBlockM && General::kBlockM == Shared::kBlockM);
-  static_assert(BwdTraits<Element, kHeadDim, true, true>::kDQFragThreads == Shared::kDQFragThreads &&
-                General::kDQFragThreads == Shared::kDQFragThreads && !Shared::kDQSwapAB && !General::kDQSwapAB);
-  if constexpr (Plain::kDQSwapAB) {
-    if (!p.causal && !general_kernels(p)) return run_bwd_passes<Plain>(p, args, ws, base);
-  } else {
-    static_assert(Plain::kBlockM == Shared::kBlockM && Plain::kDQFragThreads == Shared::kDQFragThreads);
-  }
-  run_bwd_passes<Shared>(p, args, ws, base);
 }
 
 }  // namespace flash3::detail

@@ -34,7 +34,8 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
                                                      typename Traits::Element* smem_k, OnKV const& on_kv_in_regs) {
   using Element = typename Traits::Element;
   using PipelineState = typename Traits::PipelineState;
-  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  using TileQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
   using TileSt = Shape<Int<kBlockN>, Int<kBlockM>>;
   Tensor sQ = make_tensor(make_smem_ptr(shared.smem_q.data()), typename Traits::SmemLayoutQ{});
   Tensor sdO = make_tensor(make_smem_ptr(shared.smem_do.data()), typename Traits::SmemLayoutdO{});
@@ -69,19 +70,12 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
   Tensor tdPrdO = thr_sdp_wg.partition_fragment_B(sdO);    // (MMA, N, K, stage)
   Tensor tdVrdOt = thr_dkv_wg.partition_fragment_B(sdOt);  // (MMA, N, K, stage)
   Tensor tdKrQt = thr_dkv_wg.partition_fragment_B(sQt);    // (MMA, N, K, stage)
-  // dQ = dS K: dS the A operand, K^T the B operand; swapped (kDQSwapAB), dQ^T = K^T dS^T.
-  auto tdQrdS = [&] {
-    if constexpr (Traits::kDQSwapAB) return thr_dq_wg.partition_fragment_B(sdSView);  // (MMA, N, K, dS stage)
-    else return thr_dq_wg.partition_fragment_A(sdSView);                              // (MMA, M, K, dS stage)
-  }();
-  auto tdQrKt = [&] {
-    if constexpr (Traits::kDQSwapAB) return thr_dq_wg.partition_fragment_A(sKt);
-    else return thr_dq_wg.partition_fragment_B(sKt);
-  }();
+  Tensor tdQrdS = thr_dq_wg.partition_fragment_A(sdSView);  // (MMA, M, K, dS stage)
+  Tensor tdQrKt = thr_dq_wg.partition_fragment_B(sKt);
 
   Tensor tSrS = partition_fragment_C(mma_sdp, TileSt{});
   Tensor tdPrdP = partition_fragment_C(mma_sdp, TileSt{});
-  Tensor tdQrdQ = partition_fragment_C(mma_dq, typename Traits::TileDQ{});
+  Tensor tdQrdQ = partition_fragment_C(mma_dq, TileQ{});
   Tensor tScS = thr_sdp.partition_C(make_identity_tensor(TileSt{}));
   // P^T and dS^T in 16 bits, as the A operands (registers) of the dV and dK GEMMs.
   Tensor tPrP = make_tensor<Element>(acc_layout_as_a_operand(tSrS.layout()));
@@ -181,39 +175,27 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
   // GEMM no longer waits behind this warpgroup's dV issue, which stalls while the tensor pipe is
   // busy (docs/perf-log.md B49: +1-3% at head dim 64; the same order at head dim 128, where both
   // warpgroups meet at the barrier, measured 1-5% slower).
-  auto gemm_dq = [&](int ds_stage) __attribute__((always_inline)) {
-    if constexpr (Traits::kDQSwapAB) {
-      gemm(cute::true_type{}, mma_dq, tdQrKt, tdQrdS(_, _, _, ds_stage), tdQrdQ);
-    } else {
-      gemm(cute::true_type{}, mma_dq, tdQrdS(_, _, _, ds_stage), tdQrKt, tdQrdQ);
-    }
-  };
   auto store_ds = [&](int ds_stage) __attribute__((always_inline)) {
     convert_into<Element>(tdPrdP, tPrdS);
     copy(smem_copy_ds, thr_copy_ds.retile_S(tdSrdS), tdSsdS(_, _, _, ds_stage));
     cutlass::arch::fence_view_async_shared();  // stmatrix -> WGMMA (async proxy)
   };
-  // kDQSwapAB (80 query rows) also stores dS^T first (its FP32 registers free before dV is
-  // issued), and waits for dV to complete before it issues dK (P^T's registers free): with dS^T
-  // in FP32 beside P^T, dV, dQ^T and dK in flight, ptxas serialized the WGMMAs (C7512).
-  constexpr bool kDSFirst = Traits::kDQAlternate || Traits::kDQSwapAB;
   auto issue_grads = [&](int i, bool mine, int stage_q, int stage_do) __attribute__((always_inline)) {
     const int ds_stage = i % Traits::kDSStages;
-    if constexpr (kDSFirst) store_ds(ds_stage);
     if constexpr (Traits::kDQAlternate) {
+      store_ds(ds_stage);
       if (!mine) named_barrier_arrive(Traits::kNumConsumerThreads, kBwdBarPReady + (i & 1));
     }
     gemm(cute::false_type{}, mma_dkv, tPrP, tdVrdOt(_, _, _, stage_do), tdVrdV);  // last read of dO_m
     if constexpr (Traits::kDQAlternate) {
       if (mine) {
         named_barrier_sync(Traits::kNumConsumerThreads, kBwdBarPReady + (i & 1));
-        gemm_dq(ds_stage);
+        gemm(cute::true_type{}, mma_dq, tdQrdS(_, _, _, ds_stage), tdQrKt, tdQrdQ);
       }
     } else {
-      if constexpr (!kDSFirst) store_ds(ds_stage);
+      store_ds(ds_stage);
       named_barrier_sync(Traits::kNumConsumerThreads, kBwdBarPReady);
-      gemm_dq(ds_stage);
-      if constexpr (Traits::kDQSwapAB) warpgroup_wait<1>();  // dV
+      gemm(cute::true_type{}, mma_dq, tdQrdS(_, _, _, ds_stage), tdQrKt, tdQrdQ);
     }
     gemm(cute::false_type{}, mma_dkv, tPrdS, tdKrQt(_, _, _, stage_q), tdKrdK);  // last read of Q_m
   };

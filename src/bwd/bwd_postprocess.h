@@ -61,7 +61,7 @@ __global__ void __launch_bounds__(256) bwd_postprocess_dq(const BwdAuxParams p) 
   typename Traits::TiledMmadQ mma;
   const int t = bwd_dq_frag_thread<Traits>(threadIdx.x);
   auto thr = mma.get_thread_slice(t);
-  Tensor coords = thr.partition_C(make_identity_tensor(typename Traits::TileDQ{}));  // (row, col) of dQ or dQ^T
+  Tensor coords = thr.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   const int64_t tile_at = (aux_q_row0<kBlockM>(p, batch, head) / kBlockM + m) * p.dq_groups;
   // (bwd_store_dq's order: the thread's values 4q .. 4q + 3 at float4 index q * kFrag + t.)
   const float4* tile = reinterpret_cast<const float4*>(p.dq_accum + tile_at * kBlockM * kHeadDim);
@@ -91,12 +91,7 @@ __global__ void __launch_bounds__(256) bwd_postprocess_dq(const BwdAuxParams p) 
     CUTLASS_PRAGMA_UNROLL
     for (int j = 0; j < kPairs; ++j) {
       const int r = get<0>(coords(2 * (kJ0 + j))), c = get<1>(coords(2 * (kJ0 + j)));
-      if constexpr (Traits::kDQSwapAB) {  // dQ^T: the pair is (d r, queries c, c + 1)
-        tile_s[c * kStride + r] = v[j].x;
-        tile_s[(c + 1) * kStride + r] = v[j].y;
-      } else {
-        *reinterpret_cast<float2*>(tile_s + r * kStride + c) = v[j];
-      }
+      *reinterpret_cast<float2*>(tile_s + r * kStride + c) = v[j];
     }
   };
   if (j0 == 0) {

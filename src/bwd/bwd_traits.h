@@ -35,7 +35,7 @@ struct BwdSecondK<Element, 0> {};
 template <class Element_, int kHeadDim_, bool kCausal_, bool kGeneral_ = false, bool kSoftcap_ = false>
 struct BwdTraits {
   using Element = Element_;
-  using Config = BwdKernelConfig<kHeadDim_, kCausal_, kGeneral_>;
+  using Config = BwdTileConfig<kHeadDim_>;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = Config::kBlockM;
   static constexpr int kBlockN = Config::kBlockN;
@@ -115,25 +115,14 @@ struct BwdTraits {
   // kDQAlternate (swapped, kBlockM = 64): dQ_m computed whole by one warpgroup, 0 for even
   // visits and 1 for odd ones (m64n64 atoms), the other warpgroup going on without waiting for
   // it; otherwise both warpgroups split it along the head dim (m64n(d/2) atoms).
-  // kDQSwapAB (kBlockM = 80, bwd_config.h): dQ^T = K^T dS^T as (d, kBlockM), split along the
-  // head dim; K^T and dS^T (the dS^T tile read as stored) both MN-major.
   static constexpr bool kDQAlternate = Config::kDQAlternate;
-  static constexpr bool kDQSwapAB = Config::kDQSwapAB;
   static_assert(!kDQAlternate || (kSdPSwapAB && kBlockM == 64));
-  static_assert(!kDQSwapAB || (kSdPSwapAB && !kDQAlternate && kHeadDim == 128));
-  using TiledMmadQ = conditional_t<
-      kDQSwapAB,
-      decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockM>, Int<kBlockN>>,
-                                                   GMMA::Major::MN, GMMA::Major::MN>(),
-                              Layout<Shape<_2, _1, _1>>{})),
-      decltype(make_tiled_mma(
-          GMMA::ss_op_selector<Element, Element, float,
-                               conditional_t<kDQAlternate, Shape<_64, Int<kHeadDim>, Int<kBlockN>>,
-                                             AtomTile<kBlockM, kHeadDim, kBlockN>>,
-                               kSdPSwapAB ? GMMA::Major::MN : GMMA::Major::K, GMMA::Major::MN>(),
-          conditional_t<kDQAlternate, Layout<Shape<_1, _1, _1>>, Split<kBlockM, kHeadDim>>{}))>;
-  // The dQ GEMM's tile: (kBlockM, d), or (d, kBlockM) where swapped.
-  using TileDQ = conditional_t<kDQSwapAB, Shape<Int<kHeadDim>, Int<kBlockM>>, Shape<Int<kBlockM>, Int<kHeadDim>>>;
+  using TiledMmadQ = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float,
+                           conditional_t<kDQAlternate, Shape<_64, Int<kHeadDim>, Int<kBlockN>>,
+                                         AtomTile<kBlockM, kHeadDim, kBlockN>>,
+                           kSdPSwapAB ? GMMA::Major::MN : GMMA::Major::K, GMMA::Major::MN>(),
+      conditional_t<kDQAlternate, Layout<Shape<_1, _1, _1>>, Split<kBlockM, kHeadDim>>{}));
   // Threads holding one dQ tile's accumulators (the dQ GEMM's), and the dQ hand-off barriers'
   // thread count (they and one writer warp).
   static constexpr int kDQFragThreads = kDQAlternate ? 128 : kNumConsumerThreads;
@@ -162,11 +151,9 @@ struct BwdTraits {
   // Swapped: dS^T stored row-major as (kBlockN, kBlockM, stage), two stages (so that a
   // warpgroup may store block m+1's dS^T while the other's dQ GEMM of block m still reads it),
   // and viewed as dS (kBlockM, kBlockN, stage) by the dQ GEMM.
-  // Rows of kBlockM = 80 elements (160 bytes) take the 32-byte swizzle.
   static constexpr int kDSStages = 2;
-  using SmemAtomdSt = conditional_t<kBlockM % 64 == 0, SmemAtom, GMMA::Layout_K_SW32_Atom<Element>>;
   using SmemLayoutdStStore =
-      decltype(tile_to_shape(SmemAtomdSt{}, Shape<Int<kBlockN>, Int<kBlockM>, Int<kDSStages>>{}));
+      decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kBlockM>, Int<kDSStages>>{}));
   using SmemLayoutdSView = decltype(composition(
       SmemLayoutdStStore{},
       make_ordered_layout(Shape<Int<kBlockM>, Int<kBlockN>, Int<kDSStages>>{}, Step<_2, _1, _3>{})));
