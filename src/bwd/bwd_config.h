@@ -41,9 +41,10 @@
 // spill, the loop with softcap tested at each use ran 2-3% slower than without it (varlen 8 x 2k
 // +2.2-2.4%, window 4096 of 16k +3.2%, docs/perf-log.md W12); the cost is two more kernels per
 // dtype to build.
-// kTmaEpilogue: dK, dV (MHA) leave through two TMA stores from shared memory instead of
-// row-by-row stores (bwd_store_dkdv_tma, docs/perf-log.md B56, B57): head dim 64 +1-4%, 128
-// non-causal +0-4%, causal even; at 256 2-3% slower at non-causal 512-4k, so off there.
+// kTmaEpilogueCausal, kTmaEpilogueNonCausal: dK, dV (MHA) leave through two TMA stores from
+// shared memory instead of row-by-row stores (bwd_store_dkdv_tma, docs/perf-log.md B56, B57): head
+// dim 64 +1-4%, 128 non-causal +0-4%, causal even; at 256 2-3% slower at non-causal 512-4k, so
+// off there, but +2.0 / +1.1 / +0.5% at causal 512 / 1k / 2k (B106), where most blocks are short.
 //
 //   head dim | kBlockM | kBlockN | stages | dQ stages | swapped | regs (dK+dV, S+dP, dQ) | smem
 //   ---------+---------+---------+--------+-----------+---------+------------------------+-------
@@ -69,21 +70,24 @@ struct BwdTileConfig;
 template <> struct BwdTileConfig<64> {
   static constexpr int kBlockM = 64, kBlockN = 128, kStages = 3, kDQStages = 4;
   static constexpr bool kSdPSwapAB = true, kKVInRegs = true, kDQAlternate = true, kSpreadVisits = false;
-  static constexpr bool kPersistentCausal = true, kPersistentNonCausal = true, kTmaEpilogue = true;
+  static constexpr bool kPersistentCausal = true, kPersistentNonCausal = true;
+  static constexpr bool kTmaEpilogueCausal = true, kTmaEpilogueNonCausal = true;
   static constexpr bool kSoftcapOwnLoop = true, kSoftcapOwnKernel = false;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
 };
 template <> struct BwdTileConfig<128> {
   static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2, kDQStages = 2;
   static constexpr bool kSdPSwapAB = true, kKVInRegs = false, kDQAlternate = false, kSpreadVisits = false;
-  static constexpr bool kPersistentCausal = false, kPersistentNonCausal = false, kTmaEpilogue = true;
+  static constexpr bool kPersistentCausal = false, kPersistentNonCausal = false;
+  static constexpr bool kTmaEpilogueCausal = true, kTmaEpilogueNonCausal = true;
   static constexpr bool kSoftcapOwnLoop = false, kSoftcapOwnKernel = true;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
 };
 template <> struct BwdTileConfig<256> {
   static constexpr int kBlockM = 64, kBlockN = 64, kStages = 1, kDQStages = 1;
   static constexpr bool kSdPSwapAB = false, kKVInRegs = false, kDQAlternate = false, kSpreadVisits = true;
-  static constexpr bool kPersistentCausal = false, kPersistentNonCausal = false, kTmaEpilogue = false;
+  static constexpr bool kPersistentCausal = false, kPersistentNonCausal = false;
+  static constexpr bool kTmaEpilogueCausal = true, kTmaEpilogueNonCausal = false;
   static constexpr bool kSoftcapOwnLoop = false, kSoftcapOwnKernel = false;  // not swapped (bwd_mainloop_ss.h)
   static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
 };
@@ -198,6 +202,7 @@ struct BwdWorkspaceLayout {
   size_t lse_log2 = 0, dpsum = 0, dq_accum = 0, dq_sem = 0, dq_done = 0, dk_accum = 0, dv_accum = 0;  // offsets
   size_t bytes = 0;
   int dkv_heads = 0;       // GQA: heads of dk_accum, dv_accum (nheads_kv: atomic adds; nheads)
+  int64_t dkv_rows = 0;    // GQA: rows of dk_accum (and of dv_accum), all heads
   bool dkv_add = false;    // GQA, default mode: query heads add into their kv head's (dkv_heads = nheads_kv)
   size_t dkv_bytes = 0;    // from dk_accum to the end of dv_accum (zeroed where the adds are atomic)
 
@@ -239,7 +244,7 @@ struct BwdWorkspaceLayout {
     if (gqa) {
       dkv_heads = deterministic ? nheads : nheads_kv;
       dkv_add = !deterministic;
-      const int64_t dkv_rows = k_rows / nheads * dkv_heads;
+      dkv_rows = k_rows / nheads * dkv_heads;
       dk_accum = take(sizeof(float) * dkv_rows * head_dim);
       dv_accum = take(sizeof(float) * dkv_rows * head_dim);
       dkv_bytes = at - dk_accum;

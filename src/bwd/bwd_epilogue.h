@@ -84,6 +84,50 @@ __device__ __forceinline__ void bwd_store_dkdv(typename Traits::Params const& pa
   }
 }
 
+// GQA, default mode (Traits::kTmaAddKV, dkv_add_tma): dK (unscaled: bwd_postprocess_dkv scales
+// the sum) and dV of one block of work
+// added into the kv head's FP32 buffers from row `row` on (bwd_kv_row0 + the block's first key;
+// whole tiles: padding rows get zeros) by two TMA reduce-adds from the staging tiles sdk_stage,
+// sdv_stage (SmemLayoutAccKV), instead of one atomic add per pair of values from the registers.
+// (One block per item: the caller waits for the reads before the block exits.)
+// NOTES: the 128-byte swizzle of the FP32 tiles puts the 8 rows of a warp's pair stores in 8
+// different 16-byte chunks of the 128-byte bank window (two wavefronts per 256 bytes).
+template <class Traits, class AccKV>
+__device__ __forceinline__ void bwd_add_dkdv_tma(typename Traits::Params const& params, AccKV& tdKrdK,
+                                                 AccKV& tdVrdV, int tidx, int row, float* sdk_stage,
+                                                 float* sdv_stage) {
+  constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  using TileKV = Shape<Int<kBlockN>, Int<kHeadDim>>;
+  warpgroup_fence_operand(tdKrdK);
+  warpgroup_fence_operand(tdVrdV);
+  Tensor sdK = make_tensor(make_smem_ptr(sdk_stage), typename Traits::SmemLayoutAccKV{});
+  Tensor sdV = make_tensor(make_smem_ptr(sdv_stage), typename Traits::SmemLayoutAccKV{});
+  typename Traits::TiledMmadKV mma_dkv;
+  Tensor tdKcdK = mma_dkv.get_thread_slice(tidx).partition_C(make_identity_tensor(TileKV{}));
+  static_assert(!Traits::kPersistent);
+  named_barrier_sync(Traits::kNumConsumerThreads, kBwdBarEpilogue);  // the staging tiles are free
+  CUTLASS_PRAGMA_UNROLL
+  for (int j = 0; j < size(tdKrdK) / 2; ++j) {
+    const int r = get<0>(tdKcdK(2 * j)), c = get<1>(tdKcdK(2 * j));
+    *reinterpret_cast<float2*>(&sdK(r, c)) = make_float2(tdKrdK(2 * j), tdKrdK(2 * j + 1));
+    *reinterpret_cast<float2*>(&sdV(r, c)) = make_float2(tdVrdV(2 * j), tdVrdV(2 * j + 1));
+  }
+  cutlass::arch::fence_view_async_shared();  // st.shared -> TMA (async proxy)
+  named_barrier_sync(Traits::kNumConsumerThreads, kBwdBarEpilogue);
+  if (tidx == 0) {
+    auto shape = make_shape(params.dkv_rows, Int<kHeadDim>{});
+    Tensor gdK = local_tile(domain_offset(make_coord(row, _0{}), params.tma_dk_add.get_tma_tensor(shape)), TileKV{},
+                            make_coord(_0{}, _0{}));
+    Tensor gdV = local_tile(domain_offset(make_coord(row, _0{}), params.tma_dv_add.get_tma_tensor(shape)), TileKV{},
+                            make_coord(_0{}, _0{}));
+    auto dk_parts = tma_partition(params.tma_dk_add, group_modes<0, 2>(sdK), group_modes<0, 2>(gdK));
+    auto dv_parts = tma_partition(params.tma_dv_add, group_modes<0, 2>(sdV), group_modes<0, 2>(gdV));
+    copy(params.tma_dk_add, get<1>(dk_parts), get<0>(dk_parts));
+    copy(params.tma_dv_add, get<1>(dv_parts), get<0>(dv_parts));
+    tma_store_arrive();
+  }
+}
+
 // Whether key block n_block of batch entry `batch` may leave by TMA stores (dkv_tma): always with
 // fixed lengths; with variable lengths where its kBlockN rows all lie in the sequence.
 template <class Traits>

@@ -102,6 +102,17 @@ __device__ __forceinline__ void bwd_consume(typename Traits::Params const& param
         return;
       }
     }
+    if constexpr (Traits::kTmaAddKV) {
+      if (params.dkv_add_tma) {
+        // GQA, default mode: added by TMA from the Q, dO and K, V buffers (all read by now).
+        bwd_add_dkdv_tma<Traits>(params, tdKrdK, tdVrdV, tidx,
+                                 int(bwd_kv_row0<Traits>(params, it.batch, it.head_kv)) + col0,
+                                 reinterpret_cast<float*>(shared.smem_q.data()),
+                                 reinterpret_cast<float*>(shared.smem_k.data()));
+        if (tidx == 0) tma_store_wait<0>();
+        return;
+      }
+    }
     bwd_store_dkdv<Traits>(params, tdKrdK, tdVrdV, tidx, col0, it.head_kv, it.batch, it.bh, shared.smem_q.data(),
                            shared.smem_do.data());
   } else {

@@ -91,6 +91,14 @@ void launch_bwd_main(const BwdProblem& p, const BwdArgs& args_in, const BwdWorks
     params.tma_dv = Traits::make_tma_dkv_store(static_cast<Element*>(args.dv.data), qkv_layout(args.dv));
     params.dkv_tma = 1;
   }
+  // GQA, default mode: dK, dV added by TMA (bwd_add_dkdv_tma) where the kernel has the staging
+  // room (kTmaAddKV); else by atomic adds (bwd_store_dkdv).
+  if (Traits::kTmaAddKV && gqa && ws.dkv_add) {
+    params.dkv_rows = int32_t(ws.dkv_rows);
+    params.tma_dk_add = Traits::make_tma_dkv_add(reinterpret_cast<float*>(base + ws.dk_accum), params.dkv_rows);
+    params.tma_dv_add = Traits::make_tma_dkv_add(reinterpret_cast<float*>(base + ws.dv_accum), params.dkv_rows);
+    params.dkv_add_tma = 1;
+  }
   constexpr int kSmem = Traits::kSmemBytes;
   int64_t blocks = int64_t(ws.n_blocks) * p.nheads * p.batch;
   if (p.varlen) {

@@ -196,6 +196,10 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
       store_ds(ds_stage);
       named_barrier_sync(Traits::kNumConsumerThreads, kBwdBarPReady);
       gemm(cute::true_type{}, mma_dq, tdQrdS(_, _, _, ds_stage), tdQrKt, tdQrdQ);
+      // Default kernels: dV complete before dK is issued (FlashAttention-3's order; measured
+      // +1.2% at 8k-16k without a mask, up to +1.8% on the GQA shapes; the general kernels lost
+      // 1-1.5% with it: docs/perf-log.md B105).
+      if constexpr (!Traits::kGeneral) warpgroup_wait<1>();
     }
     gemm(cute::false_type{}, mma_dkv, tPrdS, tdKrQt(_, _, _, stage_q), tdKrdK);  // last read of Q_m
   };
@@ -219,7 +223,7 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
       compute_ds(read_do.index(), softcap);
       const bool mine = !Traits::kDQAlternate || (i & 1) == tidx / 128;  // this warpgroup computes dQ_m
       issue_grads(i, mine, read_q.index(), read_do.index());
-      warpgroup_wait<1>();  // dV and (if mine) dQ_m
+      warpgroup_wait<1>();  // dV and (if mine) dQ_m (dV already, where waited for in issue_grads)
       pipeline_do.consumer_release(read_do);
       if (mine) bwd_store_dq<Traits>(shared, tdQrdQ, i, tidx);
       warpgroup_wait<0>();  // dK

@@ -55,7 +55,7 @@ struct BwdTraits {
   // soon as the consumers have copied theirs into registers (bwd_load.h).
   static constexpr bool kEarlyKV = kPersistent && Config::kKVInRegs;
   // dK, dV of MHA problems out by TMA stores (bwd_store_dkdv_tma), where bwd_config.h says so.
-  static constexpr bool kTmaEpilogue = Config::kTmaEpilogue;
+  static constexpr bool kTmaEpilogue = kCausal_ ? Config::kTmaEpilogueCausal : Config::kTmaEpilogueNonCausal;
 
   // Warpgroup 0: warp 0 is the producer (TMA), warps 1.. the dQ writers; warpgroups 1 and 2 are the
   // consumers, which split every GEMM between them.
@@ -176,9 +176,30 @@ struct BwdTraits {
     return make_tma_copy(SM90_TMA_STORE{}, make_tensor(make_gmem_ptr(ptr), layout), SmemLayoutK{},
                          Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
   }
+  // kTmaAddKV (GQA, default mode): dK, dV added into the kv head's FP32 buffers (rows, d) by TMA
+  // reduce-adds from FP32 staging tiles with the 128-byte swizzle (bwd_add_dkdv_tma); dK's staged
+  // in the Q and dO buffers, dV's in the K and V buffers, each kBlockN x d x 4 bytes. Not in the
+  // persistent kernels, whose Q, dO and K, V buffers already hold the next item's tiles.
+  using SmemLayoutAccKV =
+      decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  using LayoutAccKV = Layout<Shape<int32_t, Int<kHeadDim>>, Stride<int64_t, _1>>;
+  static auto make_tma_dkv_add(float* ptr, int32_t rows) {
+    return make_tma_copy(SM90_TMA_REDUCE_ADD{},
+                         make_tensor(make_gmem_ptr(ptr), LayoutAccKV{make_shape(rows, Int<kHeadDim>{}),
+                                                                      make_stride(int64_t(kHeadDim), _1{})}),
+                         SmemLayoutAccKV{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
+  }
+  // (The Q and dO buffers, and the K and V buffers, are adjacent: their sizes are multiples of
+  // their 1024-byte alignment.)
+  static constexpr bool kTmaAddKV =
+      !kPersistent && cosize_v<SmemLayoutQ> * sizeof(Element) % 1024 == 0 &&
+      cosize_v<SmemLayoutK> * sizeof(Element) % 1024 == 0 &&
+      cosize_v<SmemLayoutAccKV> * sizeof(float) <= 2 * cosize_v<SmemLayoutQ> * sizeof(Element) &&
+      cosize_v<SmemLayoutAccKV> * sizeof(float) <= 2 * cosize_v<SmemLayoutK> * sizeof(Element);
   using TmaQ = decltype(make_tma_q(nullptr, LayoutQKV{}));
   using TmaKV = decltype(make_tma_kv(nullptr, LayoutQKV{}));
   using TmaStoreKV = decltype(make_tma_dkv_store(nullptr, LayoutQKV{}));
+  using TmaAddKV = decltype(make_tma_dkv_add(nullptr, 0));
 
   // One stage: a Q (or dO) tile plus its kBlockM log-sum-exps (or D values).
   static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element) + kBlockM * sizeof(float);
@@ -229,6 +250,9 @@ struct BwdTraits {
     int num_items = 0;            // kPersistent: key blocks x heads x batch
     TmaStoreKV tma_dk{}, tma_dv{};  // kTmaEpilogue, MHA: dK, dV out by TMA (bwd_store_dkdv_tma) ...
     int dkv_tma = 0;                // ... where set
+    TmaAddKV tma_dk_add{}, tma_dv_add{};  // kTmaAddKV, GQA default mode: dK, dV added by TMA ...
+    int dkv_add_tma = 0;                  // ... where set, into buffers of dkv_rows rows
+    int32_t dkv_rows = 0;
     int late_request = 0;           // kEarlyKV: the next item asked for after the last load (bwd_launch.h)
     int* dq_done = nullptr;         // per pair: writers done (bwd_config.h), for the postprocess; or null
     // Variable lengths (general kernels): packed sides' workspace rows per head (bwd_ws_row), and
