@@ -334,6 +334,8 @@ TEST(BwdWorkspace, PartsAreAlignedDisjointAndLargeEnough) {
               const size_t heads = det ? nheads : nheads_kv;
               EXPECT_EQ(ws.dkv_heads, int(heads));
               const size_t bytes = 4 * batch * heads * ws.seqlen_k_pad * d;
+              // The TMA reduce-adds' maps span dkv_rows rows of d floats (bwd_add_dkdv_tma).
+              EXPECT_EQ(size_t(ws.dkv_rows) * d * 4, bytes);
               parts.emplace_back(ws.dk_accum, bytes);
               parts.emplace_back(ws.dv_accum, bytes);
               EXPECT_GE(ws.dk_accum + ws.dkv_bytes, ws.dv_accum + bytes);  // the zeroed range covers both
