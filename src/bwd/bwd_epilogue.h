@@ -85,11 +85,11 @@ __device__ __forceinline__ void bwd_store_dkdv(typename Traits::Params const& pa
 }
 
 // GQA, default mode (Traits::kTmaAddKV, dkv_add_tma): dK (unscaled: bwd_postprocess_dkv scales
-// the sum) and dV of one block of work
-// added into the kv head's FP32 buffers from row `row` on (bwd_kv_row0 + the block's first key;
-// whole tiles: padding rows get zeros) by two TMA reduce-adds from the staging tiles sdk_stage,
-// sdv_stage (SmemLayoutAccKV), instead of one atomic add per pair of values from the registers.
-// (One block per item: the caller waits for the reads before the block exits.)
+// the sum) and dV of one block of work added into the kv head's FP32 buffers from row `row` on
+// (bwd_kv_row0 + the block's first key; whole tiles: padding rows get zeros) by two TMA
+// reduce-adds from the staging tiles sdk_stage, sdv_stage (SmemLayoutAccKV), instead of one
+// atomic add per pair of values from the registers. (One block per item: the caller waits for
+// the reads before the block exits.)
 // NOTES: the 128-byte swizzle of the FP32 tiles puts the 8 rows of a warp's pair stores in 8
 // different 16-byte chunks of the 128-byte bank window (two wavefronts per 256 bytes).
 template <class Traits, class AccKV>

@@ -92,8 +92,9 @@ void launch_bwd_main(const BwdProblem& p, const BwdArgs& args_in, const BwdWorks
     params.dkv_tma = 1;
   }
   // GQA, default mode: dK, dV added by TMA (bwd_add_dkdv_tma) where the kernel has the staging
-  // room (kTmaAddKV); else by atomic adds (bwd_store_dkdv).
-  if (Traits::kTmaAddKV && gqa && ws.dkv_add) {
+  // room (kTmaAddKV) and the buffers' rows fit the maps' 32-bit coordinates; else by atomic adds
+  // (bwd_store_dkdv).
+  if (Traits::kTmaAddKV && gqa && ws.dkv_add && ws.dkv_rows < (int64_t(1) << 31)) {
     params.dkv_rows = int32_t(ws.dkv_rows);
     params.tma_dk_add = Traits::make_tma_dkv_add(reinterpret_cast<float*>(base + ws.dk_accum), params.dkv_rows);
     params.tma_dv_add = Traits::make_tma_dkv_add(reinterpret_cast<float*>(base + ws.dv_accum), params.dkv_rows);
