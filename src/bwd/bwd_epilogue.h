@@ -1,6 +1,7 @@
 // flash3: the backward's epilogue (Algorithm 3, line 16 of the FlashAttention-3 paper): dK_j
-// (scaled) and dV_j of one item out of the consumers' registers, to the outputs (MHA) or to FP32
-// per-query-head buffers (GQA/MQA, summed by bwd_postprocess_dkv).
+// (scaled) and dV_j of one item out of the consumers' registers, to the outputs (MHA) or to the
+// FP32 buffers of GQA/MQA (added per kv head, or per query head in the deterministic mode;
+// converted by bwd_postprocess_dkv).
 #pragma once
 
 #include "bwd/bwd_traits.h"
