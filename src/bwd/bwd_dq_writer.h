@@ -29,7 +29,10 @@ template <class Traits, class AccQ>
 __device__ __forceinline__ void bwd_store_dq(typename Traits::SharedStorage& shared, AccQ const& tdQrdQ, int i,
                                              int tidx) {
   const int buf = i % Traits::kDQStages;
-  if (i >= Traits::kDQStages) named_barrier_sync(Traits::kDQBarThreads, kBwdBarDQEmpty + buf);
+  if (i >= Traits::kDQStages) {
+    const int wg = Traits::kDQEmptyPerWG ? tidx / 128 : 0;
+    named_barrier_sync(Traits::kDQEmptyThreads, kBwdBarDQEmpty + wg * Traits::kDQStages + buf);
+  }
   float4* dq_tile = reinterpret_cast<float4*>(shared.smem_dq + buf * Traits::kDQElems);
   static_assert(decltype(size(tdQrdQ))::value % 4 == 0);
   CUTLASS_PRAGMA_UNROLL
@@ -130,7 +133,11 @@ __device__ __forceinline__ void bwd_dq_writer(typename Traits::Params const& par
       asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // smem read
     }
     __syncwarp();
-    if (kContinued || i + Traits::kDQStages < g_end) named_barrier_arrive(Traits::kDQBarThreads, kBwdBarDQEmpty + buf);
+    if (kContinued || i + Traits::kDQStages < g_end) {
+      named_barrier_arrive(Traits::kDQEmptyThreads, kBwdBarDQEmpty + buf);
+      if constexpr (Traits::kDQEmptyPerWG)
+        named_barrier_arrive(Traits::kDQEmptyThreads, kBwdBarDQEmpty + Traits::kDQStages + buf);
+    }
     if (sem != nullptr && lane == 0 && (params.dq_ordered || turn == turn0)) bwd_count_bulk_done(sem + m * groups);
     __syncwarp();
   }

@@ -180,7 +180,11 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
     copy(smem_copy_ds, thr_copy_ds.retile_S(tdSrdS), tdSsdS(_, _, _, ds_stage));
     cutlass::arch::fence_view_async_shared();  // stmatrix -> WGMMA (async proxy)
   };
-  auto issue_grads = [&](int i, bool mine, int stage_q, int stage_do) __attribute__((always_inline)) {
+  // Default kernels without dQ turns: dO is released as soon as dV is complete, before dK runs
+  // (FlashAttention-3's release point; +0.2%, docs/perf-log.md B109).
+  constexpr bool kEarlyReleaseDo = !Traits::kDQAlternate && !Traits::kGeneral;
+  auto issue_grads = [&](int i, bool mine, int stage_q, PipelineState const& rdo) __attribute__((always_inline)) {
+    const int stage_do = rdo.index();
     const int ds_stage = i % Traits::kDSStages;
     if constexpr (Traits::kDQAlternate) {
       store_ds(ds_stage);
@@ -200,6 +204,7 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
       // +1.2% at 8k-16k without a mask, up to +1.8% on the GQA shapes; the general kernels lost
       // 1-1.5% with it: docs/perf-log.md B105).
       if constexpr (!Traits::kGeneral) warpgroup_wait<1>();
+      if constexpr (kEarlyReleaseDo) pipeline_do.consumer_release(rdo);
     }
     gemm(cute::false_type{}, mma_dkv, tPrdS, tdKrQt(_, _, _, stage_q), tdKrdK);  // last read of Q_m
   };
@@ -222,9 +227,9 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
       warpgroup_wait<0>();  // dP^T
       compute_ds(read_do.index(), softcap);
       const bool mine = !Traits::kDQAlternate || (i & 1) == tidx / 128;  // this warpgroup computes dQ_m
-      issue_grads(i, mine, read_q.index(), read_do.index());
+      issue_grads(i, mine, read_q.index(), read_do);
       warpgroup_wait<1>();  // dV and (if mine) dQ_m (dV already, where waited for in issue_grads)
-      pipeline_do.consumer_release(read_do);
+      if constexpr (!kEarlyReleaseDo) pipeline_do.consumer_release(read_do);
       if (mine) bwd_store_dq<Traits>(shared, tdQrdQ, i, tidx);
       warpgroup_wait<0>();  // dK
       pipeline_q.consumer_release(read_q);

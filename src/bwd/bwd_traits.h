@@ -15,7 +15,8 @@ namespace flash3::detail {
 using namespace cute;
 
 // Named barriers of the backward kernel (id 0 is __syncthreads).
-// dQ buffer b uses kBwdBarDQFull + b and kBwdBarDQEmpty + b.
+// dQ buffer b uses kBwdBarDQFull + b and kBwdBarDQEmpty + b (and, with kDQEmptyPerWG, the second
+// warpgroup's kBwdBarDQEmpty + kDQStages + b; at most 4 empty barriers in all).
 enum : int { kBwdBarPReady = 1, kBwdBarPFree = 2, kBwdBarDQFull = 3, kBwdBarDQEmpty = 7,  // up to 4 dQ buffers
              kBwdBarEpilogue = 11 };
 
@@ -127,6 +128,13 @@ struct BwdTraits {
   // thread count (they and one writer warp).
   static constexpr int kDQFragThreads = kDQAlternate ? 128 : kNumConsumerThreads;
   static constexpr int kDQBarThreads = kDQFragThreads + 32;
+  // Where both warpgroups hold a dQ tile, each waits for a buffer's release on a barrier of its
+  // own (its 128 threads and the writer warp), so that neither waits there for the other:
+  // buffer b's are kBwdBarDQEmpty + b and kBwdBarDQEmpty + kDQStages + b. Without a causal mask
+  // only: +1-5% there (head dim 128), while the causal kernels lost up to 1.8% with it (one
+  // spilled register in the default one; docs/perf-log.md B108).
+  static constexpr bool kDQEmptyPerWG = !kDQAlternate && !kCausal;
+  static constexpr int kDQEmptyThreads = kDQEmptyPerWG ? 128 + 32 : kDQBarThreads;
 
   // ---- shared memory: row-major tiles with the 128-byte swizzle -----------------------------
   using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;
@@ -214,6 +222,7 @@ struct BwdTraits {
   static constexpr int kDQWriters = 2;
   static constexpr int kDQFullBars = kDQStages > kDQWriters ? kDQStages : kDQWriters;
   static_assert(kDQStages >= 1 && kDQStages <= 4 && (kDQStages == 1 || kDQStages % kDQWriters == 0));
+  static_assert(!kDQEmptyPerWG || kDQStages <= 2, "two empty barriers per dQ buffer: ids 7-10");
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = typename cutlass::PipelineState<kStages>;
