@@ -186,11 +186,8 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
   auto issue_grads = [&](int i, bool mine, int stage_q, PipelineState const& rdo) __attribute__((always_inline)) {
     const int stage_do = rdo.index();
     const int ds_stage = i % Traits::kDSStages;
-    // Default kernels: dS^T stored before dV is issued, as FA3 (B22, B49 measured it slower
-    // before dV was waited for ahead of dK).
-    constexpr bool kDSFirst = Traits::kDQAlternate || !Traits::kGeneral;
-    if constexpr (kDSFirst) store_ds(ds_stage);
     if constexpr (Traits::kDQAlternate) {
+      store_ds(ds_stage);
       if (!mine) named_barrier_arrive(Traits::kNumConsumerThreads, kBwdBarPReady + (i & 1));
     }
     gemm(cute::false_type{}, mma_dkv, tPrP, tdVrdOt(_, _, _, stage_do), tdVrdV);  // last read of dO_m
@@ -200,7 +197,7 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
         gemm(cute::true_type{}, mma_dq, tdQrdS(_, _, _, ds_stage), tdQrKt, tdQrdQ);
       }
     } else {
-      if constexpr (!kDSFirst) store_ds(ds_stage);
+      store_ds(ds_stage);
       named_barrier_sync(Traits::kNumConsumerThreads, kBwdBarPReady);
       gemm(cute::true_type{}, mma_dq, tdQrdS(_, _, _, ds_stage), tdQrKt, tdQrdQ);
       // Default kernels: dV complete before dK is issued (FlashAttention-3's order; measured
