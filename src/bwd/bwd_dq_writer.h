@@ -21,6 +21,23 @@ __device__ __forceinline__ int bwd_dq_frag_thread(int thread) {
   return Traits::kDQAlternate ? thread % 128 : thread;
 }
 
+// The consumer warpgroup (0 or 1) whose dQ "empty" barriers (kDQEmptyPerWG) this thread waits on.
+// The causal kernels read %tid.x afresh at each wait (volatile: not hoisted out of the loop): held
+// in a register across the loop, the index cost their default kernel a spill in the hot loop and
+// 1-4% (docs/perf-log.md B111). tidx / 128 spills nothing in the non-causal kernels.
+template <class Traits>
+__device__ __forceinline__ int bwd_dq_empty_wg(int tidx) {
+  if constexpr (!Traits::kDQEmptyPerWG) {
+    return 0;
+  } else if constexpr (Traits::kCausal) {
+    uint32_t tid;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+    return int(tid / 128) - 1;  // the producer warpgroup is 0
+  } else {
+    return tidx / 128;
+  }
+}
+
 // dQ of the i-th visited query block to shared memory for the dQ writer, in register order:
 // values 4q .. 4q + 3 of the dQ GEMM's thread t at float4 index q * kDQFragThreads + t (256
 // threads, or the 128 of one warpgroup with kDQAlternate; 16-byte stores, conflict-free;
@@ -30,7 +47,7 @@ __device__ __forceinline__ void bwd_store_dq(typename Traits::SharedStorage& sha
                                              int tidx) {
   const int buf = i % Traits::kDQStages;
   if (i >= Traits::kDQStages) {
-    const int wg = Traits::kDQEmptyPerWG ? tidx / 128 : 0;
+    const int wg = bwd_dq_empty_wg<Traits>(tidx);
     named_barrier_sync(Traits::kDQEmptyThreads, kBwdBarDQEmpty + wg * Traits::kDQStages + buf);
   }
   float4* dq_tile = reinterpret_cast<float4*>(shared.smem_dq + buf * Traits::kDQElems);
