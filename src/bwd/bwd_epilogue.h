@@ -85,6 +85,18 @@ __device__ __forceinline__ void bwd_store_dkdv(typename Traits::Params const& pa
   }
 }
 
+// Thread 0: the staged tiles sK, sV out to gK, gV by the TMA maps tma_k, tma_v (stores or
+// reduce-adds, as the maps were made), committed as one bulk group.
+template <class TmaK, class TmaV, class SK, class SV, class GK, class GV>
+__device__ __forceinline__ void bwd_tma_out_kv(TmaK const& tma_k, TmaV const& tma_v, SK const& sK, SV const& sV,
+                                               GK const& gK, GV const& gV) {
+  auto k_parts = tma_partition(tma_k, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+  auto v_parts = tma_partition(tma_v, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+  copy(tma_k, get<1>(k_parts), get<0>(k_parts));
+  copy(tma_v, get<1>(v_parts), get<0>(v_parts));
+  tma_store_arrive();
+}
+
 // GQA, default mode (Traits::kTmaAddKV, dkv_add_tma): dK (unscaled: bwd_postprocess_dkv scales
 // the sum) and dV of one block of work added into the kv head's FP32 buffers from row `row` on
 // (bwd_kv_row0 + the block's first key; whole tiles: padding rows get zeros) by two TMA
@@ -121,11 +133,7 @@ __device__ __forceinline__ void bwd_add_dkdv_tma(typename Traits::Params const& 
                             make_coord(_0{}, _0{}));
     Tensor gdV = local_tile(domain_offset(make_coord(row, _0{}), params.tma_dv_add.get_tma_tensor(shape)), TileKV{},
                             make_coord(_0{}, _0{}));
-    auto dk_parts = tma_partition(params.tma_dk_add, group_modes<0, 2>(sdK), group_modes<0, 2>(gdK));
-    auto dv_parts = tma_partition(params.tma_dv_add, group_modes<0, 2>(sdV), group_modes<0, 2>(gdV));
-    copy(params.tma_dk_add, get<1>(dk_parts), get<0>(dk_parts));
-    copy(params.tma_dv_add, get<1>(dv_parts), get<0>(dv_parts));
-    tma_store_arrive();
+    bwd_tma_out_kv(params.tma_dk_add, params.tma_dv_add, sdK, sdV, gdK, gdV);
   }
 }
 
@@ -182,11 +190,7 @@ __device__ __forceinline__ void bwd_store_dkdv_tma(typename Traits::Params const
     Tensor mdV = params.tma_dv.get_tma_tensor(params.layout_k.shape());
     Tensor gdK = local_tile(bwd_seq_rows<Traits, false>(mdK, params, batch, head_kv), TileKV{}, make_coord(n_block, _0{}));
     Tensor gdV = local_tile(bwd_seq_rows<Traits, false>(mdV, params, batch, head_kv), TileKV{}, make_coord(n_block, _0{}));
-    auto dk_parts = tma_partition(params.tma_dk, group_modes<0, 2>(sdK), group_modes<0, 2>(gdK));
-    auto dv_parts = tma_partition(params.tma_dv, group_modes<0, 2>(sdV), group_modes<0, 2>(gdV));
-    copy(params.tma_dk, get<1>(dk_parts), get<0>(dk_parts));
-    copy(params.tma_dv, get<1>(dv_parts), get<0>(dv_parts));
-    tma_store_arrive();
+    bwd_tma_out_kv(params.tma_dk, params.tma_dv, sdK, sdV, gdK, gdV);
   }
 }
 
