@@ -56,7 +56,7 @@ struct BwdTraits {
   // soon as the consumers have copied theirs into registers (bwd_load.h).
   static constexpr bool kEarlyKV = kPersistent && Config::kKVInRegs;
   // dK, dV of MHA problems out by TMA stores (bwd_store_dkdv_tma), where bwd_config.h says so.
-  static constexpr bool kTmaEpilogue = kCausal_ ? Config::kTmaEpilogueCausal : Config::kTmaEpilogueNonCausal;
+  static constexpr bool kTmaEpilogue = kCausal ? Config::kTmaEpilogueCausal : Config::kTmaEpilogueNonCausal;
 
   // Warpgroup 0: warp 0 is the producer (TMA), warps 1.. the dQ writers; warpgroups 1 and 2 are the
   // consumers, which split every GEMM between them.
