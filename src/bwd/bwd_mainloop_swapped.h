@@ -80,6 +80,11 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
   // P^T and dS^T in 16 bits, as the A operands (registers) of the dV and dK GEMMs.
   Tensor tPrP = make_tensor<Element>(acc_layout_as_a_operand(tSrS.layout()));
   Tensor tPrdS = make_tensor<Element>(acc_layout_as_a_operand(tSrS.layout()));
+  Tensor tPrP_rc = make_tensor(tPrP.data(), acc_layout_rowcol(tSrS.layout()));
+  // Softcap: P^T (1 - t^2) in FP16 (compute_p, compute_ds).
+  constexpr float kPQScale = 4096.f;
+  Tensor tPQ = make_tensor<cutlass::half_t>(tSrS.layout());
+  Tensor tPQ_rc = make_tensor(tPQ.data(), acc_layout_rowcol(tSrS.layout()));
   // dS^T leaves the registers with stmatrix into the swizzled (kBlockN, kBlockM) tile.
   auto smem_copy_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
   auto thr_copy_ds = smem_copy_ds.get_thread_slice(tidx);
@@ -117,6 +122,29 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
     const float* lse = shared.smem_lse + stage * kBlockM;
     if (softcap_on(softcap)) apply_softcap(tSrS, params.softcap_coef);  // t = tanh(coef S)
     if (unmasked.masks(m)) mask.apply_transposed(tSrS_rc, tScS_rc, row0, col0);
+    if (softcap_on(softcap)) {
+      // Softcap: P^T to 16 bits now, and P^T (1 - t^2) (dS^T's factor besides dP^T - D) kept
+      // in FP16 beside it, in place of the FP32 P^T (t = -inf where masked: P = 0, factor 0),
+      // times kPQScale so that values down to 2^-26 stay normal FP16 numbers.
+      cutlass::NumericArrayConverter<Element, float, 2> cvt_p;
+      cutlass::NumericArrayConverter<cutlass::half_t, float, 2> cvt_q;
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < kCols; j += 2) {
+        const float lse0 = lse[get<1>(tScS_rc(0, j))], lse1 = lse[get<1>(tScS_rc(0, j + 1))];
+        CUTLASS_PRAGMA_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+          const float t0 = tSrS_rc(r, j), t1 = tSrS_rc(r, j + 1);
+          cutlass::Array<float, 2> p2, q2;
+          p2[0] = fast_exp2(t0 * params.scale_log2 - lse0);
+          p2[1] = fast_exp2(t1 * params.scale_log2 - lse1);
+          q2[0] = p2[0] * fmaxf(fmaf(-t0, t0, 1.f), 0.f) * kPQScale;
+          q2[1] = p2[1] * fmaxf(fmaf(-t1, t1, 1.f), 0.f) * kPQScale;
+          *reinterpret_cast<cutlass::Array<Element, 2>*>(&tPrP_rc(r, j)) = cvt_p(p2);
+          *reinterpret_cast<cutlass::Array<cutlass::half_t, 2>*>(&tPQ_rc(r, j)) = cvt_q(q2);
+        }
+      }
+      return;
+    }
     CUTLASS_PRAGMA_UNROLL
     for (int j = 0; j < kCols; ++j) {
       const float col_lse = lse[get<1>(tScS_rc(0, j))];
@@ -128,23 +156,18 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
     // dS^T = P^T (dP^T - D) in place of dP^T, and P^T to 16 bits in the same pass (S^T dies
     // as it goes). Columns 2k, 2k+1 of a row are adjacent registers: one packed conversion.
     const float* dpsum = shared.smem_dpsum + stage * kBlockM;
-    Tensor tPrP_rc = make_tensor(tPrP.data(), acc_layout_rowcol(tSrS.layout()));
     cutlass::NumericArrayConverter<Element, float, 2> cvt2;
     if (softcap_on(softcap)) {
-      // Softcap: dS^T also times 1 - t^2 (softcap_dtanh), from P and the column's lse.
-      const float* lse = shared.smem_lse + stage * kBlockM;
-      const float inv_scale_log2 = 1.f / params.scale_log2;
+      // Softcap: dS^T = P^T (1 - t^2) (dP^T - D), the first factor from compute_p (unscaled
+      // through dP^T - D).
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < kCols; ++j) {
-        const int c = get<1>(tScS_rc(0, j));
-        const float d = dpsum[c], col_lse = lse[c];
+        const float d = dpsum[get<1>(tScS_rc(0, j))] * (1.f / kPQScale);
         CUTLASS_PRAGMA_UNROLL
         for (int r = 0; r < kRows; ++r) {
-          const float p = tSrS_rc(r, j);
-          tdPrdP_rc(r, j) = p * softcap_dtanh(p, col_lse, inv_scale_log2) * (tdPrdP_rc(r, j) - d);
+          tdPrdP_rc(r, j) = float(tPQ_rc(r, j)) * fmaf(tdPrdP_rc(r, j), 1.f / kPQScale, -d);
         }
       }
-      convert_into<Element>(tSrS, tPrP);
     } else {
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < kCols; j += 2) {
