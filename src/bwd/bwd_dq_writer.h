@@ -22,13 +22,16 @@ __device__ __forceinline__ int bwd_dq_frag_thread(int thread) {
 }
 
 // The consumer warpgroup (0 or 1) whose dQ "empty" barriers (kDQEmptyPerWG) this thread waits on.
-// The causal kernels read %tid.x afresh at each wait (volatile: not hoisted out of the loop): held
-// in a register across the loop, the index cost their default kernel a spill in the hot loop and
-// 1-4% (docs/perf-log.md B111). tidx / 128 spills nothing in the non-causal kernels.
+// The causal default kernels read %tid.x afresh at each wait (volatile: not hoisted out of the
+// loop): held in a register across the loop, the index cost them a spill in the hot loop and 1-4%
+// (docs/perf-log.md B111). The causal general kernels take CUTLASS's warp-uniform warpgroup index
+// (the %tid.x read spilled more there, B113); tidx / 128 spills nothing in the non-causal kernels.
 template <class Traits>
 __device__ __forceinline__ int bwd_dq_empty_wg(int tidx) {
   if constexpr (!Traits::kDQEmptyPerWG) {
     return 0;
+  } else if constexpr (Traits::kCausal && Traits::kGeneral) {
+    return cutlass::canonical_warp_group_idx() - 1;  // the producer warpgroup is 0
   } else if constexpr (Traits::kCausal) {
     uint32_t tid;
     asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));

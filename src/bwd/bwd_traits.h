@@ -131,9 +131,8 @@ struct BwdTraits {
   // Where both warpgroups hold a dQ tile, each waits for a buffer's release on a barrier of its
   // own (its 128 threads and the writer warp), so that neither waits there for the other:
   // buffer b's are kBwdBarDQEmpty + b and kBwdBarDQEmpty + kDQStages + b. +1-5% at head dim 128
-  // (docs/perf-log.md B108, B111). Not in the causal general kernels: ptxas spilled more there
-  // with it (28 -> 32 and 56 -> 68 bytes).
-  static constexpr bool kDQEmptyPerWG = !kDQAlternate && !(kCausal && kGeneral);
+  // (docs/perf-log.md B108, B111), +4-8% with softcap and a causal mask (B113).
+  static constexpr bool kDQEmptyPerWG = !kDQAlternate;
   static constexpr int kDQEmptyThreads = kDQEmptyPerWG ? 128 + 32 : kDQBarThreads;
 
   // ---- shared memory: row-major tiles with the 128-byte swizzle -----------------------------
