@@ -72,6 +72,8 @@ __device__ __forceinline__ void bwd_mainloop_ss(typename Traits::Params const& p
   Tensor tPsdS = thr_copy_p.partition_D(sdS);
   Tensor tPrP = make_tensor<Element>(tSrS.layout());
   Tensor tPrdS = make_tensor<Element>(tSrS.layout());
+  // Softcap: P (1 - t^2) in FP16 (compute_p, compute_ds).
+  Tensor tPQ = make_tensor<cutlass::half_t>(tSrS.layout());
 
   // One tile GEMM, committed as one group and not waited for (operand fences right after the
   // commit).
@@ -93,14 +95,37 @@ __device__ __forceinline__ void bwd_mainloop_ss(typename Traits::Params const& p
   Tensor tScS_rc = make_tensor(tScS.data(), acc_layout_rowcol(tScS.layout()));
   constexpr int kRows = decltype(size<0>(tSrS_rc))::value;
   constexpr int kCols = decltype(size<1>(tSrS_rc))::value;
-  // Softcap first (S becomes t = tanh(coef S), common/softmax.h).
+  Tensor tPrP_rc = make_tensor(tPrP.data(), acc_layout_rowcol(tSrS.layout()));
+  Tensor tPQ_rc = make_tensor(tPQ.data(), acc_layout_rowcol(tSrS.layout()));
+  const bool softcap = Traits::kGeneral && params.softcap_coef != 0.f;
   const auto unmasked = mask.template unmasked_m_blocks<kBlockM, kBlockN>(col0);
   auto compute_p = [&](int m, int stage) {
     const int row0 = m * kBlockM;
     const float* lse = shared.smem_lse + stage * kBlockM;
     const bool need_mask = unmasked.masks(m);
-    if constexpr (Traits::kGeneral) {
-      if (params.softcap_coef != 0.f) apply_softcap(tSrS, params.softcap_coef);
+    if (softcap) {
+      // Softcap (common/softmax.h): t = tanh(coef S); P to 16 bits at once, and P (1 - t^2) in
+      // FP16 beside it (softcap_pdt), in place of the FP32 P.
+      apply_softcap(tSrS, params.softcap_coef);
+      if (need_mask) mask.apply(tSrS_rc, tScS_rc, row0, col0);
+      cutlass::NumericArrayConverter<Element, float, 2> cvt_p;
+      cutlass::NumericArrayConverter<cutlass::half_t, float, 2> cvt_q;
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kRows; ++i) {
+        const float row_lse = lse[get<0>(tScS_rc(i, 0))];
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < kCols; j += 2) {
+          const float t0 = tSrS_rc(i, j), t1 = tSrS_rc(i, j + 1);
+          cutlass::Array<float, 2> p2, q2;
+          p2[0] = fast_exp2(t0 * params.scale_log2 - row_lse);
+          p2[1] = fast_exp2(t1 * params.scale_log2 - row_lse);
+          q2[0] = softcap_pdt(p2[0], t0);
+          q2[1] = softcap_pdt(p2[1], t1);
+          *reinterpret_cast<cutlass::Array<Element, 2>*>(&tPrP_rc(i, j)) = cvt_p(p2);
+          *reinterpret_cast<cutlass::Array<cutlass::half_t, 2>*>(&tPQ_rc(i, j)) = cvt_q(q2);
+        }
+      }
+      return;
     }
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kRows; ++i) {
@@ -121,20 +146,17 @@ __device__ __forceinline__ void bwd_mainloop_ss(typename Traits::Params const& p
       }
     }
   };
-  // dS = P * (dP - D) in place of dP (softcap: times 1 - t^2, softcap_dtanh).
+  // dS = P * (dP - D) in place of dP (softcap: P (1 - t^2) from compute_p, unscaled through
+  // dP - D).
   auto compute_ds = [&](int stage) {
     const float* dpsum = shared.smem_dpsum + stage * kBlockM;
-    if (Traits::kGeneral && params.softcap_coef != 0.f) {
-      const float* lse = shared.smem_lse + stage * kBlockM;
-      const float inv_scale_log2 = 1.f / params.scale_log2;
+    if (softcap) {
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < kRows; ++i) {
-        const int r = get<0>(tScS_rc(i, 0));
-        const float row_d = dpsum[r], row_lse = lse[r];
+        const float row_d = dpsum[get<0>(tScS_rc(i, 0))] * (1.f / kSoftcapPdtScale);
         CUTLASS_PRAGMA_UNROLL
         for (int j = 0; j < kCols; ++j) {
-          const float p = tSrS_rc(i, j);
-          tdPrdP_rc(i, j) = p * softcap_dtanh(p, row_lse, inv_scale_log2) * (tdPrdP_rc(i, j) - row_d);
+          tdPrdP_rc(i, j) = float(tPQ_rc(i, j)) * fmaf(tdPrdP_rc(i, j), 1.f / kSoftcapPdtScale, -row_d);
         }
       }
       return;
@@ -148,7 +170,7 @@ __device__ __forceinline__ void bwd_mainloop_ss(typename Traits::Params const& p
   };
   // P and dS to shared memory for the second-stage GEMMs of both warpgroups.
   auto write_p_ds = [&](bool wait_free) {
-    convert_into<Element>(tSrS, tPrP);
+    if (!softcap) convert_into<Element>(tSrS, tPrP);  // softcap: compute_p's
     convert_into<Element>(tdPrdP, tPrdS);
     // Both warpgroups' GEMMs of the previous query block have read P and dS: overwrite them.
     if (wait_free) named_barrier_sync(Traits::kNumConsumerThreads, kBwdBarPFree);

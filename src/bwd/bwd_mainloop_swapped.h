@@ -82,7 +82,6 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
   Tensor tPrdS = make_tensor<Element>(acc_layout_as_a_operand(tSrS.layout()));
   Tensor tPrP_rc = make_tensor(tPrP.data(), acc_layout_rowcol(tSrS.layout()));
   // Softcap: P^T (1 - t^2) in FP16 (compute_p, compute_ds).
-  constexpr float kPQScale = 4096.f;
   Tensor tPQ = make_tensor<cutlass::half_t>(tSrS.layout());
   Tensor tPQ_rc = make_tensor(tPQ.data(), acc_layout_rowcol(tSrS.layout()));
   // dS^T leaves the registers with stmatrix into the swizzled (kBlockN, kBlockM) tile.
@@ -123,9 +122,7 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
     if (softcap_on(softcap)) apply_softcap(tSrS, params.softcap_coef);  // t = tanh(coef S)
     if (unmasked.masks(m)) mask.apply_transposed(tSrS_rc, tScS_rc, row0, col0);
     if (softcap_on(softcap)) {
-      // Softcap: P^T to 16 bits now, and P^T (1 - t^2) (dS^T's factor besides dP^T - D) kept
-      // in FP16 beside it, in place of the FP32 P^T (t = -inf where masked: P = 0, factor 0),
-      // times kPQScale so that values down to 2^-26 stay normal FP16 numbers.
+      // Softcap: P^T to 16 bits now, and P^T (1 - t^2) in FP16 beside it (softcap_pdt).
       cutlass::NumericArrayConverter<Element, float, 2> cvt_p;
       cutlass::NumericArrayConverter<cutlass::half_t, float, 2> cvt_q;
       CUTLASS_PRAGMA_UNROLL
@@ -137,8 +134,8 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
           cutlass::Array<float, 2> p2, q2;
           p2[0] = fast_exp2(t0 * params.scale_log2 - lse0);
           p2[1] = fast_exp2(t1 * params.scale_log2 - lse1);
-          q2[0] = p2[0] * fmaxf(fmaf(-t0, t0, 1.f), 0.f) * kPQScale;
-          q2[1] = p2[1] * fmaxf(fmaf(-t1, t1, 1.f), 0.f) * kPQScale;
+          q2[0] = softcap_pdt(p2[0], t0);
+          q2[1] = softcap_pdt(p2[1], t1);
           *reinterpret_cast<cutlass::Array<Element, 2>*>(&tPrP_rc(r, j)) = cvt_p(p2);
           *reinterpret_cast<cutlass::Array<cutlass::half_t, 2>*>(&tPQ_rc(r, j)) = cvt_q(q2);
         }
@@ -162,10 +159,10 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
       // through dP^T - D).
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < kCols; ++j) {
-        const float d = dpsum[get<1>(tScS_rc(0, j))] * (1.f / kPQScale);
+        const float d = dpsum[get<1>(tScS_rc(0, j))] * (1.f / kSoftcapPdtScale);
         CUTLASS_PRAGMA_UNROLL
         for (int r = 0; r < kRows; ++r) {
-          tdPrdP_rc(r, j) = float(tPQ_rc(r, j)) * fmaf(tdPrdP_rc(r, j), 1.f / kPQScale, -d);
+          tdPrdP_rc(r, j) = float(tPQ_rc(r, j)) * fmaf(tdPrdP_rc(r, j), 1.f / kSoftcapPdtScale, -d);
         }
       }
     } else {

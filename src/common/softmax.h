@@ -117,14 +117,15 @@ __device__ __forceinline__ void apply_softcap(TensorS& s, float coef) {
   for (int i = 0; i < size(s); ++i) s(i) = softcap_tanh(s(i), coef);
 }
 
-// The backward's 1 - t^2 for a softcapped score, from its P = exp2(t * scale_log2 - lse_log2):
-// t = (log2 P + lse_log2) / scale_log2, clamped to [-1, 1] (P = 0 gives t = -inf or NaN, and then
-// the factor's product with P is 0 whatever it is).
-// NOTES: recovered from P rather than kept: a second score tile in registers would cost the
-// backward's tight register budget in every mode, softcap or not; this costs one MUFU (lg2).
-__device__ __forceinline__ float softcap_dtanh(float p, float lse_log2, float inv_scale_log2) {
-  const float t = fminf(fmaxf((__log2f(p) + lse_log2) * inv_scale_log2, -1.f), 1.f);
-  return (1.f - t) * (1.f + t);
+// The backward's factor of dS besides dP - D for a softcapped score, P (1 - t^2), computed with P
+// from t (t = -inf where masked: P = 0, factor 0) and kept in FP16 in place of the FP32 P (which
+// leaves in 16 bits at once), times kSoftcapPdtScale so that values down to 2^-26 stay normal;
+// dS = factor * (dP - D) / kSoftcapPdtScale.
+// NOTES: t recovered from P and the lse by one lg2 per score in dS instead cost the backward
+// 17-37% with softcap at head dims 64 and 128 (docs/perf-log.md B112).
+constexpr float kSoftcapPdtScale = 4096.f;
+__device__ __forceinline__ float softcap_pdt(float p, float t) {
+  return p * fmaxf(fmaf(-t, t, 1.f), 0.f) * kSoftcapPdtScale;
 }
 
 // Multiplies each row of a (row, col) view by a per-row factor.
