@@ -202,7 +202,7 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
   };
   // Default kernels without dQ turns: dO is released as soon as dV is complete, before dK runs
   // (FlashAttention-3's release point; +0.2%, docs/perf-log.md B109).
-  constexpr bool kEarlyReleaseDo = !Traits::kDQAlternate;
+  constexpr bool kEarlyReleaseDo = !Traits::kDQAlternate && !Traits::kGeneral;
   auto issue_grads = [&](int i, bool mine, int stage_q, PipelineState const& rdo) __attribute__((always_inline)) {
     const int stage_do = rdo.index();
     const int ds_stage = i % Traits::kDSStages;
@@ -223,7 +223,7 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
       // Default kernels: dV complete before dK is issued (FlashAttention-3's order; measured
       // +1.2% at 8k-16k without a mask, up to +1.8% on the GQA shapes; the general kernels lost
       // 1-1.5% with it: docs/perf-log.md B105).
-      warpgroup_wait<1>();
+      if constexpr (!Traits::kGeneral) warpgroup_wait<1>();
       if constexpr (kEarlyReleaseDo) pipeline_do.consumer_release(rdo);
     }
     gemm(cute::false_type{}, mma_dkv, tPrdS, tdKrQt(_, _, _, stage_q), tdKrdK);  // last read of Q_m
