@@ -140,13 +140,13 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
           *reinterpret_cast<cutlass::Array<cutlass::half_t, 2>*>(&tPQ_rc(r, j)) = cvt_q(q2);
         }
       }
-      return;
-    }
-    CUTLASS_PRAGMA_UNROLL
-    for (int j = 0; j < kCols; ++j) {
-      const float col_lse = lse[get<1>(tScS_rc(0, j))];
+    } else {
       CUTLASS_PRAGMA_UNROLL
-      for (int r = 0; r < kRows; ++r) tSrS_rc(r, j) = fast_exp2(tSrS_rc(r, j) * params.scale_log2 - col_lse);
+      for (int j = 0; j < kCols; ++j) {
+        const float col_lse = lse[get<1>(tScS_rc(0, j))];
+        CUTLASS_PRAGMA_UNROLL
+        for (int r = 0; r < kRows; ++r) tSrS_rc(r, j) = fast_exp2(tSrS_rc(r, j) * params.scale_log2 - col_lse);
+      }
     }
   };
   auto compute_ds = [&](int stage, auto softcap) __attribute__((always_inline)) {
