@@ -22,9 +22,6 @@ struct FwdMainloopParams {
   float softmax_scale, scale_log2;  // scale_log2 = softmax_scale * log2(e)
   // Softcap (common/softmax.h): scale / softcap, and then softmax_scale = softcap; 0: none.
   float softcap_coef;
-  // BF16 with softcap <= kSoftcapBoundedMax, where the config has kSoftcapBounded: the softmax's
-  // reference max fixed at 0 (OnlineSoftmax::step_bounded).
-  bool softcap_bounded;
 };
 
 template <int kConsumerThreads>
@@ -130,13 +127,6 @@ struct FwdMainloop {
       if constexpr (Traits::kGeneral) {
         if (p.softcap_coef != 0.f) {
           apply_softcap(s_rc, p.softcap_coef);
-          if constexpr (Traits::Config::kSoftcapBounded && cute::is_same_v<Element, cutlass::bfloat16_t>) {
-            if (p.softcap_bounded) {
-              if (unmasked.masks(n_block)) mask.apply(s_rc, tScS_rc, row0, n_block * kBlockN);
-              softmax.step_bounded(s_rc);
-              return false;
-            }
-          }
           // kSoftcapOwnStep (fwd_config.h): a copy of the step of its own for the softcap path.
           if constexpr (Traits::Config::kSoftcapOwnStep) return mask_and_step();
         }
