@@ -108,21 +108,13 @@ __device__ __forceinline__ void bwd_mainloop_ss(typename Traits::Params const& p
       // FP16 beside it (softcap_pdt), in place of the FP32 P.
       apply_softcap(tSrS, params.softcap_coef);
       if (need_mask) mask.apply(tSrS_rc, tScS_rc, row0, col0);
-      cutlass::NumericArrayConverter<Element, float, 2> cvt_p;
-      cutlass::NumericArrayConverter<cutlass::half_t, float, 2> cvt_q;
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < kRows; ++i) {
         const float row_lse = lse[get<0>(tScS_rc(i, 0))];
         CUTLASS_PRAGMA_UNROLL
         for (int j = 0; j < kCols; j += 2) {
-          const float t0 = tSrS_rc(i, j), t1 = tSrS_rc(i, j + 1);
-          cutlass::Array<float, 2> p2, q2;
-          p2[0] = fast_exp2(t0 * params.scale_log2 - row_lse);
-          p2[1] = fast_exp2(t1 * params.scale_log2 - row_lse);
-          q2[0] = softcap_pdt(p2[0], t0);
-          q2[1] = softcap_pdt(p2[1], t1);
-          *reinterpret_cast<cutlass::Array<Element, 2>*>(&tPrP_rc(i, j)) = cvt_p(p2);
-          *reinterpret_cast<cutlass::Array<cutlass::half_t, 2>*>(&tPQ_rc(i, j)) = cvt_q(q2);
+          softcap_p_pdt_pair(tSrS_rc(i, j), tSrS_rc(i, j + 1), params.scale_log2, row_lse, row_lse, &tPrP_rc(i, j),
+                             &tPQ_rc(i, j));
         }
       }
       return;

@@ -123,21 +123,13 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
     if (unmasked.masks(m)) mask.apply_transposed(tSrS_rc, tScS_rc, row0, col0);
     if (softcap_on(softcap)) {
       // Softcap: P^T to 16 bits now, and P^T (1 - t^2) in FP16 beside it (softcap_pdt).
-      cutlass::NumericArrayConverter<Element, float, 2> cvt_p;
-      cutlass::NumericArrayConverter<cutlass::half_t, float, 2> cvt_q;
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < kCols; j += 2) {
         const float lse0 = lse[get<1>(tScS_rc(0, j))], lse1 = lse[get<1>(tScS_rc(0, j + 1))];
         CUTLASS_PRAGMA_UNROLL
         for (int r = 0; r < kRows; ++r) {
-          const float t0 = tSrS_rc(r, j), t1 = tSrS_rc(r, j + 1);
-          cutlass::Array<float, 2> p2, q2;
-          p2[0] = fast_exp2(t0 * params.scale_log2 - lse0);
-          p2[1] = fast_exp2(t1 * params.scale_log2 - lse1);
-          q2[0] = softcap_pdt(p2[0], t0);
-          q2[1] = softcap_pdt(p2[1], t1);
-          *reinterpret_cast<cutlass::Array<Element, 2>*>(&tPrP_rc(r, j)) = cvt_p(p2);
-          *reinterpret_cast<cutlass::Array<cutlass::half_t, 2>*>(&tPQ_rc(r, j)) = cvt_q(q2);
+          softcap_p_pdt_pair(tSrS_rc(r, j), tSrS_rc(r, j + 1), params.scale_log2, lse0, lse1, &tPrP_rc(r, j),
+                             &tPQ_rc(r, j));
         }
       }
     } else {

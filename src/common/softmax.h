@@ -128,6 +128,22 @@ __device__ __forceinline__ float softcap_pdt(float p, float t) {
   return p * fmaxf(fmaf(-t, t, 1.f), 0.f) * kSoftcapPdtScale;
 }
 
+// The backward's P and P (1 - t^2) for two softcapped scores t0, t1 adjacent in registers
+// (columns 2k, 2k + 1 of a row): P = exp2(t * scale_log2 - lse) to 16 bits at p16[0..1], the
+// factor (softcap_pdt) to FP16 at pdt16[0..1].
+template <class Element>
+__device__ __forceinline__ void softcap_p_pdt_pair(float t0, float t1, float scale_log2, float lse0, float lse1,
+                                                   Element* p16, cutlass::half_t* pdt16) {
+  cutlass::Array<float, 2> p2, q2;
+  p2[0] = fast_exp2(t0 * scale_log2 - lse0);
+  p2[1] = fast_exp2(t1 * scale_log2 - lse1);
+  q2[0] = softcap_pdt(p2[0], t0);
+  q2[1] = softcap_pdt(p2[1], t1);
+  *reinterpret_cast<cutlass::Array<Element, 2>*>(p16) = cutlass::NumericArrayConverter<Element, float, 2>{}(p2);
+  *reinterpret_cast<cutlass::Array<cutlass::half_t, 2>*>(pdt16) =
+      cutlass::NumericArrayConverter<cutlass::half_t, float, 2>{}(q2);
+}
+
 // Multiplies each row of a (row, col) view by a per-row factor.
 template <int kRows, class TensorO>
 __device__ __forceinline__ void scale_rows(TensorO& o, const float (&factor)[kRows]) {
