@@ -145,11 +145,9 @@ __device__ __forceinline__ void bwd_mainloop_ss(typename Traits::Params const& p
     if (softcap) {
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < kRows; ++i) {
-        const float row_d = dpsum[get<0>(tScS_rc(i, 0))] * (1.f / kSoftcapPdtScale);
+        const float row_d = softcap_d(dpsum[get<0>(tScS_rc(i, 0))]);
         CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < kCols; ++j) {
-          tdPrdP_rc(i, j) = float(tPQ_rc(i, j)) * fmaf(tdPrdP_rc(i, j), 1.f / kSoftcapPdtScale, -row_d);
-        }
+        for (int j = 0; j < kCols; ++j) tdPrdP_rc(i, j) = softcap_ds(tPQ_rc(i, j), tdPrdP_rc(i, j), row_d);
       }
       return;
     }

@@ -151,11 +151,9 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
       // through dP^T - D).
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < kCols; ++j) {
-        const float d = dpsum[get<1>(tScS_rc(0, j))] * (1.f / kSoftcapPdtScale);
+        const float d = softcap_d(dpsum[get<1>(tScS_rc(0, j))]);
         CUTLASS_PRAGMA_UNROLL
-        for (int r = 0; r < kRows; ++r) {
-          tdPrdP_rc(r, j) = float(tPQ_rc(r, j)) * fmaf(tdPrdP_rc(r, j), 1.f / kSoftcapPdtScale, -d);
-        }
+        for (int r = 0; r < kRows; ++r) tdPrdP_rc(r, j) = softcap_ds(tPQ_rc(r, j), tdPrdP_rc(r, j), d);
       }
     } else {
       CUTLASS_PRAGMA_UNROLL

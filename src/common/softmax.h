@@ -128,6 +128,12 @@ __device__ __forceinline__ float softcap_pdt(float p, float t) {
   return p * fmaxf(fmaf(-t, t, 1.f), 0.f) * kSoftcapPdtScale;
 }
 
+// dS from the factor above, dP and D / kSoftcapPdtScale (softcap_d, once per row or column).
+__device__ __forceinline__ float softcap_d(float d) { return d * (1.f / kSoftcapPdtScale); }
+__device__ __forceinline__ float softcap_ds(cutlass::half_t pdt, float dp, float d_scaled) {
+  return float(pdt) * fmaf(dp, 1.f / kSoftcapPdtScale, -d_scaled);
+}
+
 // The backward's P and P (1 - t^2) for two softcapped scores t0, t1 adjacent in registers
 // (columns 2k, 2k + 1 of a row): P = exp2(t * scale_log2 - lse) to 16 bits at p16[0..1], the
 // factor (softcap_pdt) to FP16 at pdt16[0..1].
