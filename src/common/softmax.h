@@ -79,6 +79,48 @@ struct OnlineSoftmax {
     return __any_sync(0xffffffffu, moved);
   }
 
+  // Softcap's step where P's type keeps FP32's exponent range (BF16; FwdMainloopParams::
+  // softcap_bounded): the softcapped scores t = tanh(.) lie in [-1, 1], so every row takes 0 as
+  // its reference max from the start: P = exp2(t * scale_log2) in place, no row max and no O
+  // rescale (the tanh's and the exponentials' MUFU operations no longer wait for a max between
+  // them). P lies in [e^-softcap, e^softcap], within 2^+-72 for softcap <= kSoftcapBoundedMax:
+  // normal FP32 and BF16 numbers, with room for the row sums and P V in FP32.
+  // Each P is cut to BF16 (its low 16 bits cleared) before the row sum, so that the PV GEMM's
+  // weights and the sum that divides them are the same numbers: without a row max a row's largest
+  // P is not the exact 1 it is otherwise, and P rounded for the GEMM but summed unrounded was off
+  // by up to 2^-9 where one key dominates a row. The cut P sum short by up to 2^-8 though, so
+  // the log-sum-exp takes the uncut P's sums, kept in sum_exact (bounded_lse; docs/perf-log.md W13).
+  template <class TensorS>
+  __device__ __forceinline__ void step_bounded(TensorS& s, float (&sum_exact)[kRows]) {
+    static_assert(decltype(size<0>(s))::value == kRows);
+    CUTLASS_PRAGMA_UNROLL
+    for (int m = 0; m < kRows; ++m) {
+      constexpr int kCols = decltype(size<1>(s))::value;
+      row_max[m] = 0.f;
+      float sumc[kChains], sume[kChains];
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = 0; c < kChains; ++c) sumc[c] = sume[c] = 0.f;
+      CUTLASS_PRAGMA_UNROLL
+      for (int n = 0; n < kCols; ++n) {
+        const float p = fast_exp2(s(m, n) * scale_log2);
+        sume[n % kChains] += p;
+        s(m, n) = __uint_as_float(__float_as_uint(p) & 0xffff0000u);
+        sumc[n % kChains] += s(m, n);
+      }
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = 0; c < kChains; ++c) { row_sum[m] += sumc[c]; sum_exact[m] += sume[c]; }
+    }
+  }
+
+  // After finalize() for rows stepped by step_bounded: the log-sum-exp from the uncut P's sums.
+  __device__ __forceinline__ void bounded_lse(const float (&sum_exact)[kRows], float (&lse)[kRows]) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int m = 0; m < kRows; ++m) {
+      const float sum = quad_sum(sum_exact[m]);
+      if (sum != 0.f) lse[m] = __logf(sum);
+    }
+  }
+
   // Line 24: the final 1 / rowsum and the log-sum-exp (natural log) of the scaled scores.
   // Rows that saw no visible key: inv_sum = 1 (their output is 0) and lse = +inf.
   __device__ __forceinline__ void finalize(float softmax_scale, float (&inv_sum)[kRows],
@@ -104,6 +146,9 @@ struct OnlineSoftmax {
 // rcp) besides the softmax's own ex2, one per score already being the tensor cores' pace at head
 // dim 128: softcap then cost 1.5-1.9x there, against 1.2-1.5x now; e on the FMA pipe instead
 // (a polynomial) was slower still (docs/perf-log.md, W2-W3).
+// The largest softcap for OnlineSoftmax::step_bounded (e^50 = 2^72.1; Gemma 2's cap is 50).
+constexpr float kSoftcapBoundedMax = 50.f;
+
 __device__ __forceinline__ float softcap_tanh(float x, float coef) {
   float t;
   asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(x * coef));

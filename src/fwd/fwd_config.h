@@ -125,7 +125,7 @@ template <bool kCausal> struct FwdTileConfig<64, kCausal> {
   static constexpr bool kPingpong = true, kIntraWGOverlap = true;
   // kOStageWarp applies to the 128-row causal kernel (FwdBlockM128) only (fwd_traits.h).
   static constexpr bool kStageOInQ = false, kOStageWarp = true;
-  static constexpr bool kSoftcapOwnStep = false;
+  static constexpr bool kSoftcapOwnStep = false, kSoftcapBounded = false;
   static constexpr bool kGeneralUniformDescriptors = false;
   static constexpr int kSoftmaxChains = 1;
 };
@@ -143,6 +143,7 @@ template <bool kCausal> struct FwdTileConfig<128, kCausal> {
   // before; non-causal it spilled 256 bytes and softcap cost 1.66x instead of 1.39x; at head dims
   // 64 and 256 the window forward lost 1.5% or nothing.
   static constexpr bool kSoftcapOwnStep = kCausal;
+  static constexpr bool kSoftcapBounded = false;  // see head dim 256's
   // The general kernels' WGMMA descriptors partitioned with a warp-uniform warpgroup index
   // (warpgroup_first_thread, common/wgmma.h) instead of the thread's: ptxas then keeps them in
   // uniform registers (R2UR 758 -> 559 at head dim 128, spills 60 -> 20 bytes non-causal).
@@ -162,6 +163,11 @@ template <bool kCausal> struct FwdTileConfig<256, kCausal> {
   static constexpr bool kPingpong = true, kIntraWGOverlap = true;
   static constexpr bool kStageOInQ = true, kOStageWarp = false;
   static constexpr bool kSoftcapOwnStep = false;
+  // The general kernels with softcap in BF16: the softmax's reference max fixed at 0
+  // (OnlineSoftmax::step_bounded). NOTES: measured side by side (docs/perf-log.md W13, W14):
+  // softcap +9-14% here; at head dims 64 and 128 softcap -3% to +5%, and the general kernels
+  // without softcap 2% slower (the branch's second softmax step).
+  static constexpr bool kSoftcapBounded = true;
   static constexpr bool kGeneralUniformDescriptors = false;
   static constexpr int kSoftmaxChains = 1;
 };

@@ -22,6 +22,9 @@ struct FwdMainloopParams {
   float softmax_scale, scale_log2;  // scale_log2 = softmax_scale * log2(e)
   // Softcap (common/softmax.h): scale / softcap, and then softmax_scale = softcap; 0: none.
   float softcap_coef;
+  // BF16 with softcap <= kSoftcapBoundedMax, where the config has kSoftcapBounded: the softmax's
+  // reference max fixed at 0 (OnlineSoftmax::step_bounded).
+  bool softcap_bounded;
 };
 
 template <int kConsumerThreads>
@@ -114,6 +117,11 @@ struct FwdMainloop {
 
     OnlineSoftmax<kRows, Traits::kSoftmaxChains> softmax(p.scale_log2);  // line 13
     clear(tOrO);
+    constexpr bool kBounded = Traits::kGeneral && Traits::Config::kSoftcapBounded &&
+                              cute::is_same_v<Element, cutlass::bfloat16_t>;
+    float sum_exact[kRows];  // OnlineSoftmax::step_bounded's
+    CUTLASS_PRAGMA_UNROLL
+    for (int m = 0; m < kRows; ++m) sum_exact[m] = 0.f;
 
     // S = Q K_j^T landed in tSrS: softcap it (if on), mask it where the block crosses the end of
     // the keys or the window (causal: the diagonal), then the online softmax (lines 18-19), which gives the O rescale factors
@@ -127,6 +135,13 @@ struct FwdMainloop {
       if constexpr (Traits::kGeneral) {
         if (p.softcap_coef != 0.f) {
           apply_softcap(s_rc, p.softcap_coef);
+          if constexpr (kBounded) {
+            if (p.softcap_bounded) {
+              if (unmasked.masks(n_block)) mask.apply(s_rc, tScS_rc, row0, n_block * kBlockN);
+              softmax.step_bounded(s_rc, sum_exact);
+              return false;
+            }
+          }
           // kSoftcapOwnStep (fwd_config.h): a copy of the step of its own for the softcap path.
           if constexpr (Traits::Config::kSoftcapOwnStep) return mask_and_step();
         }
@@ -172,6 +187,12 @@ struct FwdMainloop {
     };
 
     float inv_sum[kRows];
+    auto finalize = [&]() {
+      softmax.finalize(p.softmax_scale, inv_sum, lse);
+      if constexpr (kBounded) {
+        if (p.softcap_coef != 0.f && p.softcap_bounded) softmax.bounded_lse(sum_exact, lse);
+      }
+    };
     bool finalized = false;
     shared.load.barrier_q.wait(tiles_done & 1);  // line 14
     if (n_block_max <= n_lo) release_q();
@@ -301,7 +322,7 @@ struct FwdMainloop {
           // (docs/perf-log.md, step 17).
           pipeline_v.consumer_wait(read_v);
           gemm_pv();
-          softmax.finalize(p.softmax_scale, inv_sum, lse);
+          finalize();
           warpgroup_wait<0>();
           pipeline_v.consumer_release(read_v);
           ++read_v;
@@ -311,7 +332,7 @@ struct FwdMainloop {
     }
 
     // Line 24: O / rowsum, LSE = m + log(rowsum).
-    if (!finalized) softmax.finalize(p.softmax_scale, inv_sum, lse);
+    if (!finalized) finalize();
     scale_rows(tOrO_rc, inv_sum);
   }
 };
