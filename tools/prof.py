@@ -8,10 +8,10 @@ kv head) descales, and flash3's with block scales.
 usage: FLASH3_LIB=build/libflash3.so PYTHONPATH=python python3 tools/prof.py
            [--pass fwd|bwd|fp8] [--hdim 128] [--seqlen 2048] [--causal 0|1]
            [--only flash3|cudnn|fa3] [--fa3 /tmp/fa3_anchor.so] [--batch B --heads H:HKV]
-           [--window LEFT]
+           [--window LEFT] [--softcap CAP]
 Shapes follow the paper's sweep (batch = 16384 / seqlen, heads = 2048 / hdim) unless --batch and
 --heads are given (GQA when HKV < H). --window LEFT: the sliding window (LEFT, 0) for flash3 and
-FlashAttention-3 (cuDNN's SDPA has no window: left out).
+FlashAttention-3 (cuDNN's SDPA has no window: left out); --softcap CAP likewise (its tanh cap).
 """
 import argparse
 
@@ -22,7 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import flash3
 
 
-def paper_problem(d, s, causal, batch=0, heads="", fa3_path=None, window=-1):
+def paper_problem(d, s, causal, batch=0, heads="", fa3_path=None, window=-1, softcap=0.0):
     """The paper's sweep shape at head dim d, seqlen s (batch 16384 / s, heads 2048 / d; or the
     given batch and "H:HKV" heads), bf16, seed 0: (q, k, v, dout) with q, k, v requiring grad,
     and {name: attention(q, k, v)} for flash3, cuDNN (PyTorch SDPA's cuDNN backend) and, with
@@ -42,12 +42,14 @@ def paper_problem(d, s, causal, batch=0, heads="", fa3_path=None, window=-1):
                                                   is_causal=causal, enable_gqa=hkv != h).transpose(1, 2)
 
     win = (window, 0 if causal else -1)
-    impls = {"flash3": lambda q, k, v: flash3.flash_attn_func(q, k, v, causal=causal, window_size=win)}
-    if window < 0:
+    impls = {"flash3": lambda q, k, v: flash3.flash_attn_func(q, k, v, causal=causal, window_size=win,
+                                                              softcap=softcap)}
+    if window < 0 and softcap == 0:
         impls["cudnn"] = cudnn
     if fa3_path:
         torch.ops.load_library(fa3_path)
-        impls["fa3"] = lambda q, k, v: torch.ops.flash_attn_3.fwd(q, k, v, is_causal=causal, **fa3_window(window, causal))
+        impls["fa3"] = lambda q, k, v: torch.ops.flash_attn_3.fwd(q, k, v, is_causal=causal, softcap=softcap,
+                                                                  **fa3_window(window, causal))
     return (q, k, v, dout), impls
 
 
@@ -56,9 +58,9 @@ def fa3_window(window, causal):
     return {} if window < 0 else {"window_size_left": window, "window_size_right": 0 if causal else -1}
 
 
-def fa3_bwd(q, k, v, dout, causal, window=-1):
+def fa3_bwd(q, k, v, dout, causal, window=-1, softcap=0.0):
     """FlashAttention-3's backward call on the forward's outputs (it has no autograd here)."""
-    w = fa3_window(window, causal)
+    w = dict(fa3_window(window, causal), softcap=softcap)
     out, lse = torch.ops.flash_attn_3.fwd(q, k, v, is_causal=causal, **w)[:2]
     grads = [torch.empty_like(t) for t in (q, k, v)]
     return lambda: torch.ops.flash_attn_3.bwd(dout, q, k, v, out, lse, *grads, is_causal=causal, **w)
@@ -96,11 +98,12 @@ def main():
     p.add_argument("--batch", type=int, default=0)
     p.add_argument("--heads", default="", help="H:HKV query and kv heads")
     p.add_argument("--window", type=int, default=-1, help="left window (LEFT, 0); -1: none")
+    p.add_argument("--softcap", type=float, default=0.0, help="tanh softcap; 0: none")
     a = p.parse_args()
     s, d = a.seqlen, a.hdim
     causal = bool(a.causal)
     (q, k, v, dout), impls = paper_problem(d, s, causal, a.batch, a.heads, a.fa3 if a.pss != "fp8" else None,
-                                           a.window)
+                                           a.window, a.softcap)
     b, h = q.shape[0], q.shape[2]
     if a.pss == "fp8":
         impls = fp8_impls(q, k, v, causal, a.fa3 or "/tmp/fa3_anchor.so")
@@ -113,7 +116,7 @@ def main():
         elif a.pss == "fwd":
             calls[name] = lambda fn=fn: fn(q, k, v)
         elif name == "fa3":
-            calls[name] = fa3_bwd(q.detach(), k.detach(), v.detach(), dout, causal, a.window)
+            calls[name] = fa3_bwd(q.detach(), k.detach(), v.detach(), dout, causal, a.window, a.softcap)
         else:
             out = fn(q, k, v)
             calls[name] = lambda out=out: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
@@ -128,7 +131,7 @@ def main():
         torch.cuda.nvtx.range_pop()
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
-    print(f"profiled {list(calls)}: {a.pss} hdim {d} seqlen {s} causal {causal} batch {b} heads {h} window {a.window}")
+    print(f"profiled {list(calls)}: {a.pss} hdim {d} seqlen {s} causal {causal} batch {b} heads {h} window {a.window} softcap {a.softcap}")
 
 
 if __name__ == "__main__":
