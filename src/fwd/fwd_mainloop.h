@@ -133,20 +133,6 @@ struct FwdMainloop {
         return softmax.step(s_rc, rescale);
       };
       if constexpr (Traits::kGeneral) {
-        if constexpr (!Traits::Config::kSoftcapOwnStep && !Traits::Config::kSoftcapBounded) {
-          // The row maxima of t in the tanh's pass (softcap_with_max), again after the mask where
-          // the block is masked; one step_with_max for both paths.
-          float mx[kRows];
-          const bool capped = p.softcap_coef != 0.f;
-          if (capped) softmax.softcap_with_max(s_rc, p.softcap_coef, mx);
-          if (unmasked.masks(n_block)) {
-            mask.apply(s_rc, tScS_rc, row0, n_block * kBlockN);
-            softmax.block_max(s_rc, mx);
-          } else if (!capped) {
-            softmax.block_max(s_rc, mx);
-          }
-          return softmax.step_with_max(s_rc, rescale, mx);
-        }
         if (p.softcap_coef != 0.f) {
           apply_softcap(s_rc, p.softcap_coef);
           if constexpr (kBounded) {
