@@ -88,8 +88,8 @@ struct OnlineSoftmax {
   // Each P is cut to BF16 (its low 16 bits cleared) before the row sum, so that the PV GEMM's
   // weights and the sum that divides them are the same numbers: without a row max a row's largest
   // P is not the exact 1 it is otherwise, and P rounded for the GEMM but summed unrounded was off
-  // by up to 2^-9 where one key dominates a row. The cut P sum short by up to 2^-8 though, so
-  // the log-sum-exp takes the uncut P's sums, kept in sum_exact (bounded_lse; docs/perf-log.md W13).
+  // by up to 2^-9 where one key dominates a row. The cut P sum up to 2^-8 short, though, so the
+  // log-sum-exp takes the uncut P's sums, kept in sum_exact (bounded_lse; docs/perf-log.md W13, W14).
   template <class TensorS>
   __device__ __forceinline__ void step_bounded(TensorS& s, float (&sum_exact)[kRows]) {
     static_assert(decltype(size<0>(s))::value == kRows);
@@ -146,14 +146,14 @@ struct OnlineSoftmax {
 // rcp) besides the softmax's own ex2, one per score already being the tensor cores' pace at head
 // dim 128: softcap then cost 1.5-1.9x there, against 1.2-1.5x now; e on the FMA pipe instead
 // (a polynomial) was slower still (docs/perf-log.md, W2-W3).
-// The largest softcap for OnlineSoftmax::step_bounded (e^50 = 2^72.1; Gemma 2's cap is 50).
-constexpr float kSoftcapBoundedMax = 50.f;
-
 __device__ __forceinline__ float softcap_tanh(float x, float coef) {
   float t;
   asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(x * coef));
   return t;
 }
+
+// The largest softcap for OnlineSoftmax::step_bounded (e^50 = 2^72.1; Gemma 2's cap is 50).
+constexpr float kSoftcapBoundedMax = 50.f;
 
 // t = tanh(coef * S) in place over a tensor of scores.
 template <class TensorS>

@@ -143,7 +143,8 @@ template <bool kCausal> struct FwdTileConfig<128, kCausal> {
   // before; non-causal it spilled 256 bytes and softcap cost 1.66x instead of 1.39x; at head dims
   // 64 and 256 the window forward lost 1.5% or nothing.
   static constexpr bool kSoftcapOwnStep = kCausal;
-  static constexpr bool kSoftcapBounded = false;  // see head dim 256's
+  // kSoftcapBounded: see head dim 256's; 0-2% slower here (docs/perf-log.md W15).
+  static constexpr bool kSoftcapBounded = false;
   // The general kernels' WGMMA descriptors partitioned with a warp-uniform warpgroup index
   // (warpgroup_first_thread, common/wgmma.h) instead of the thread's: ptxas then keeps them in
   // uniform registers (R2UR 758 -> 559 at head dim 128, spills 60 -> 20 bytes non-causal).

@@ -51,7 +51,8 @@ typename Traits::Params make_fwd_params(const FwdProblem& p, const FwdArgs& args
     params.mainloop.softmax_scale = p.softcap;
     params.mainloop.scale_log2 = float(double(p.softcap) * M_LOG2E);
     // Taken where the config has kSoftcapBounded (fwd_mainloop.h).
-    params.mainloop.softcap_bounded = std::is_same_v<Element, cutlass::bfloat16_t> && p.softcap <= kSoftcapBoundedMax;
+    params.mainloop.softcap_bounded =
+        std::is_same_v<Element, cutlass::bfloat16_t> && p.softcap <= kSoftcapBoundedMax;
   }
   params.epilogue.layout_o = qkv_layout(args.out);
   using ElementOut = typename Traits::ElementOut;
