@@ -128,8 +128,11 @@ struct FwdMainloop {
     // and whether any row of the warp needs them (softmax.h).
     const auto unmasked = mask.template unmasked_n_blocks<kBlockM, kBlockN>(row0);
     auto softmax_step_on = [&](decltype(tSrS_rc)& s_rc, int n_block, float (&rescale)[kRows]) -> bool {
-      auto mask_and_step = [&]() -> bool {
+      auto mask_block = [&]() {
         if (unmasked.masks(n_block)) mask.apply(s_rc, tScS_rc, row0, n_block * kBlockN);
+      };
+      auto mask_and_step = [&]() -> bool {
+        mask_block();
         return softmax.step(s_rc, rescale);
       };
       if constexpr (Traits::kGeneral) {
@@ -137,7 +140,7 @@ struct FwdMainloop {
           apply_softcap(s_rc, p.softcap_coef);
           if constexpr (kBounded) {
             if (p.softcap_bounded) {
-              if (unmasked.masks(n_block)) mask.apply(s_rc, tScS_rc, row0, n_block * kBlockN);
+              mask_block();
               softmax.step_bounded(s_rc, sum_exact);
               return false;
             }
