@@ -259,14 +259,15 @@ TEST(FwdGpuWindow, WindowsAndSoftcapMatchReference) {
   }
 }
 
-// Softcap alone over the head dims and masks, and long windowed sequences whose tiles each skip
-// many key blocks on both sides (persistent blocks computing several tiles each).
+// Softcap alone over the head dims and masks (80: above kSoftcapBoundedMax, the BF16 head dim 256
+// kernels' row-max step), and long windowed sequences whose tiles each skip many key blocks on
+// both sides (persistent blocks computing several tiles each).
 TEST(FwdGpuWindow, SoftcapAndLongWindows) {
   FLASH3_REQUIRE_HOPPER();
   uint64_t seed = 8282;
   for (int d : {64, 128, 256}) {
     for (bool causal : {false, true}) {
-      for (double softcap : {1.0, 30.0}) {
+      for (double softcap : {1.0, 30.0, 80.0}) {
         Case c{DType::kBFloat16, d, causal, 2, 333, 700, 4, 2};
         c.softcap = softcap;
         run_case(c, seed++);

@@ -7,6 +7,26 @@
 
 namespace flash3::detail {
 
+// Softcap (FlashAttention-3's softcap > 0): the logit softcap * tanh(scale * S / softcap) replaces
+// scale * S. The kernels keep t = tanh(coef * S), coef = scale / softcap, in place of S and run
+// the softmax with softcap as its scale; the backward multiplies dS by 1 - t^2.
+// t by tanh.approx.f32 (one MUFU operation; relative error 2^-11, as FlashAttention-3's): a logit's
+// error is then up to softcap x 2^-11, the size of the 16-bit rounding of the logit that plain
+// attention in the input dtype makes (the tests' yardstick, tests/reference.h), which the tests
+// hold at softcap 1 to 50.
+// NOTES: an exact tanh, (1 - e) / (1 + e) with e = exp(-2|coef x|), takes two MUFU operations (ex2,
+// rcp) besides the softmax's own ex2, one per score already being the tensor cores' pace at head
+// dim 128: softcap then cost 1.5-1.9x there, against 1.2-1.5x now; e on the FMA pipe instead
+// (a polynomial) was slower still (docs/perf-log.md, W2-W3).
+__device__ __forceinline__ float softcap_tanh(float x, float coef) {
+  float t;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(x * coef));
+  return t;
+}
+
+// The largest softcap for OnlineSoftmax::step_bounded (e^50 = 2^72.1; Gemma 2's cap is 50).
+constexpr float kSoftcapBoundedMax = 50.f;
+
 // kChains: the row max and the row sum of a block each as kChains interleaved chains (columns
 // n % kChains), combined at the end: shorter dependency chains for the scheduler to interleave.
 template <int kRows, int kChains = 1>
@@ -39,46 +59,97 @@ struct OnlineSoftmax {
   // exact path for huge scales added spills at head dim 128 (docs/perf-log.md, R3).
   template <class TensorS>
   __device__ __forceinline__ bool step(TensorS& s, float (&rescale)[kRows]) {
-    static_assert(decltype(size<0>(s))::value == kRows);
     bool moved = false;
+    CUTLASS_PRAGMA_UNROLL
+    for (int m = 0; m < kRows; ++m) moved |= step_row(s, m, thread_max(s, m), rescale[m]);
+    return __any_sync(0xffffffffu, moved);
+  }
+
+  // step() with each row's maxima over this thread's scores given (block_max, softcap_with_max).
+  template <class TensorS>
+  __device__ __forceinline__ bool step_with_max(TensorS& s, float (&rescale)[kRows], const float (&mx)[kRows]) {
+    bool moved = false;
+    CUTLASS_PRAGMA_UNROLL
+    for (int m = 0; m < kRows; ++m) moved |= step_row(s, m, mx[m], rescale[m]);
+    return __any_sync(0xffffffffu, moved);
+  }
+
+  template <class TensorS>
+  __device__ __forceinline__ void block_max(TensorS const& s, float (&mx)[kRows]) const {
+    CUTLASS_PRAGMA_UNROLL
+    for (int m = 0; m < kRows; ++m) mx[m] = thread_max(s, m);
+  }
+
+  // Softcap's t = tanh(coef S) in place (softcap_tanh), with block_max's maxima of t in the same
+  // pass: the max interleaves with the tanh's MUFU operations.
+  template <class TensorS>
+  __device__ __forceinline__ void softcap_with_max(TensorS& s, float coef, float (&mx)[kRows]) const {
     CUTLASS_PRAGMA_UNROLL
     for (int m = 0; m < kRows; ++m) {
       constexpr int kCols = decltype(size<1>(s))::value;
-      static_assert(kCols % kChains == 0);
       float mxc[kChains];
       CUTLASS_PRAGMA_UNROLL
       for (int c = 0; c < kChains; ++c) mxc[c] = row_max[m];
       CUTLASS_PRAGMA_UNROLL
-      for (int n = 0; n < kCols; ++n) mxc[n % kChains] = fmaxf(mxc[n % kChains], s(m, n));
-      float mx = mxc[0];
-      CUTLASS_PRAGMA_UNROLL
-      for (int c = 1; c < kChains; ++c) mx = fmaxf(mx, mxc[c]);
-      mx = quad_max(mx);
-      // -inf to finite: +inf > threshold, moves; -inf to -inf: NaN, stays.
-      const bool move = (mx - row_max[m]) * scale_log2 > kMoveThreshold;
-      const float ref = move ? mx : row_max[m];
-      // NOTES: a row that has seen only masked keys keeps max = -inf; use 0 as its offset so
-      // that exp2(-inf - offset) = 0 instead of NaN.
-      const float offset = ref == -INFINITY ? 0.f : ref * scale_log2;
-      rescale[m] = move ? fast_exp2(row_max[m] * scale_log2 - offset) : 1.f;
-      row_max[m] = ref;
-      moved |= move;
-      float sumc[kChains];
-      CUTLASS_PRAGMA_UNROLL
-      for (int c = 0; c < kChains; ++c) sumc[c] = 0.f;
-      CUTLASS_PRAGMA_UNROLL
       for (int n = 0; n < kCols; ++n) {
-        s(m, n) = fast_exp2(fmaf(s(m, n), scale_log2, -offset));
-        sumc[n % kChains] += s(m, n);
+        s(m, n) = softcap_tanh(s(m, n), coef);
+        mxc[n % kChains] = fmaxf(mxc[n % kChains], s(m, n));
       }
-      float sum = sumc[0];
-      CUTLASS_PRAGMA_UNROLL
-      for (int c = 1; c < kChains; ++c) sum += sumc[c];
-      row_sum[m] = row_sum[m] * rescale[m] + sum;
+      mx[m] = combine_max(mxc);
     }
-    return __any_sync(0xffffffffu, moved);
   }
 
+ private:
+  __device__ __forceinline__ static float combine_max(const float (&mxc)[kChains]) {
+    float mx = mxc[0];
+    CUTLASS_PRAGMA_UNROLL
+    for (int c = 1; c < kChains; ++c) mx = fmaxf(mx, mxc[c]);
+    return mx;
+  }
+
+  // Row m's max over row_max and this thread's scores of the block (kChains chains).
+  template <class TensorS>
+  __device__ __forceinline__ float thread_max(TensorS const& s, int m) const {
+    static_assert(decltype(size<0>(s))::value == kRows);
+    constexpr int kCols = decltype(size<1>(s))::value;
+    static_assert(kCols % kChains == 0);
+    float mxc[kChains];
+    CUTLASS_PRAGMA_UNROLL
+    for (int c = 0; c < kChains; ++c) mxc[c] = row_max[m];
+    CUTLASS_PRAGMA_UNROLL
+    for (int n = 0; n < kCols; ++n) mxc[n % kChains] = fmaxf(mxc[n % kChains], s(m, n));
+    return combine_max(mxc);
+  }
+
+  // Row m of step(), mx_thread its max over this thread's scores; returns whether it moved.
+  template <class TensorS>
+  __device__ __forceinline__ bool step_row(TensorS& s, int m, float mx_thread, float& rescale) {
+    constexpr int kCols = decltype(size<1>(s))::value;
+    const float mx = quad_max(mx_thread);
+    // -inf to finite: +inf > threshold, moves; -inf to -inf: NaN, stays.
+    const bool move = (mx - row_max[m]) * scale_log2 > kMoveThreshold;
+    const float ref = move ? mx : row_max[m];
+    // NOTES: a row that has seen only masked keys keeps max = -inf; use 0 as its offset so
+    // that exp2(-inf - offset) = 0 instead of NaN.
+    const float offset = ref == -INFINITY ? 0.f : ref * scale_log2;
+    rescale = move ? fast_exp2(row_max[m] * scale_log2 - offset) : 1.f;
+    row_max[m] = ref;
+    float sumc[kChains];
+    CUTLASS_PRAGMA_UNROLL
+    for (int c = 0; c < kChains; ++c) sumc[c] = 0.f;
+    CUTLASS_PRAGMA_UNROLL
+    for (int n = 0; n < kCols; ++n) {
+      s(m, n) = fast_exp2(fmaf(s(m, n), scale_log2, -offset));
+      sumc[n % kChains] += s(m, n);
+    }
+    float sum = sumc[0];
+    CUTLASS_PRAGMA_UNROLL
+    for (int c = 1; c < kChains; ++c) sum += sumc[c];
+    row_sum[m] = row_sum[m] * rescale + sum;
+    return move;
+  }
+
+ public:
   // Softcap's step where P's type keeps FP32's exponent range (BF16; FwdMainloopParams::
   // softcap_bounded): the softcapped scores t = tanh(.) lie in [-1, 1], so every row takes 0 as
   // its reference max from the start: P = exp2(t * scale_log2) in place, no row max and no O
@@ -134,26 +205,6 @@ struct OnlineSoftmax {
     }
   }
 };
-
-// Softcap (FlashAttention-3's softcap > 0): the logit softcap * tanh(scale * S / softcap) replaces
-// scale * S. The kernels keep t = tanh(coef * S), coef = scale / softcap, in place of S and run
-// the softmax with softcap as its scale; the backward multiplies dS by 1 - t^2.
-// t by tanh.approx.f32 (one MUFU operation; relative error 2^-11, as FlashAttention-3's): a logit's
-// error is then up to softcap x 2^-11, the size of the 16-bit rounding of the logit that plain
-// attention in the input dtype makes (the tests' yardstick, tests/reference.h), which the tests
-// hold at softcap 1 to 50.
-// NOTES: an exact tanh, (1 - e) / (1 + e) with e = exp(-2|coef x|), takes two MUFU operations (ex2,
-// rcp) besides the softmax's own ex2, one per score already being the tensor cores' pace at head
-// dim 128: softcap then cost 1.5-1.9x there, against 1.2-1.5x now; e on the FMA pipe instead
-// (a polynomial) was slower still (docs/perf-log.md, W2-W3).
-__device__ __forceinline__ float softcap_tanh(float x, float coef) {
-  float t;
-  asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(x * coef));
-  return t;
-}
-
-// The largest softcap for OnlineSoftmax::step_bounded (e^50 = 2^72.1; Gemma 2's cap is 50).
-constexpr float kSoftcapBoundedMax = 50.f;
 
 // t = tanh(coef * S) in place over a tensor of scores.
 template <class TensorS>

@@ -136,6 +136,19 @@ struct FwdMainloop {
         return softmax.step(s_rc, rescale);
       };
       if constexpr (Traits::kGeneral) {
+        if constexpr (Traits::Config::kSoftcapOwnStep) {
+          if (p.softcap_coef != 0.f) {
+            // The softcap path's own step (fwd_config.h), with the row maxima of t taken in the
+            // tanh's pass (softcap_with_max), again after the mask where the block is masked.
+            float mx[kRows];
+            softmax.softcap_with_max(s_rc, p.softcap_coef, mx);
+            if (unmasked.masks(n_block)) {
+              mask.apply(s_rc, tScS_rc, row0, n_block * kBlockN);
+              softmax.block_max(s_rc, mx);
+            }
+            return softmax.step_with_max(s_rc, rescale, mx);
+          }
+        }
         if (p.softcap_coef != 0.f) {
           apply_softcap(s_rc, p.softcap_coef);
           if constexpr (kBounded) {
@@ -145,8 +158,6 @@ struct FwdMainloop {
               return false;
             }
           }
-          // kSoftcapOwnStep (fwd_config.h): a copy of the step of its own for the softcap path.
-          if constexpr (Traits::Config::kSoftcapOwnStep) return mask_and_step();
         }
       }
       return mask_and_step();
