@@ -138,10 +138,12 @@ template <bool kCausal> struct FwdTileConfig<128, kCausal> {
   static constexpr bool kPingpong = true, kIntraWGOverlap = true;
   static constexpr bool kStageOInQ = false, kOStageWarp = true;
   // The general kernels (fwd_mainloop.h): the softcap path with its own mask and softmax step,
-  // not one step after an optional softcap. NOTES: causal, this made the window forward 6% faster
-  // (window 4096 of 16k: 0.92 -> 0.98x FlashAttention-3, perf log W6) with softcap's cost as
-  // before; non-causal it spilled 256 bytes and softcap cost 1.66x instead of 1.39x; at head dims
-  // 64 and 256 the window forward lost 1.5% or nothing.
+  // not one step after an optional softcap; that step takes each row's max of t in the tanh's
+  // pass (OnlineSoftmax::softcap_with_max), where it fills the gaps between the MUFU operations.
+  // NOTES: causal, the own step made the window forward 6% faster (window 4096 of 16k: 0.92 ->
+  // 0.98x FlashAttention-3, perf log W6) with softcap's cost as before, and the max in the tanh's
+  // pass made softcap 2-3% faster (W18); non-causal the own step spilled 256 bytes and softcap
+  // cost 1.66x instead of 1.39x; at head dims 64 and 256 the window forward lost 1.5% or nothing.
   static constexpr bool kSoftcapOwnStep = kCausal;
   // kSoftcapBounded: see head dim 256's; 0-2% slower here (docs/perf-log.md W15).
   static constexpr bool kSoftcapBounded = false;
