@@ -3,9 +3,10 @@
 ones, on 8 sequences x 2k bf16 tokens, hidden 2048 (docs/perf-log.md V4).
 
     python3 tools/general_kernels.py times --hdims 64,128,256
-        per-kernel CUDA time (torch.profiler, 10 calls) of the fixed-length call and of the same
-        tokens packed (flash3.forward_varlen_into / flash_attn_varlen_func), forward and
-        backward, causal and not;
+        per-kernel CUDA time (torch.profiler, 10 calls) of the fixed-length call, of the general
+        kernel with fixed lengths (window left = seqlen - 2, as below) and of the same tokens
+        packed (flash3.forward_varlen_into / flash_attn_varlen_func), forward and backward,
+        causal and not;
     ncu --profile-from-start off -k regex:bwd_kernel --section SourceCounters -o rep \\
         python3 tools/general_kernels.py ncu --hdim 64 --pass bwd
         one call each, inside the profiled region, of: the default kernel, the general kernel with
@@ -36,12 +37,16 @@ def times(torch, flash3, hdims):
             o = flash3.flash_attn_varlen_func(qg, kg, vg, cu, cu, SEQLEN, SEQLEN, causal=causal)
             qb, kb, vb = (t.view(BATCH, SEQLEN, *t.shape[1:]).clone().requires_grad_() for t in (q, k, v))
             ob = flash3.flash_attn_func(qb, kb, vb, causal=causal)
+            ow = flash3.flash_attn_func(qb, kb, vb, causal=causal, window_size=(SEQLEN - 2, -1))
             out_b, lse_b = torch.empty_like(q), torch.empty(q.shape[1], q.shape[0], device="cuda")
             calls = {
                 "fwd fixed": lambda: flash3.flash_attn_func(qb, kb, vb, causal=causal),
+                "fwd general": lambda: flash3.flash_attn_func(qb, kb, vb, causal=causal,
+                                                              window_size=(SEQLEN - 2, -1)),
                 "fwd varlen": lambda: flash3.forward_varlen_into(q, k, v, out_b, lse_b, cu, cu, SEQLEN, SEQLEN,
                                                                  causal=causal, check_seqlens=False),
                 "bwd fixed": lambda: torch.autograd.grad(ob, (qb, kb, vb), dout.view_as(ob), retain_graph=True),
+                "bwd general": lambda: torch.autograd.grad(ow, (qb, kb, vb), dout.view_as(ow), retain_graph=True),
                 "bwd varlen": lambda: torch.autograd.grad(o, (qg, kg, vg), dout, retain_graph=True),
             }
             for name, call in calls.items():
