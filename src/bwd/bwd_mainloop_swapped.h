@@ -89,6 +89,31 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
   auto thr_copy_ds = smem_copy_ds.get_thread_slice(tidx);
   Tensor tdSsdS = thr_copy_ds.partition_D(sdStStore);  // (CPY, CPY_M, CPY_N, dS stage)
   Tensor tdSrdS = make_tensor(tPrdS.data(), tSrS.layout());  // the same registers, C layout
+  Tensor tdSrdS_cpy = thr_copy_ds.retile_S(tdSrdS);          // (CPY, CPY_M, CPY_N)
+  // kDsAddrOnce (the general kernels without softcap): dS^T's stmatrix addresses of stage 0 are
+  // formed once; stage s lies s x kDSStageBytes further on (the stage is the layout's outermost
+  // mode, its stride a multiple of the swizzle's period, at most 1024 elements, so the swizzle
+  // leaves that offset alone). Elsewhere CuTe's copy forms them from the tensor at each visit.
+  // NOTES: each address from the tensor is a 64-bit add and the swizzle's three logic ops, a
+  // dependent chain that ptxas placed between the dV GEMM's WGMMAs in the general kernels (ncu
+  // source counters at head dim 128: their loop ran the default kernel's instructions but took 6%
+  // more samples, most of them there); formed once: varlen, window and packed documents backward
+  // +1.2-3.7% (docs/perf-log.md B116). In the default kernels the four addresses spilled (head dim
+  // 128 non-causal 5% slower), and in the softcap kernels one more value spilled in the loop.
+  // tdSsdS: (CPY = (the 8 values of one stmatrix x4, the 4 of them), 1, 1): this warpgroup's
+  // 64 x 64 of dS^T.
+  static_assert(decltype(size<0, 0>(tdSsdS))::value * sizeof(Element) == 16 && decltype(size<1>(tdSsdS))::value == 1 &&
+                decltype(size<2>(tdSsdS))::value == 1);
+  constexpr int kDsCopies = decltype(size<0, 1>(tdSsdS))::value;
+  constexpr uint32_t kDSStageBytes = kBlockN * kBlockM * sizeof(Element);
+  static_assert(cosize_v<typename Traits::SmemLayoutdStStore> == Traits::kDSStages * kBlockN * kBlockM &&
+                kBlockN * kBlockM % 1024 == 0);
+  constexpr bool kDsAddrOnce = Traits::kGeneral && !Traits::kSoftcap;
+  uint32_t ds_addr[kDsCopies];
+  if constexpr (kDsAddrOnce) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < kDsCopies; ++k) ds_addr[k] = cute::cast_smem_ptr_to_uint(&tdSsdS(make_coord(0, k), 0, 0, 0));
+  }
 
   // (row, col) = (key, query) views: each thread's queries are the columns.
   Tensor tSrS_rc = make_tensor(tSrS.data(), acc_layout_rowcol(tSrS.layout()));
@@ -187,7 +212,16 @@ __device__ __forceinline__ void bwd_mainloop_swapped(typename Traits::Params con
   // warpgroups meet at the barrier, measured 1-5% slower).
   auto store_ds = [&](int ds_stage) __attribute__((always_inline)) {
     convert_into<Element>(tdPrdP, tPrdS);
-    copy(smem_copy_ds, thr_copy_ds.retile_S(tdSrdS), tdSsdS(_, _, _, ds_stage));
+    if constexpr (kDsAddrOnce) {
+      const uint32_t stage_offset = uint32_t(ds_stage) * kDSStageBytes;
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = 0; k < kDsCopies; ++k) {
+        Tensor v = recast<uint32_t>(tdSrdS_cpy(make_coord(_, k), 0, 0));
+        stmatrix_x4(ds_addr[k] + stage_offset, v(0), v(1), v(2), v(3));
+      }
+    } else {
+      copy(smem_copy_ds, tdSrdS_cpy, tdSsdS(_, _, _, ds_stage));
+    }
     cutlass::arch::fence_view_async_shared();  // stmatrix -> WGMMA (async proxy)
   };
   // Default kernels without dQ turns: dO is released as soon as dV is complete, before dK runs

@@ -81,6 +81,13 @@ __device__ __forceinline__ void bulk_load_1d(void* smem_dst, const void* gmem_sr
       : "memory");
 }
 
+// stmatrix x4 (8 x 8 b16 matrices, not transposed) to a 32-bit shared-memory address (CuTe's
+// SM90_U32x4_STSM_N takes a reference, whose address the compiler forms anew at each use).
+__device__ __forceinline__ void stmatrix_x4(uint32_t smem_addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.x4.m8n8.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(smem_addr), "r"(r0),
+               "r"(r1), "r"(r2), "r"(r3));
+}
+
 __device__ __forceinline__ void bulk_store_f32(float* gmem_dst, const float* smem_src, uint32_t bytes) {
   asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(gmem_dst),
                "r"(cute::cast_smem_ptr_to_uint(smem_src)), "r"(bytes)
